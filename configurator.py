@@ -1,0 +1,195 @@
+"""Configuration: defaults below, then a plain-Python config file, then --key=value flags.
+
+    python train.py config/shakespeare_char.py --batch_size=32 --dtype=bfloat16
+
+A config file is ordinary Python; every top-level assignment whose name is a Config
+field overrides that field. Flags are parsed as Python literals where they can be
+(`--dropout=0.1`, `--bias=False`) and kept as strings otherwise (`--dataset=openwebtext`).
+Unknown keys and values of the wrong type are errors that name the key and the fix.
+Needs only the standard library, so it can be copied into another project as is.
+"""
+
+import ast
+import dataclasses
+import difflib
+import json
+import os
+import runpy
+import sys
+import types
+import typing
+
+
+class ConfigError(ValueError):
+    """A mistake in a config file or flag; the message says which key and how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # data and I/O
+    dataset: str = "shakespeare_char"  # reads data/<dataset>/{train,val}.bin and meta.json
+    data_dir: str = "data"
+    out_dir: str = "out"  # checkpoints, TensorBoard events, the effective config
+    init_from: str = "scratch"  # 'scratch' | 'resume' (latest checkpoint in out_dir)
+    seed: int = 1337  # the batch and the dropout mask of step s depend only on (seed, s)
+    # model (GPT-2 small by default, as in the paper)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024
+    vocab_size: int = 0  # 0 = take it from the dataset's meta.json
+    pad_vocab_to_multiple: int = 1  # 64 pads GPT-2's 50257 to 50304 for faster matmuls
+    dropout: float = 0.0
+    bias: bool = True
+    dtype: str = "float32"  # compute dtype: 'float32' | 'bfloat16'; params stay float32
+    scan_layers: bool = True  # run the stacked layers with lax.scan: compile time flat in depth
+    remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
+    # optimizer: AdamW, linear warmup then cosine decay, as nanoGPT/GPT-2
+    batch_size: int = 12  # sequences per micro-step, over all devices
+    gradient_accumulation_steps: int = 1  # tokens per step = this * batch_size * block_size
+    learning_rate: float = 6e-4
+    max_iters: int = 600_000
+    weight_decay: float = 0.1  # applied to matrices and embeddings only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    decay_lr: bool = True
+    warmup_iters: int = 2000
+    lr_decay_iters: int = 600_000
+    min_lr: float = 6e-5
+    # evaluation, logging, checkpoints
+    eval_interval: int = 2000
+    eval_iters: int = 200
+    eval_only: bool = False
+    log_interval: int = 1
+    always_save_checkpoint: bool = True  # False: save only when val loss improves
+    max_to_keep: int = 3
+    tensorboard: bool = True
+    sample_tokens: int = 0  # print a sample of this many tokens at the end of training
+    # sanity check: train on one fixed batch again and again (the loss must go to ~0)
+    overfit_batch: bool = False
+    # device mesh: product must equal the device count; -1 takes the remaining devices
+    mesh_data: int = -1
+    mesh_fsdp: int = 1
+    mesh_tensor: int = 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.gradient_accumulation_steps * self.block_size
+
+    def __post_init__(self):
+        _check_choice("dtype", self.dtype, ("float32", "bfloat16"))
+        _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
+        _check_choice("init_from", self.init_from, ("scratch", "resume"))
+        for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
+                    "gradient_accumulation_steps", "eval_interval", "eval_iters",
+                    "log_interval", "max_to_keep", "pad_vocab_to_multiple"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+def _check_choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_type(key: str, value, tp):
+    """Return value as type tp (int is accepted for float), or raise ConfigError."""
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(
+        f"config key '{key}' expects {_type_name(tp)}, got {value!r} "
+        f"({type(value).__name__}); e.g. --{key}={_example(tp)}"
+    )
+
+
+def _example(tp) -> str:
+    return {int: "8", float: "0.1", bool: "True", str: "name"}.get(tp, "...")
+
+
+def _unknown_key(key: str, fields) -> ConfigError:
+    close = difflib.get_close_matches(key, fields, n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}?" if close else "see configurator.py for the keys"
+    return ConfigError(f"unknown config key '{key}': {hint}")
+
+
+def _parse_flag_value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a bare word such as --dataset=openwebtext
+
+
+def load_config(argv: list[str], cls=Config):
+    """Build a frozen `cls` from config files and --key=value flags (in that order)."""
+    field_types = typing.get_type_hints(cls)
+    overrides: dict = {}
+    for arg in argv:
+        if arg.startswith("--"):
+            key, sep, text = arg[2:].partition("=")
+            if not sep:
+                raise ConfigError(f"flag '{arg}' has no value: write --{key}=VALUE")
+            if key not in field_types:
+                raise _unknown_key(key, field_types)
+            value = text if field_types[key] is str else _parse_flag_value(text)
+            overrides[key] = _check_type(key, value, field_types[key])
+        else:
+            overrides.update(_read_config_file(arg, field_types))
+    return cls(**overrides)
+
+
+def _read_config_file(path: str, field_types: dict) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' does not exist (config files live in config/)")
+    try:
+        namespace = runpy.run_path(path)
+    except Exception as e:  # the file is user code: report it as a config problem
+        raise ConfigError(f"config file '{path}' raised {type(e).__name__}: {e}") from e
+    values = {}
+    for key, value in namespace.items():
+        if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
+            continue  # imports, helpers and private names are not settings
+        if key not in field_types:
+            raise ConfigError(f"in {path}: " + str(_unknown_key(key, field_types)))
+        values[key] = _check_type(key, value, field_types[key])
+    return values
+
+
+def config_to_json(config) -> str:
+    return json.dumps(dataclasses.asdict(config), indent=2, sort_keys=True)
+
+
+def config_from_dict(values: dict, cls=Config):
+    """Rebuild a config saved with a checkpoint; keys this version does not know are errors."""
+    field_types = typing.get_type_hints(cls)
+    for key in values:
+        if key not in field_types:
+            raise _unknown_key(key, field_types)
+    return cls(**{k: _check_type(k, v, field_types[k]) for k, v in values.items()})
+
+
+def print_config(config) -> None:
+    width = max(len(f.name) for f in dataclasses.fields(config))
+    for f in dataclasses.fields(config):
+        print(f"  {f.name:<{width}} = {getattr(config, f.name)!r}")
+
+
+def load_config_or_exit(argv: list[str], cls=Config):
+    """For scripts: a bad config prints one line and exits with status 2, no traceback."""
+    try:
+        return load_config(argv, cls)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")

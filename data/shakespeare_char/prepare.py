@@ -1,0 +1,47 @@
+"""Character-level Shakespeare: writes train.bin, val.bin (uint16) and meta.json.
+
+    python data/shakespeare_char/prepare.py [--input=FILE] [--out_dir=DIR]
+
+The vocabulary is the sorted set of characters in the text; the first 90% of the
+characters are train, the rest val. See data/shakespeare_text.py for where the text
+comes from. Running it again rewrites the same files.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: tokenizer.py, data/
+from data.shakespeare_text import load_shakespeare_text  # noqa: E402
+from tokenizer import char_tokenizer, write_dataset  # noqa: E402
+
+
+def prepare(text, out_dir, val_fraction=0.1, source=None):
+    """Tokenizes text character by character into out_dir. Returns a summary dict."""
+    chars = "".join(sorted(set(text)))
+    ids = char_tokenizer(chars).encode(text)
+    n_train = int(len(ids) * (1 - val_fraction))
+    meta = {"kind": "char", "vocab_size": len(chars), "chars": chars}
+    if source:
+        meta["source"] = source
+    write_dataset(out_dir, ids[:n_train], ids[n_train:], meta)
+    return {"chars": len(text), "vocab_size": len(chars),
+            "train_tokens": n_train, "val_tokens": len(ids) - n_train}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", help="a local text file to use instead of Shakespeare")
+    parser.add_argument("--out_dir", default=str(Path(__file__).resolve().parent))
+    args = parser.parse_args(argv)
+    t0 = time.time()
+    text, source = load_shakespeare_text(args.input)
+    s = prepare(text, args.out_dir, source=source)
+    print(f"{s['chars']:,} characters, vocab size {s['vocab_size']}")
+    print(f"train: {s['train_tokens']:,} tokens, val: {s['val_tokens']:,} tokens -> {args.out_dir}")
+    print(f"done in {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Device mesh, the logical-to-mesh rules table, and host batches -> global arrays.
+
+Three mesh axes, each a different way to split the work:
+  data    replicate the parameters, split the batch (gradients are all-reduced)
+  fsdp    split the batch *and* shard parameters/optimizer state (ZeRO-3: all-gather
+          weights before use, reduce-scatter gradients)
+  tensor  split attention heads and MLP hidden units (Megatron: activations all-reduced)
+The model names its axes logically (model.py); RULES below is the only place where those
+names meet the mesh. Needs only jax/flax/numpy, so it can be copied into another project.
+"""
+
+import contextlib
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis name -> mesh axis (or axes, or None = replicated)
+RULES = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("layers", None),
+    ("qkv", None),
+    ("head_dim", None),
+    ("norm", None),  # small vectors (layer norms, biases of width n_embd) stay replicated
+    ("seq", None),
+    ("seq_table", None),
+    ("embed_act", None),  # an activation's model width: not sharded between layers
+)
+
+
+class MeshError(ValueError):
+    """The mesh shape does not fit the devices or the model; the message says which numbers."""
+
+
+def resolve_mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int) -> tuple[int, int, int]:
+    """Fill in the one axis given as -1 so that the product is the device count."""
+    shape = [data, fsdp, tensor]
+    if shape.count(-1) > 1:
+        raise MeshError(f"only one of mesh_data/mesh_fsdp/mesh_tensor may be -1, got {shape}")
+    if any(n == 0 or n < -1 for n in shape):
+        raise MeshError(f"mesh sizes must be >= 1 (or -1 for 'the rest'), got {shape}")
+    if -1 in shape:
+        known = math.prod(n for n in shape if n != -1)
+        if n_devices % known:
+            raise MeshError(f"mesh {shape}: {n_devices} devices are not divisible by {known}")
+        shape[shape.index(-1)] = n_devices // known
+    if math.prod(shape) != n_devices:
+        raise MeshError(
+            f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} = {math.prod(shape)} "
+            f"devices, but there are {n_devices}; set one of mesh_data/mesh_fsdp/mesh_tensor to -1"
+        )
+    return tuple(shape)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
+    devices = jax.devices() if devices is None else devices
+    shape = resolve_mesh_shape(data, fsdp, tensor, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def check_model_fits_mesh(mesh, *, n_head: int, n_embd: int, batch_size: int) -> None:
+    """Fail before compiling when the model's sizes can't be split the way the mesh asks."""
+    data, fsdp, tensor = (mesh.shape[a] for a in MESH_AXES)
+    if n_head % tensor:
+        raise MeshError(f"n_head={n_head} is not divisible by mesh_tensor={tensor}")
+    if (4 * n_embd) % tensor:
+        raise MeshError(f"the MLP width 4*n_embd={4 * n_embd} is not divisible by mesh_tensor={tensor}")
+    if batch_size % (data * fsdp):
+        raise MeshError(
+            f"batch_size={batch_size} is not divisible by mesh_data x mesh_fsdp = {data} x {fsdp}; "
+            f"use a batch_size that is a multiple of {data * fsdp}"
+        )
+
+
+def mesh_axes_for(logical_axes, rules=RULES):
+    """PartitionSpec over mesh axes for a tuple of logical names."""
+    table = dict(rules)
+    return PartitionSpec(*(table[name] if name is not None else None for name in logical_axes))
+
+
+def param_shardings(abstract_state, mesh, rules=RULES):
+    """NamedShardings for an nnx.State of parameters, from their logical `sharding` metadata.
+
+    A dimension that the mesh axes do not divide evenly (e.g. a vocabulary of 65 over
+    tensor=2) is left replicated rather than padded: correct, just not split.
+    """
+    logical_specs = nnx.get_partition_spec(abstract_state)
+
+    def to_sharding(spec: PartitionSpec, leaf) -> NamedSharding:
+        axes = []
+        for dim, mesh_axis in zip(leaf.shape, mesh_axes_for(spec, rules)):
+            size = math.prod(mesh.shape[a] for a in _as_tuple(mesh_axis))
+            axes.append(mesh_axis if dim % size == 0 else None)
+        return NamedSharding(mesh, PartitionSpec(*axes))
+
+    return jax.tree.map(to_sharding, logical_specs, abstract_state,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def _as_tuple(mesh_axis) -> tuple:
+    if mesh_axis is None:
+        return ()
+    return mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """Token batches (B, T): rows split over every axis that splits the batch."""
+    return NamedSharding(mesh, mesh_axes_for(("batch", "seq")))
+
+
+@contextlib.contextmanager
+def activate(mesh, rules=RULES):
+    """Inside: jit sees `mesh`, and model.constrain() resolves logical names with `rules`."""
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        yield
+
+
+def local_batch_rows(sharding: NamedSharding, global_batch: int) -> np.ndarray:
+    """The rows of a (B, ...) global batch that this process's devices hold, in order."""
+    rows = set()
+    for index in sharding.addressable_devices_indices_map((global_batch, 1)).values():
+        rows.update(range(global_batch)[index[0]])
+    return np.array(sorted(rows))
+
+
+def global_batch(local_rows: np.ndarray, sharding: NamedSharding, global_shape) -> jax.Array:
+    """Join every process's rows (from local_batch_rows) into one global jax.Array."""
+    return jax.make_array_from_process_local_data(sharding, local_rows, global_shape)

@@ -1,0 +1,474 @@
+"""Train a GPT on a device mesh.
+
+    python train.py config/shakespeare_char.py            # the CPU-sized default
+    python train.py config/gpt2_124m.py --batch_size=16   # GPT-2 small, as in the paper
+    python train.py config/shakespeare_char.py --overfit_batch=True   # sanity check
+
+The core is two pure functions, `train_step(state, batch)` and `eval_step(params, batch)`,
+built by `make_train_step` / `make_eval_step` and jitted once with explicit shardings.
+compile_aot.py and bench.py build and run exactly these functions.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+import configurator
+import sharding
+from configurator import Config
+from model import GPT, GPTConfig, count_params, flops_per_token
+
+
+class DataError(ValueError):
+    """A missing or malformed dataset; the message names the file and the prepare script."""
+
+
+class CheckpointError(ValueError):
+    """A missing or incompatible checkpoint; the message says what differs."""
+
+
+# ----------------------------------------------------------------------------- data
+
+def dataset_dir(config: Config) -> str:
+    return os.path.join(config.data_dir, config.dataset)
+
+
+def _prepare_hint(config: Config) -> str:
+    return f"run `python data/{config.dataset}/prepare.py` first"
+
+
+def read_vocab_size(config: Config) -> int:
+    """vocab_size from the config, or else from the dataset's meta.json."""
+    if config.vocab_size:
+        return config.vocab_size
+    path = os.path.join(dataset_dir(config), "meta.json")
+    try:
+        with open(path) as f:
+            return int(json.load(f)["vocab_size"])
+    except FileNotFoundError:
+        raise DataError(f"{path} not found: {_prepare_hint(config)}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path} is malformed ({e}): {_prepare_hint(config)} again") from None
+
+
+def open_split(config: Config, split: str, vocab_size: int) -> np.ndarray:
+    """Memory-map data/<dataset>/<split>.bin (uint16 tokens) after checking it is usable."""
+    path = os.path.join(dataset_dir(config), f"{split}.bin")
+    if not os.path.isfile(path):
+        raise DataError(f"{path} not found: {_prepare_hint(config)}")
+    n_bytes = os.path.getsize(path)
+    if n_bytes == 0 or n_bytes % 2:
+        raise DataError(f"{path} has {n_bytes} bytes, not a whole number of uint16 tokens: "
+                        f"{_prepare_hint(config)} again")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    if len(tokens) < config.block_size + 2:
+        raise DataError(f"{path} holds {len(tokens)} tokens, fewer than block_size+2 = "
+                        f"{config.block_size + 2}: lower --block_size or add data")
+    probe = tokens[:: max(1, len(tokens) // 1_000_000)]  # a spread-out sample, cheap to scan
+    if probe.max() >= vocab_size:
+        raise DataError(f"{path} holds token id {probe.max()} >= vocab_size {vocab_size}: the data "
+                        f"was made with another tokenizer; {_prepare_hint(config)} again")
+    return tokens
+
+
+SPLIT_STREAMS = {"train": 0, "val": 1}  # separate random streams per split
+
+
+def batch_for_step(tokens: np.ndarray, config: Config, step: int, split: str, rows: np.ndarray,
+                   n_micro: int, stream: int = 0):
+    """Inputs and targets (n_micro, len(rows), T) for one step: a pure function of (seed, step).
+
+    Every process draws the same global offsets and keeps only its own `rows`, so a
+    resumed or re-sharded run sees exactly the batches of an uninterrupted one.
+    """
+    rng = np.random.default_rng((config.seed, SPLIT_STREAMS[split], stream, step))
+    T = config.block_size
+    starts = rng.integers(0, len(tokens) - T - 1, size=(n_micro, config.batch_size))[:, rows]
+    window = starts[..., None] + np.arange(T + 1)
+    seq = tokens[window].astype(np.int32)
+    return seq[..., :-1], seq[..., 1:]
+
+
+# ----------------------------------------------------------------------------- state
+
+def model_config(config: Config, vocab_size: int) -> GPTConfig:
+    fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size"}
+    return GPTConfig(vocab_size=vocab_size, **{k: getattr(config, k) for k in fields})
+
+
+def learning_rate(config: Config, step):
+    """Linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, then flat."""
+    if not config.decay_lr:
+        return jnp.asarray(config.learning_rate, jnp.float32)
+    step = jnp.asarray(step, jnp.float32)
+    warmup = config.learning_rate * (step + 1) / (config.warmup_iters + 1)
+    progress = (step - config.warmup_iters) / max(1, config.lr_decay_iters - config.warmup_iters)
+    cosine = 0.5 * (1 + jnp.cos(math.pi * jnp.clip(progress, 0.0, 1.0)))
+    decayed = config.min_lr + cosine * (config.learning_rate - config.min_lr)
+    return jnp.where(step < config.warmup_iters, warmup, decayed)
+
+
+def decays(path, _) -> bool:
+    """Weight decay on matrices and embeddings; never on biases or norm scales."""
+    name = path[-1].key
+    return name.endswith("kernel") or name in ("wte", "wpe")
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+    adamw = optax.adamw(
+        learning_rate=lambda count: learning_rate(config, count),
+        b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay,
+        mask=lambda params: jax.tree_util.tree_map_with_path(decays, params),
+    )
+    if config.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
+    return adamw
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything that describes the computation but holds no arrays."""
+    config: Config
+    model_config: GPTConfig
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    state_shardings: dict  # {'params', 'opt_state', 'step'} -> NamedSharding trees
+    abstract_state: dict  # the same tree of ShapeDtypeStructs (with shardings)
+
+    @property
+    def batch_sharding(self):  # (B, T)
+        return sharding.batch_sharding(self.mesh)
+
+    @property
+    def micro_batch_sharding(self):  # (micro-steps, B, T): micro-steps are not split
+        spec = jax.sharding.PartitionSpec(None, *self.batch_sharding.spec)
+        return jax.sharding.NamedSharding(self.mesh, spec)
+
+
+def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
+    """Shapes and shardings of the train state, derived without allocating it."""
+    sharding.check_model_fits_mesh(mesh, n_head=config.n_head, n_embd=config.n_embd,
+                                   batch_size=config.batch_size)
+    gpt_config = model_config(config, vocab_size)
+    abstract_model = nnx.eval_shape(lambda: GPT(gpt_config, jax.random.key(0)))
+    graphdef, abstract_params = nnx.split(abstract_model)
+    param_shardings = nnx.to_pure_dict(sharding.param_shardings(abstract_params, mesh))
+    abstract_params = nnx.to_pure_dict(abstract_params)
+    optimizer = make_optimizer(config)
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt_state,
+                                          param_shardings, transform_non_params=lambda _: replicated)
+    shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
+    abstract = {"params": abstract_params, "opt_state": abstract_opt_state,
+                "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, shardings)
+    return Setup(config, gpt_config, mesh, graphdef, optimizer, shardings, abstract)
+
+
+def init_state(setup: Setup) -> dict:
+    """A fresh train state, created directly in its sharded layout (never whole on one device)."""
+    def init():
+        model = GPT(setup.model_config, jax.random.key(setup.config.seed))
+        params = nnx.to_pure_dict(nnx.state(model))
+        return {"params": params, "opt_state": setup.optimizer.init(params),
+                "step": jnp.zeros((), jnp.int32)}
+
+    with sharding.activate(setup.mesh):
+        return jax.jit(init, out_shardings=setup.state_shardings)()
+
+
+def cross_entropy(setup: Setup, params, x_BxT, y_BxT, dropout_key=None):
+    logits_BxTxV = nnx.merge(setup.graphdef, params)(x_BxT, dropout_key)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, y_BxT).mean()
+
+
+def make_train_step(setup: Setup):
+    """train_step(state, (x, y)) -> (state, metrics), with x, y of shape (micro-steps, B, T)."""
+    config = setup.config
+
+    def train_step(state, batch):
+        x_AxBxT, y_AxBxT = batch
+        params = state["params"]
+        step_key = jax.random.fold_in(jax.random.key(config.seed), state["step"])
+        grad_fn = jax.value_and_grad(lambda p, x, y, k: cross_entropy(setup, p, x, y, k))
+
+        def micro_step(grad_sum, inputs):
+            x_BxT, y_BxT, i = inputs
+            key = jax.random.fold_in(step_key, i) if config.dropout > 0 else None
+            loss, grads = grad_fn(params, x_BxT, y_BxT, key)
+            grads = jax.lax.with_sharding_constraint(grads, setup.state_shardings["params"])
+            return jax.tree.map(jnp.add, grad_sum, grads), loss
+
+        # Gradient accumulation as a scan: one compiled loop, not one dispatch per micro-step.
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        n_micro = x_AxBxT.shape[0]
+        grad_sum, losses = jax.lax.scan(micro_step, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro)))
+        grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
+        updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
+        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+                     "step": state["step"] + 1}
+        metrics = {"loss": losses.mean(), "grad_norm": optax.global_norm(grads),
+                   "lr": learning_rate(config, state["step"])}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(setup: Setup):
+    return lambda params, batch: cross_entropy(setup, params, *batch)
+
+
+def jit_train_step(setup: Setup):
+    micro_batches = setup.micro_batch_sharding
+    return jax.jit(make_train_step(setup), donate_argnums=0,
+                   in_shardings=(setup.state_shardings, (micro_batches, micro_batches)),
+                   out_shardings=(setup.state_shardings, None))
+
+
+def jit_eval_step(setup: Setup):
+    return jax.jit(make_eval_step(setup),
+                   in_shardings=(setup.state_shardings["params"], (setup.batch_sharding,) * 2))
+
+
+# ----------------------------------------------------------------------------- speed
+
+# Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12,
+              "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
+              "TPU v6e": 918e12}
+
+
+def measure_cpu_peak_flops() -> float:
+    """The host's float32 matmul rate: the honest ceiling for MFU on CPU."""
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def peak_flops(devices) -> tuple[float | None, str]:
+    """Peak FLOP/s of all `devices` together, and where the number comes from."""
+    kind = devices[0].device_kind
+    if devices[0].platform == "cpu":  # simulated CPU devices share the host's cores
+        return measure_cpu_peak_flops(), "measured f32 matmul on this host"
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops * len(devices), f"{name} datasheet bf16 x {len(devices)}"
+    return None, f"unknown peak for '{kind}'"
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def checkpoint_manager(config: Config, read_only=False) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=config.max_to_keep, read_only=read_only,
+                                           create=not read_only)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(config.out_dir, "checkpoints")),
+                                 options=options)
+
+
+def save_checkpoint(manager, state: dict, config: Config, val_loss: float | None) -> None:
+    """Async and atomic: Orbax writes to a temporary directory and renames it when complete."""
+    step = int(state["step"])
+    meta = {"step": step, "val_loss": val_loss, "config": dataclasses.asdict(config)}
+    manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(state["params"]),
+        opt_state=ocp.args.StandardSave(state["opt_state"]),
+        meta=ocp.args.JsonSave(meta)))
+
+
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "pad_vocab_to_multiple")
+
+
+def read_checkpoint_meta(manager, out_dir: str) -> dict:
+    step = manager.latest_step()
+    if step is None:
+        raise CheckpointError(f"no checkpoint in {out_dir}/checkpoints: train first, "
+                              f"or use --init_from=scratch")
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def restore_state(manager, setup: Setup) -> dict:
+    """The latest checkpoint, loaded straight into this run's shardings (any mesh shape)."""
+    meta = read_checkpoint_meta(manager, setup.config.out_dir)
+    saved = meta["config"]
+    differ = [f"{k}: checkpoint {saved.get(k)!r}, config {getattr(setup.config, k)!r}"
+              for k in MODEL_KEYS if saved.get(k) != getattr(setup.config, k)]
+    if differ:
+        raise CheckpointError("checkpoint model shape differs from the config ("
+                              + "; ".join(differ) + "): use the checkpoint's values")
+    restored = manager.restore(meta["step"], args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(setup.abstract_state["params"]),
+        opt_state=ocp.args.StandardRestore(setup.abstract_state["opt_state"])))
+    step = jax.device_put(jnp.asarray(meta["step"], jnp.int32), setup.state_shardings["step"])
+    return {"params": restored["params"], "opt_state": restored["opt_state"], "step": step}
+
+
+# ----------------------------------------------------------------------------- the loop
+
+class Logger:
+    """stdout on process 0, plus TensorBoard scalars under out_dir."""
+
+    def __init__(self, config: Config):
+        self.is_main = jax.process_index() == 0
+        self.writer = None
+        if self.is_main and config.tensorboard:
+            from tensorboard.summary import Writer  # no TensorFlow needed
+            self.writer = Writer(os.path.join(config.out_dir, "tensorboard"))
+
+    def print(self, *args):
+        if self.is_main:
+            print(*args, flush=True)
+
+    def scalars(self, step: int, values: dict):
+        if self.writer:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, float(value), step)
+            self.writer.flush()
+
+    def close(self):
+        if self.writer:
+            self.writer.close()
+
+
+def estimate_losses(eval_step, params, splits: dict, setup: Setup, rows) -> dict:
+    """Mean loss over eval_iters fixed batches of each split (the same batches every eval)."""
+    config = setup.config
+    losses = {}
+    for split, tokens in splits.items():
+        total = 0.0
+        for i in range(config.eval_iters):
+            x, y = batch_for_step(tokens, config, i, split, rows, n_micro=1, stream=1)
+            batch = tuple(sharding.global_batch(a[0], setup.batch_sharding, (config.batch_size,
+                          config.block_size)) for a in (x, y))
+            total += eval_step(params, batch)
+        losses[split] = float(total) / config.eval_iters
+    return losses
+
+
+def train(config: Config) -> list[tuple[int, float]]:
+    """Run training as configured; returns (step, loss) for every logged step."""
+    vocab_size = read_vocab_size(config)
+    splits = {s: open_split(config, s, vocab_size) for s in ("train", "val")}
+    mesh = sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor)
+    setup = make_setup(config, mesh, vocab_size)
+    log = Logger(config)
+
+    n_params = count_params(setup.model_config)
+    flops_token = flops_per_token(setup.model_config)
+    peak, peak_source = peak_flops(mesh.devices.flatten().tolist())
+    log.print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
+              + " x ".join(f"{a}={n}" for a, n in mesh.shape.items()))
+    log.print(f"model: {n_params:,} parameters, {flops_token / 1e6:,.2f} MFLOP/token (train), "
+              f"vocab {vocab_size} (padded {setup.model_config.padded_vocab_size})")
+    log.print(f"data: {len(splits['train']):,} train / {len(splits['val']):,} val tokens; "
+              f"{config.tokens_per_step:,} tokens per step")
+    log.print(f"peak: {peak / 1e12:.2f} TFLOP/s ({peak_source})" if peak else f"peak: {peak_source}")
+    log.print(f"writing to {config.out_dir}")
+    manager = checkpoint_manager(config)
+    if config.init_from == "resume":
+        state = restore_state(manager, setup)
+        log.print(f"resumed from step {int(state['step'])}")
+    else:
+        state = init_state(setup)
+    if jax.process_index() == 0:
+        os.makedirs(config.out_dir, exist_ok=True)
+        _write_atomically(os.path.join(config.out_dir, "config.json"),
+                          configurator.config_to_json(config))
+
+    rows = sharding.local_batch_rows(setup.batch_sharding, config.batch_size)
+    n_micro = config.gradient_accumulation_steps
+    micro_shape = (n_micro, config.batch_size, config.block_size)
+    train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
+    history, best_val = [], float("inf")
+    start_step = step = int(state["step"])
+    t_last, step_last = time.perf_counter(), step
+
+    with sharding.activate(mesh):
+        while True:
+            last = step >= config.max_iters
+            if (step % config.eval_interval == 0 and step > start_step) or last or config.eval_only:
+                losses = estimate_losses(eval_step, state["params"], splits, setup, rows)
+                log.print(f"step {step} | train loss {losses['train']:.4f} | val loss {losses['val']:.4f}")
+                log.scalars(step, {"eval/train_loss": losses["train"], "eval/val_loss": losses["val"]})
+                if config.eval_only:
+                    break
+                if (losses["val"] < best_val or config.always_save_checkpoint or last) and step > start_step:
+                    best_val = min(best_val, losses["val"])
+                    save_checkpoint(manager, state, config, losses["val"])
+                t_last, step_last = time.perf_counter(), step  # don't bill eval time to training
+            if last:
+                break
+            data_step = 0 if config.overfit_batch else step
+            x, y = batch_for_step(splits["train"], config, data_step, "train", rows, n_micro)
+            batch = tuple(sharding.global_batch(a, setup.micro_batch_sharding, micro_shape)
+                          for a in (x, y))
+            state, metrics = train_step(state, batch)
+            step += 1
+            if step == start_step + 1:  # the first call compiles: keep it out of the step times
+                jax.block_until_ready(metrics)
+                compile_seconds = time.perf_counter() - t_last
+                t_last, step_last = time.perf_counter(), step
+            if step % config.log_interval == 0 or step == config.max_iters:
+                loss = float(metrics["loss"])  # fetching the value waits for the step to finish
+                lr = float(metrics["lr"])
+                if step == step_last:  # only the compiling step since the last reset
+                    log.print(f"step {step - 1} | loss {loss:.4f} | lr {lr:.2e} | "
+                              f"compile + first step {compile_seconds:.1f} s")
+                    log.scalars(step - 1, {"train/loss": loss, "train/lr": lr})
+                else:
+                    now = time.perf_counter()
+                    seconds = (now - t_last) / (step - step_last)
+                    t_last, step_last = now, step
+                    tokens_per_s = config.tokens_per_step / seconds
+                    mfu = flops_token * tokens_per_s / peak if peak else float("nan")
+                    log.print(f"step {step - 1} | loss {loss:.4f} | lr {lr:.2e} | "
+                              f"{seconds * 1e3:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu:.1%}")
+                    log.scalars(step - 1, {"train/loss": loss, "train/lr": lr,
+                                           "train/grad_norm": metrics["grad_norm"],
+                                           "train/step_ms": seconds * 1e3,
+                                           "train/tokens_per_sec": tokens_per_s, "train/mfu": mfu})
+                history.append((step - 1, loss))
+    manager.wait_until_finished()
+    manager.close()
+    log.close()
+    if config.sample_tokens and jax.process_index() == 0:
+        import sample
+        print("sample:\n" + sample.sample_text(setup, state["params"], config.sample_tokens)[0])
+    return history
+
+
+def _write_atomically(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv: list[str]) -> None:
+    config = configurator.load_config_or_exit(argv)
+    try:
+        train(config)
+    except (DataError, CheckpointError, sharding.MeshError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
