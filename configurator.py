@@ -160,7 +160,8 @@ def _read_config_file(path: str, field_types: dict) -> dict:
         raise ConfigError(f"config file '{path}' raised {type(e).__name__}: {e}") from e
     values = {}
     for key, value in namespace.items():
-        if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type)):
+        if key.startswith("_") or isinstance(
+                value, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)):
             continue  # imports, helpers and private names are not settings
         if key not in field_types:
             raise ConfigError(f"in {path}: " + str(_unknown_key(key, field_types)))
@@ -188,7 +189,7 @@ def print_config(config) -> None:
 
 
 def load_config_or_exit(argv: list[str], cls=Config):
-    """For scripts: a bad config prints one line and exits with status 2, no traceback."""
+    """For scripts: a bad config prints one line and exits with status 1, no traceback."""
     try:
         return load_config(argv, cls)
     except ConfigError as e:

@@ -1,12 +1,12 @@
 """GPT-2 in Flax NNX.
 
 Every parameter carries logical axis names (`vocab`, `embed`, `heads`, `mlp`, `layers`, ...)
-as its `sharding` metadata; sharding.py maps those names to mesh axes, so this file knows
+as its `out_sharding` metadata; sharding.py maps those names to mesh axes, so this file knows
 nothing about devices. The layers are stored stacked (one array per weight with a leading
 `layers` axis) and run with lax.scan, so compile time does not grow with depth.
 
 Shape suffixes name the axes: B batch, T time, D model width, N heads, H head size,
-F MLP hidden, V vocabulary, L layers.
+F MLP hidden, V vocabulary; BT is batch and time flattened into one axis.
 """
 
 import dataclasses
@@ -39,10 +39,10 @@ class GPTConfig:
 
 
 def param(value, logical_axes) -> nnx.Param:
-    """A float32 parameter whose `sharding` metadata holds logical axis names."""
+    """A float32 parameter whose `out_sharding` metadata holds logical axis names."""
     # eager_sharding=False: logical names can't be applied at creation; sharding.py turns
     # them into mesh shardings for the out_shardings of the jitted initializer instead.
-    return nnx.Param(value.astype(jnp.float32), sharding=logical_axes, eager_sharding=False)
+    return nnx.Param(value.astype(jnp.float32), out_sharding=logical_axes, eager_sharding=False)
 
 
 def normal(key, shape, std):
@@ -93,18 +93,20 @@ class Attention(nnx.Module):
         self.out_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
         self.config = config
 
-    def __call__(self, x_BxTxD, dropout_key=None):
-        dtype = x_BxTxD.dtype
-        qkv_BxTx3xNxH = jnp.einsum("btd,dcnh->btcnh", x_BxTxD, self.qkv_kernel[...].astype(dtype))
+    def __call__(self, x_BTxD, batch_size: int, dropout_key=None):
+        dtype = x_BTxD.dtype
+        D, (_, _, N, H) = x_BTxD.shape[-1], self.qkv_kernel.shape
+        B, T = batch_size, x_BTxD.shape[0] // batch_size
+        qkv_BTx3NH = x_BTxD @ self.qkv_kernel[...].reshape(D, 3 * N * H).astype(dtype)
         if self.qkv_bias is not None:
-            qkv_BxTx3xNxH = qkv_BxTx3xNxH + self.qkv_bias[...].astype(dtype)
-        qkv_BxTx3xNxH = constrain(qkv_BxTx3xNxH, ("batch", "seq", None, "heads", None))
+            qkv_BTx3NH = qkv_BTx3NH + self.qkv_bias[...].reshape(3 * N * H).astype(dtype)
+        qkv_BxTx3xNxH = constrain(qkv_BTx3NH.reshape(B, T, 3, N, H), ("batch", "seq", None, "heads", None))
         q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (qkv_BxTx3xNxH[:, :, i] for i in range(3))
         y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True)
-        y_BxTxD = jnp.einsum("btnh,nhd->btd", y_BxTxNxH, self.out_kernel[...].astype(dtype))
+        y_BTxD = y_BxTxNxH.reshape(B * T, N * H) @ self.out_kernel[...].reshape(N * H, D).astype(dtype)
         if self.out_bias is not None:
-            y_BxTxD = y_BxTxD + self.out_bias[...].astype(dtype)
-        return dropout(y_BxTxD, self.config.dropout, dropout_key)
+            y_BTxD = y_BTxD + self.out_bias[...].astype(dtype)
+        return dropout(y_BTxD, self.config.dropout, dropout_key)
 
 
 class MLP(nnx.Module):
@@ -118,16 +120,16 @@ class MLP(nnx.Module):
         self.proj_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
         self.config = config
 
-    def __call__(self, x_BxTxD, dropout_key=None):
-        dtype = x_BxTxD.dtype
-        h_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, self.fc_kernel[...].astype(dtype))
+    def __call__(self, x_BTxD, dropout_key=None):
+        dtype = x_BTxD.dtype
+        h_BTxF = x_BTxD @ self.fc_kernel[...].astype(dtype)
         if self.fc_bias is not None:
-            h_BxTxF = h_BxTxF + self.fc_bias[...].astype(dtype)
-        h_BxTxF = constrain(jax.nn.gelu(h_BxTxF, approximate=True), ("batch", "seq", "mlp"))
-        y_BxTxD = jnp.einsum("btf,fd->btd", h_BxTxF, self.proj_kernel[...].astype(dtype))
+            h_BTxF = h_BTxF + self.fc_bias[...].astype(dtype)
+        h_BTxF = constrain(jax.nn.gelu(h_BTxF, approximate=True), ("batch", "mlp"))
+        y_BTxD = h_BTxF @ self.proj_kernel[...].astype(dtype)
         if self.proj_bias is not None:
-            y_BxTxD = y_BxTxD + self.proj_bias[...].astype(dtype)
-        return dropout(y_BxTxD, self.config.dropout, dropout_key)
+            y_BTxD = y_BTxD + self.proj_bias[...].astype(dtype)
+        return dropout(y_BTxD, self.config.dropout, dropout_key)
 
 
 class Block(nnx.Module):
@@ -138,11 +140,11 @@ class Block(nnx.Module):
         self.ln_2 = LayerNorm(config)
         self.mlp = MLP(config, k_mlp)
 
-    def __call__(self, x_BxTxD, dropout_key=None):
+    def __call__(self, x_BTxD, batch_size: int, dropout_key=None):
         k_attn, k_mlp = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        x_BxTxD = x_BxTxD + self.attn(self.ln_1(x_BxTxD), k_attn)
-        x_BxTxD = x_BxTxD + self.mlp(self.ln_2(x_BxTxD), k_mlp)
-        return constrain(x_BxTxD, ("batch", "seq", "embed_act"))
+        x_BTxD = x_BTxD + self.attn(self.ln_1(x_BTxD), batch_size, k_attn)
+        x_BTxD = x_BTxD + self.mlp(self.ln_2(x_BTxD), k_mlp)
+        return constrain(x_BTxD, ("batch", "embed_act"))
 
 
 REMAT_POLICIES = {
@@ -176,36 +178,38 @@ class GPT(nnx.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {config.block_size}")
         dtype = jnp.dtype(config.dtype)
         x_BxTxD = (self.wte[...][idx_BxT] + self.wpe[...][:T]).astype(dtype)
-        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed_act"))
+        # Between the matmuls, activations are 2-D (B*T, D): XLA:CPU's fast matmul path wants
+        # one contracting dimension, and a weight gradient over (B, T) is 2x slower there.
+        x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        x_BxTxD = dropout(x_BxTxD, config.dropout, k_emb)
-        x_BxTxD = self._run_blocks(x_BxTxD, k_layers)
-        x_BxTxD = self.ln_f(x_BxTxD)
-        logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, self.wte[...].astype(dtype),
-                                  preferred_element_type=jnp.float32)
+        x_BTxD = dropout(x_BTxD, config.dropout, k_emb)
+        x_BTxD = self.ln_f(self._run_blocks(x_BTxD, B, k_layers))
+        logits_BTxV = jax.lax.dot_general(x_BTxD, self.wte[...].astype(dtype), (((1,), (1,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
+        logits_BxTxV = logits_BTxV.reshape(B, T, -1)
         if config.padded_vocab_size != config.vocab_size:
             is_real_token = jnp.arange(config.padded_vocab_size) < config.vocab_size
             logits_BxTxV = jnp.where(is_real_token, logits_BxTxV, -jnp.inf)
         return logits_BxTxV
 
-    def _run_blocks(self, x_BxTxD, dropout_key):
+    def _run_blocks(self, x_BTxD, batch_size: int, dropout_key):
         config = self.config
         graphdef, stacked_state = nnx.split(self.blocks)
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
 
-        def one_layer(x_BxTxD, layer_inputs):
+        def one_layer(x_BTxD, layer_inputs):
             layer_state, layer_key = layer_inputs
-            return nnx.merge(graphdef, layer_state)(x_BxTxD, layer_key), None
+            return nnx.merge(graphdef, layer_state)(x_BTxD, batch_size, layer_key), None
 
         if config.remat_policy != "none":
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[config.remat_policy])
         if config.scan_layers:
-            x_BxTxD, _ = jax.lax.scan(one_layer, x_BxTxD, (stacked_state, layer_keys))
+            x_BTxD, _ = jax.lax.scan(one_layer, x_BTxD, (stacked_state, layer_keys))
         else:  # unrolled: same stacked weights, one copy of the layer per depth in the program
             for i in range(config.n_layer):
                 layer_i = jax.tree.map(lambda a: a[i], (stacked_state, layer_keys))
-                x_BxTxD, _ = one_layer(x_BxTxD, layer_i)
-        return x_BxTxD
+                x_BTxD, _ = one_layer(x_BTxD, layer_i)
+        return x_BTxD
 
 
 def count_params(config: GPTConfig) -> int:

@@ -87,7 +87,7 @@ def mesh_axes_for(logical_axes, rules=RULES):
 
 
 def param_shardings(abstract_state, mesh, rules=RULES):
-    """NamedShardings for an nnx.State of parameters, from their logical `sharding` metadata.
+    """NamedShardings for an nnx.State of parameters, from their logical `out_sharding` metadata.
 
     A dimension that the mesh axes do not divide evenly (e.g. a vocabulary of 65 over
     tensor=2) is left replicated rather than padded: correct, just not split.

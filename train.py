@@ -220,7 +220,7 @@ def make_train_step(setup: Setup):
         updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
         new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
                      "step": state["step"] + 1}
-        metrics = {"loss": losses.mean(), "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads),
                    "lr": learning_rate(config, state["step"])}
         return new_state, metrics
 
@@ -364,11 +364,11 @@ def estimate_losses(eval_step, params, splits: dict, setup: Setup, rows) -> dict
     return losses
 
 
-def train(config: Config) -> list[tuple[int, float]]:
-    """Run training as configured; returns (step, loss) for every logged step."""
+def train(config: Config, devices=None) -> list[tuple[int, float]]:
+    """Run training as configured (on `devices`, default all); returns (step, loss) per logged step."""
     vocab_size = read_vocab_size(config)
     splits = {s: open_split(config, s, vocab_size) for s in ("train", "val")}
-    mesh = sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor)
+    mesh = sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices)
     setup = make_setup(config, mesh, vocab_size)
     log = Logger(config)
 

@@ -1,0 +1,233 @@
+"""configurator.py: defaults < config file < --key=value flags, and the errors for bad input."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # configurator.py lives at the repo root
+
+import configurator  # noqa: E402
+from configurator import Config, ConfigError, load_config  # noqa: E402
+
+DEFAULTS = Config()
+
+
+def write(tmp_path, text, name="cfg.py"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def error_of(argv) -> str:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(argv)
+    return str(excinfo.value)
+
+
+# --- precedence ---------------------------------------------------------------------------
+
+def test_no_arguments_gives_the_defaults():
+    assert load_config([]) == DEFAULTS
+
+
+def test_file_overrides_defaults_and_flags_override_file(tmp_path):
+    path = write(tmp_path, "n_layer = 3\nn_head = 2\nn_embd = 64\nbatch_size = 5\n")
+    config = load_config([path, "--batch_size=7"])
+    assert config.n_layer == 3 and config.n_head == 2 and config.n_embd == 64  # from the file
+    assert config.batch_size == 7  # the flag wins over the file
+    assert config.learning_rate == DEFAULTS.learning_rate  # untouched keys keep the default
+    assert DEFAULTS.n_layer != 3 and DEFAULTS.batch_size not in (5, 7)
+
+
+def test_arguments_apply_in_order(tmp_path):
+    # A flag before a file is overridden by the file; a later file overrides an earlier one.
+    first = write(tmp_path, "batch_size = 5\n", "first.py")
+    second = write(tmp_path, "batch_size = 6\n", "second.py")
+    assert load_config(["--batch_size=9", first]).batch_size == 5
+    assert load_config([first, second]).batch_size == 6
+    assert load_config([first, second, "--batch_size=9"]).batch_size == 9
+
+
+# --- flag parsing -------------------------------------------------------------------------
+
+def test_int_flag_for_float_field_is_stored_as_float():
+    config = load_config(["--learning_rate=1", "--grad_clip=0"])
+    assert config.learning_rate == 1.0 and type(config.learning_rate) is float
+    assert config.grad_clip == 0.0 and type(config.grad_clip) is float
+
+
+def test_int_in_config_file_for_float_field_is_stored_as_float(tmp_path):
+    config = load_config([write(tmp_path, "min_lr = 0\n")])
+    assert config.min_lr == 0.0 and type(config.min_lr) is float
+
+
+def test_bool_int_and_float_flags_parse():
+    config = load_config(["--bias=False", "--decay_lr=True", "--max_iters=600_000", "--dropout=0.25",
+                          "--learning_rate=3e-4"])
+    assert config.bias is False and config.decay_lr is True
+    assert config.max_iters == 600_000 and type(config.max_iters) is int
+    assert config.dropout == 0.25 and config.learning_rate == 3e-4
+
+
+def test_string_flags_stay_strings():
+    config = load_config(["--dataset=openwebtext", "--out_dir=123", "--data_dir=1.5", "--dtype=bfloat16"])
+    assert config.dataset == "openwebtext"
+    assert config.out_dir == "123" and type(config.out_dir) is str  # looks like an int
+    assert config.data_dir == "1.5"  # looks like a float
+    assert config.dtype == "bfloat16"
+
+
+def test_flag_without_value_is_an_error():
+    message = error_of(["--bias"])
+    assert "--bias" in message and "--bias=VALUE" in message
+
+
+# --- unknown keys -------------------------------------------------------------------------
+
+def test_unknown_flag_suggests_close_matches():
+    message = error_of(["--batchsize=4"])
+    assert "batchsize" in message and "batch_size" in message
+
+
+def test_unknown_flag_without_close_match_points_to_the_keys():
+    message = error_of(["--zzzzqqq=1"])
+    assert "zzzzqqq" in message and "configurator.py" in message
+
+
+def test_unknown_key_in_file_names_file_and_suggests(tmp_path):
+    path = write(tmp_path, "n_layers = 4\n")
+    message = error_of([path])
+    assert path in message and "n_layers" in message and "n_layer" in message.replace("n_layers", "")
+
+
+# --- wrong types --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, key, expected, given", [
+    ("--n_layer=1.5", "n_layer", "int", "1.5"),
+    ("--dropout=abc", "dropout", "float", "'abc'"),
+    ("--bias=1", "bias", "bool", "1"),
+    ("--batch_size=True", "batch_size", "int", "True"),  # a bool is not an int here
+])
+def test_wrong_type_names_key_expected_type_and_value(flag, key, expected, given):
+    message = error_of([flag])
+    assert f"'{key}'" in message and f"expects {expected}" in message and given in message
+
+
+def test_wrong_type_in_file(tmp_path):
+    message = error_of([write(tmp_path, "n_head = '4'\n")])
+    assert "n_head" in message and "int" in message and "'4'" in message
+
+
+# --- config files -------------------------------------------------------------------------
+
+def test_missing_file_is_a_one_line_error(tmp_path):
+    path = str(tmp_path / "nope.py")
+    message = error_of([path])
+    assert path in message and "does not exist" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("text, exc_name", [
+    ("raise RuntimeError('boom')\n", "RuntimeError"),
+    ("n_layer = undefined_name\n", "NameError"),
+    ("n_layer = = 2\n", "SyntaxError"),
+])
+def test_file_that_raises_is_a_one_line_error(tmp_path, text, exc_name):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config([path])
+    message = str(excinfo.value)
+    assert path in message and exc_name in message and "\n" not in message
+
+
+def test_imports_helpers_and_private_names_in_file_are_ignored(tmp_path):
+    path = write(tmp_path, "import math\nfrom math import sqrt\nfrom collections import OrderedDict\n"
+                           "_x = 1\n_scale = 3\n"
+                           "def width(heads):\n    return 16 * heads\n"
+                           "n_head = _scale\nn_embd = width(n_head)\nn_layer = int(math.sqrt(16))\n")
+    config = load_config([path])
+    assert (config.n_head, config.n_embd, config.n_layer) == (3, 48, 4)
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in (ROOT / "config").glob("*.py")))
+def test_shipped_config_files_load(path):
+    config = load_config([path])
+    assert isinstance(config, Config) and config != DEFAULTS
+
+
+def test_shipped_config_files_exist():
+    assert len(list((ROOT / "config").glob("*.py"))) >= 2
+
+
+# --- validation ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, words", [
+    ("--dtype=float16", ["dtype", "'float16'", "'float32'", "'bfloat16'"]),
+    ("--remat_policy=bogus", ["remat_policy", "'bogus'", "'dots_saveable'"]),
+    ("--init_from=foo", ["init_from", "'foo'", "'scratch'", "'resume'"]),
+])
+def test_choice_validation(flag, words):
+    message = error_of([flag])
+    for word in words:
+        assert word in message
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--n_layer=0"], ["n_layer", ">= 1", "0"]),
+    (["--batch_size=-2"], ["batch_size", ">= 1", "-2"]),
+    (["--dropout=1.0"], ["dropout", "[0, 1)", "1.0"]),
+    (["--dropout=-0.1"], ["dropout", "-0.1"]),
+    (["--n_embd=100", "--n_head=3"], ["n_embd", "100", "n_head", "3", "divisible"]),
+])
+def test_range_checks(flags, words):
+    message = error_of(flags)
+    for word in words:
+        assert word in message
+
+
+def test_range_check_edges_are_accepted():
+    config = load_config(["--n_layer=1", "--dropout=0.0", "--n_embd=96", "--n_head=3"])
+    assert config.n_layer == 1 and config.dropout == 0.0
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULTS.n_layer = 3
+
+
+# --- saving, rebuilding, exiting ----------------------------------------------------------
+
+def test_json_round_trip(tmp_path):
+    config = load_config([str(ROOT / "config" / "shakespeare_char.py"),
+                          "--learning_rate=1", "--bias=False", "--out_dir=123"])
+    rebuilt = configurator.config_from_dict(json.loads(configurator.config_to_json(config)))
+    assert rebuilt == config
+    assert type(rebuilt.learning_rate) is float and type(rebuilt.out_dir) is str
+
+
+def test_config_from_dict_rejects_unknown_and_mistyped_keys():
+    values = json.loads(configurator.config_to_json(DEFAULTS))
+    with pytest.raises(ConfigError, match="batch_size"):
+        configurator.config_from_dict({**values, "batchsize": 4})
+    with pytest.raises(ConfigError, match="n_layer"):
+        configurator.config_from_dict({**values, "n_layer": "12"})
+
+
+def test_load_config_or_exit_exits_with_a_config_error_line():
+    with pytest.raises(SystemExit) as excinfo:
+        configurator.load_config_or_exit(["--batchsize=4"])
+    message = excinfo.value.code
+    assert isinstance(message, str) and message.startswith("config error:")
+    assert "batch_size" in message and "\n" not in message
+
+
+def test_load_config_or_exit_returns_the_config():
+    assert configurator.load_config_or_exit(["--n_layer=2"]).n_layer == 2
+
+
+def test_tokens_per_step():
+    config = load_config(["--batch_size=3", "--gradient_accumulation_steps=5", "--block_size=7"])
+    assert config.tokens_per_step == 3 * 5 * 7
