@@ -371,6 +371,9 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     mesh = sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices)
     setup = make_setup(config, mesh, vocab_size)
     log = Logger(config)
+    if log.is_main:
+        print("config:")
+        configurator.print_config(config)
 
     n_params = count_params(setup.model_config)
     flops_token = flops_per_token(setup.model_config)
