@@ -68,10 +68,18 @@ class Config:
     sample_tokens: int = 0  # print a sample of this many tokens at the end of training
     # sanity check: train on one fixed batch again and again (the loss must go to ~0)
     overfit_batch: bool = False
-    # device mesh: product must equal the device count; -1 takes the remaining devices
+    # device mesh (per slice): product must equal the devices per slice; -1 takes the rest
     mesh_data: int = -1
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
+    # multi-slice / multi-host: how many slices each axis spans over the slower network
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+    dcn_tensor: int = 1
+    # multi-process start-up; empty = single process, or JAX's detection (SLURM, TPU pods)
+    coordinator_address: str = ""  # host:port of process 0
+    num_processes: int = 1
+    process_id: int = 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -83,7 +91,8 @@ class Config:
         _check_choice("init_from", self.init_from, ("scratch", "resume"))
         for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
                     "gradient_accumulation_steps", "eval_interval", "eval_iters",
-                    "log_interval", "max_to_keep", "pad_vocab_to_multiple"):
+                    "log_interval", "max_to_keep", "pad_vocab_to_multiple",
+                    "dcn_data", "dcn_fsdp", "dcn_tensor", "num_processes"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
         if self.n_embd % self.n_head:

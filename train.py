@@ -101,6 +101,11 @@ def batch_for_step(tokens: np.ndarray, config: Config, step: int, split: str, ro
 
 # ----------------------------------------------------------------------------- state
 
+def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
+    return sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices,
+                              dcn=(config.dcn_data, config.dcn_fsdp, config.dcn_tensor))
+
+
 def model_config(config: Config, vocab_size: int) -> GPTConfig:
     fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size"}
     return GPTConfig(vocab_size=vocab_size, **{k: getattr(config, k) for k in fields})
@@ -235,12 +240,13 @@ def jit_train_step(setup: Setup):
     micro_batches = setup.micro_batch_sharding
     return jax.jit(make_train_step(setup), donate_argnums=0,
                    in_shardings=(setup.state_shardings, (micro_batches, micro_batches)),
-                   out_shardings=(setup.state_shardings, None))
+                   out_shardings=(setup.state_shardings, setup.state_shardings["step"]))
 
 
 def jit_eval_step(setup: Setup):
     return jax.jit(make_eval_step(setup),
-                   in_shardings=(setup.state_shardings["params"], (setup.batch_sharding,) * 2))
+                   in_shardings=(setup.state_shardings["params"], (setup.batch_sharding,) * 2),
+                   out_shardings=setup.state_shardings["step"])  # replicated: every host can read it
 
 
 # ----------------------------------------------------------------------------- speed
@@ -368,7 +374,7 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     """Run training as configured (on `devices`, default all); returns (step, loss) per logged step."""
     vocab_size = read_vocab_size(config)
     splits = {s: open_split(config, s, vocab_size) for s in ("train", "val")}
-    mesh = sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices)
+    mesh = make_mesh(config, devices)
     setup = make_setup(config, mesh, vocab_size)
     log = Logger(config)
     if log.is_main:
@@ -453,7 +459,7 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     manager.wait_until_finished()
     manager.close()
     log.close()
-    if config.sample_tokens and jax.process_index() == 0:
+    if config.sample_tokens and jax.process_count() == 1:
         import sample
         print("sample:\n" + sample.sample_text(setup, state["params"], config.sample_tokens)[0])
     return history
@@ -468,6 +474,8 @@ def _write_atomically(path: str, text: str) -> None:
 def main(argv: list[str]) -> None:
     config = configurator.load_config_or_exit(argv)
     try:
+        sharding.initialize_distributed(config.coordinator_address, config.num_processes,
+                                        config.process_id)
         train(config)
     except (DataError, CheckpointError, sharding.MeshError) as e:
         sys.exit(f"error: {e}")

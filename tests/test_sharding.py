@@ -1,12 +1,19 @@
-import math
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
+from tensorboard.util import tensor_util
 
 import sharding
 import train
 from test_train import make_dataset, small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYOUTS = {  # (data, fsdp, tensor)
     "data=8": (8, 1, 1),
@@ -85,3 +92,79 @@ def test_model_that_does_not_fit_the_mesh(toy64):
         sharding.check_model_fits_mesh(mesh, n_head=2, n_embd=64, batch_size=8)
     with pytest.raises(sharding.MeshError, match="batch_size=5 is not divisible by mesh_data x mesh_fsdp"):
         sharding.check_model_fits_mesh(mesh, n_head=4, n_embd=64, batch_size=5)
+
+
+def tensorboard_losses(out_dir) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(os.path.join(out_dir, "tensorboard"))
+    events.Reload()
+    return [float(tensor_util.make_ndarray(e.tensor_proto)) for e in events.Tensors("train/loss")]
+
+
+def test_two_processes_match_one_process_and_their_checkpoint_restores(toy64, tmp_path):
+    """2 processes x 4 CPU devices, joined by jax.distributed, as a user would launch them."""
+    root, _ = toy64
+    flags = [f"--data_dir={root / 'data'}", "--dataset=toy", "--n_layer=2", "--n_head=4",
+             "--n_embd=64", "--block_size=16", "--batch_size=8", "--max_iters=4",
+             "--learning_rate=3e-3", "--warmup_iters=2", "--lr_decay_iters=8", "--min_lr=3e-4",
+             "--eval_interval=4", "--eval_iters=2", "--log_interval=1",
+             "--mesh_data=1", "--mesh_fsdp=4", "--dcn_data=2"]  # data spans the 2 processes
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                        "JAX_PLATFORMS": "cpu"}
+    out_dir = tmp_path / "two-processes"
+    procs = [subprocess.Popen(
+        [sys.executable, "train.py", *flags, f"--out_dir={out_dir}", f"--process_id={i}",
+         "--num_processes=2", f"--coordinator_address=localhost:{port}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "mesh data=2 x fsdp=4 x tensor=1" in outputs[0]
+
+    # The same 4 steps in this process on 8 devices, then 4 more resumed from the
+    # two-process checkpoint, compared with 8 uninterrupted steps.
+    one_process = sharded_config(root, 2, 4, 1)
+    straight = [l for _, l in train.train(
+        dataclasses.replace(one_process, max_iters=8, out_dir=str(tmp_path / "straight")))]
+    np.testing.assert_allclose(tensorboard_losses(out_dir), straight[:4], rtol=0, atol=1e-5)
+    resumed = train.train(dataclasses.replace(one_process, max_iters=8, out_dir=str(out_dir),
+                                              init_from="resume"))
+    np.testing.assert_allclose([l for _, l in resumed], straight[4:], rtol=0, atol=1e-5)
+
+
+def test_checkpoint_restores_onto_a_different_mesh(toy64, tmp_path):
+    root, _ = toy64
+    base = dataclasses.replace(sharded_config(root, 1, 8, 1), max_iters=8, eval_interval=4)
+    straight = [l for _, l in train.train(dataclasses.replace(
+        base, out_dir=str(tmp_path / "straight"), mesh_fsdp=1), jax.devices()[:1])]
+    for name, layout in (("2x2x2", (2, 2, 2)), ("one-device", (1, 1, 1))):
+        out_dir = str(tmp_path / name)
+        train.train(dataclasses.replace(base, out_dir=out_dir, max_iters=4))  # saved on fsdp=8
+        data, fsdp, tensor = layout
+        resumed = dataclasses.replace(base, out_dir=out_dir, init_from="resume", mesh_data=data,
+                                      mesh_fsdp=fsdp, mesh_tensor=tensor)
+        devices = jax.devices()[:data * fsdp * tensor]
+        losses = [l for _, l in train.train(resumed, devices)]
+        np.testing.assert_allclose(losses, straight[4:], rtol=0, atol=1e-5)
+
+
+def test_scanned_layers_keep_the_program_size_flat_in_depth(toy64):
+    """With scan_layers the compiled program holds one layer whatever the depth, so compile
+    time stays flat; unrolled, it grows with every layer."""
+    root, _ = toy64
+
+    def program_size(n_layer, scan_layers):
+        config = dataclasses.replace(sharded_config(root, 1, 1, 1), n_layer=n_layer,
+                                     scan_layers=scan_layers)
+        mesh = sharding.make_mesh(devices=jax.devices()[:1])
+        setup = train.make_setup(config, mesh, 64)
+        batch = jax.ShapeDtypeStruct((1, config.batch_size, config.block_size), np.int32)
+        with sharding.activate(mesh):
+            lowered = train.jit_train_step(setup).lower(setup.abstract_state, (batch, batch))
+        return len(lowered.as_text())
+
+    assert program_size(48, True) < 1.05 * program_size(12, True)
+    assert program_size(12, False) > 2 * program_size(3, False)
