@@ -6,14 +6,22 @@ nothing about devices. The layers are stored stacked (one array per weight with 
 `layers` axis) and run with lax.scan, so compile time does not grow with depth.
 
 Shape suffixes name the axes: B batch, T time, D model width, N heads, H head size,
-F MLP hidden, V vocabulary; BT is batch and time flattened into one axis.
+F MLP hidden, V vocabulary, L layers, S length of the KV cache; BT is batch and time
+flattened into one axis.
+
+For generation, `GPT.decode` runs new tokens against a KV cache (keys and values of the
+tokens seen before); the training forward `GPT.__call__` never touches it. At the end,
+`load_hf_gpt2` reads GPT-2 weights from Hugging Face files (config.json + model.safetensors).
 """
 
 import dataclasses
+import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.core import spmd
 
@@ -81,6 +89,43 @@ class LayerNorm(nnx.Module):
         return y.astype(x_BxTxD.dtype)
 
 
+CACHE_AXES = ("layers", "batch", "seq", "heads", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of the tokens seen so far: (L, B, S, N, H) each, in the compute dtype.
+
+    The layer scan hands each layer its (B, S, N, H) slice. The cache does not know how
+    much of itself is filled: the caller says where new tokens go (start_B) and the causal
+    mask hides everything past them, so stale entries there are harmless.
+    """
+    k: jax.Array
+    v: jax.Array
+
+    def write(self, k_BxTxNxH, v_BxTxNxH, start_B) -> "KVCache":
+        """One layer's cache with T new positions per row written at start_B[b] (per row)."""
+        put = jax.vmap(lambda cache_SxNxH, new_TxNxH, start:
+                       jax.lax.dynamic_update_slice_in_dim(cache_SxNxH, new_TxNxH, start, axis=0))
+        return KVCache(*(constrain(put(cache, new, start_B), CACHE_AXES[1:])
+                         for cache, new in ((self.k, k_BxTxNxH), (self.v, v_BxTxNxH))))
+
+
+def init_cache(config: GPTConfig, batch_size: int, length: int) -> KVCache:
+    """An empty cache for `batch_size` rows of up to `length` tokens, sharded like the model
+    (heads over `tensor`, rows over the batch axes) when sharding rules are active."""
+    N = config.n_head
+    shape = (config.n_layer, batch_size, length, N, config.n_embd // N)
+    return KVCache(*(constrain(jnp.zeros(shape, config.dtype), CACHE_AXES) for _ in range(2)))
+
+
+def causal_mask(start_B, T: int, S: int):
+    """(B, 1, T, S): query t of row b (at position start_B[b] + t) sees keys at positions <= its own."""
+    query_position_BxT = start_B[:, None] + jnp.arange(T)
+    return (jnp.arange(S) <= query_position_BxT[:, :, None])[:, None]
+
+
 class Attention(nnx.Module):
     def __init__(self, config: GPTConfig, key):
         D, N = config.n_embd, config.n_head
@@ -93,7 +138,10 @@ class Attention(nnx.Module):
         self.out_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
         self.config = config
 
-    def __call__(self, x_BTxD, batch_size: int, dropout_key=None):
+    def __call__(self, x_BTxD, batch_size: int, dropout_key=None, cache=None, start_B=None):
+        """Without a cache: causal self-attention over these T tokens (training). With a layer's
+        cache (B, S, N, H): row b's tokens sit at positions start_B[b] + [0, T); their keys
+        and values are written there and they attend to every cached position up to their own."""
         dtype = x_BTxD.dtype
         D, (_, _, N, H) = x_BTxD.shape[-1], self.qkv_kernel.shape
         B, T = batch_size, x_BTxD.shape[0] // batch_size
@@ -102,11 +150,17 @@ class Attention(nnx.Module):
             qkv_BTx3NH = qkv_BTx3NH + self.qkv_bias[...].reshape(3 * N * H).astype(dtype)
         qkv_BxTx3xNxH = constrain(qkv_BTx3NH.reshape(B, T, 3, N, H), ("batch", "seq", None, "heads", None))
         q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (qkv_BxTx3xNxH[:, :, i] for i in range(3))
-        y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True)
+        if cache is None:
+            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True)
+        else:
+            cache = cache.write(k_BxTxNxH, v_BxTxNxH, start_B)
+            # is_causal aligns top-left, which is wrong once queries start past 0: explicit mask.
+            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, cache.k, cache.v,
+                                                     mask=causal_mask(start_B, T, cache.k.shape[1]))
         y_BTxD = y_BxTxNxH.reshape(B * T, N * H) @ self.out_kernel[...].reshape(N * H, D).astype(dtype)
         if self.out_bias is not None:
             y_BTxD = y_BTxD + self.out_bias[...].astype(dtype)
-        return dropout(y_BTxD, self.config.dropout, dropout_key)
+        return dropout(y_BTxD, self.config.dropout, dropout_key), cache
 
 
 class MLP(nnx.Module):
@@ -140,11 +194,12 @@ class Block(nnx.Module):
         self.ln_2 = LayerNorm(config)
         self.mlp = MLP(config, k_mlp)
 
-    def __call__(self, x_BTxD, batch_size: int, dropout_key=None):
+    def __call__(self, x_BTxD, batch_size: int, dropout_key=None, cache=None, start_B=None):
         k_attn, k_mlp = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        x_BTxD = x_BTxD + self.attn(self.ln_1(x_BTxD), batch_size, k_attn)
+        y_BTxD, cache = self.attn(self.ln_1(x_BTxD), batch_size, k_attn, cache, start_B)
+        x_BTxD = x_BTxD + y_BTxD
         x_BTxD = x_BTxD + self.mlp(self.ln_2(x_BTxD), k_mlp)
-        return constrain(x_BTxD, ("batch", "embed_act"))
+        return constrain(x_BTxD, ("batch", "embed_act")), cache
 
 
 REMAT_POLICIES = {
@@ -183,33 +238,65 @@ class GPT(nnx.Module):
         x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         x_BTxD = dropout(x_BTxD, config.dropout, k_emb)
-        x_BTxD = self.ln_f(self._run_blocks(x_BTxD, B, k_layers))
-        logits_BTxV = jax.lax.dot_general(x_BTxD, self.wte[...].astype(dtype), (((1,), (1,)), ((), ())),
-                                          preferred_element_type=jnp.float32)
-        logits_BxTxV = logits_BTxV.reshape(B, T, -1)
-        if config.padded_vocab_size != config.vocab_size:
-            is_real_token = jnp.arange(config.padded_vocab_size) < config.vocab_size
-            logits_BxTxV = jnp.where(is_real_token, logits_BxTxV, -jnp.inf)
-        return logits_BxTxV
+        x_BTxD, _ = self._run_blocks(x_BTxD, B, k_layers)
+        logits_BxTxV = self._unembed(self.ln_f(x_BTxD)).reshape(B, T, -1)
+        return self._mask_padding(logits_BxTxV)
 
-    def _run_blocks(self, x_BTxD, batch_size: int, dropout_key):
+    def decode(self, idx_BxT, cache: KVCache, start_B, last_B=None):
+        """Run T new tokens per row, at positions start_B[b] + [0, T), against the cache.
+
+        Prefill is T = prompt length with start_B = 0; a decode step is T = 1. Returns float32
+        logits (B, padded vocab) of each row's token at index last_B[b] (default: the last)
+        and the cache with the new tokens' keys and values in it. No dropout; positions must
+        stay below block_size (the caller checks: a gather here would clamp silently).
+        """
+        config = self.config
+        B, T = idx_BxT.shape
+        dtype = jnp.dtype(config.dtype)
+        position_BxT = start_B[:, None] + jnp.arange(T)  # per row: prompts of any length
+        x_BxTxD = (self.wte[...][idx_BxT] + self.wpe[...][position_BxT]).astype(dtype)
+        x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
+        x_BTxD, cache = self._run_blocks(x_BTxD, B, None, cache, start_B)
+        last_B = jnp.full((B,), T - 1) if last_B is None else last_B
+        x_BxD = x_BTxD.reshape(B, T, -1)[jnp.arange(B), last_B]  # the vocab matmul for B rows only
+        return self._mask_padding(self._unembed(self.ln_f(x_BxD))), cache
+
+    def _unembed(self, x_NxD):
+        """Float32 logits (N, padded vocab) through the tied embedding."""
+        return jax.lax.dot_general(x_NxD, self.wte[...].astype(x_NxD.dtype), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+    def _mask_padding(self, logits_xV):
+        """The padding entries of the vocabulary get -inf: the model is exactly GPT-2's."""
+        config = self.config
+        if config.padded_vocab_size == config.vocab_size:
+            return logits_xV
+        is_real_token = jnp.arange(config.padded_vocab_size) < config.vocab_size
+        return jnp.where(is_real_token, logits_xV, -jnp.inf)
+
+    def _run_blocks(self, x_BTxD, batch_size: int, dropout_key, cache=None, start_B=None):
+        """The stacked layers; with a cache (L, B, S, N, H), each layer reads and writes its slice."""
         config = self.config
         graphdef, stacked_state = nnx.split(self.blocks)
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
 
         def one_layer(x_BTxD, layer_inputs):
-            layer_state, layer_key = layer_inputs
-            return nnx.merge(graphdef, layer_state)(x_BTxD, batch_size, layer_key), None
+            layer_state, layer_key, layer_cache = layer_inputs
+            return nnx.merge(graphdef, layer_state)(x_BTxD, batch_size, layer_key, layer_cache, start_B)
 
         if config.remat_policy != "none":
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[config.remat_policy])
         if config.scan_layers:
-            x_BTxD, _ = jax.lax.scan(one_layer, x_BTxD, (stacked_state, layer_keys))
+            x_BTxD, cache = jax.lax.scan(one_layer, x_BTxD, (stacked_state, layer_keys, cache))
         else:  # unrolled: same stacked weights, one copy of the layer per depth in the program
+            layer_caches = []
             for i in range(config.n_layer):
-                layer_i = jax.tree.map(lambda a: a[i], (stacked_state, layer_keys))
-                x_BTxD, _ = one_layer(x_BTxD, layer_i)
-        return x_BTxD
+                layer_i = jax.tree.map(lambda a: a[i], (stacked_state, layer_keys, cache))
+                x_BTxD, layer_cache = one_layer(x_BTxD, layer_i)
+                layer_caches.append(layer_cache)
+            if cache is not None:
+                cache = jax.tree.map(lambda *layers: jnp.stack(layers), *layer_caches)
+        return x_BTxD, cache
 
 
 def count_params(config: GPTConfig) -> int:
@@ -227,3 +314,133 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
     T = seq_len or config.block_size
     n_matmul = count_params(config) - config.block_size * config.n_embd  # wpe is a lookup
     return 6 * n_matmul + 12 * config.n_layer * T * config.n_embd
+
+
+# ----------------------------------------------------------------------------- GPT-2 weights
+# A Hugging Face GPT-2 directory (what `save_pretrained` writes) holds config.json and
+# model.safetensors. Read here with NumPy only, so this file still needs just jax/flax.
+
+SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",
+                      "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?"}
+
+
+def read_safetensors(path) -> dict:
+    """{name: NumPy array} of a .safetensors file; BF16 comes back as float32.
+
+    The format: 8 bytes little-endian header length, a JSON header {name: {"dtype", "shape",
+    "data_offsets": [begin, end]}} with offsets counted from the end of the header, then
+    the raw little-endian bytes. The file is memory-mapped, not read whole.
+    """
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    data = np.memmap(path, np.uint8, mode="r", offset=8 + header_len)
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        raw, dtype = data[begin:end], info["dtype"]
+        if dtype == "BF16":  # bfloat16 is the top half of a float32: NumPy has no bf16 of its own
+            array = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        elif dtype in SAFETENSORS_DTYPES:
+            array = raw.view(SAFETENSORS_DTYPES[dtype])
+        else:
+            raise ValueError(f"{path}: tensor {name} has dtype {dtype}, which this reader does not "
+                             f"know ({', '.join(['BF16', *SAFETENSORS_DTYPES])})")
+        if array.size != math.prod(info["shape"]):
+            raise ValueError(f"{path}: tensor {name} has {end - begin} bytes, not shape {info['shape']} "
+                             f"of {dtype}: the file is truncated or damaged")
+        tensors[name] = array.reshape(info["shape"])
+    return tensors
+
+
+def read_hf_gpt2_config(path) -> dict:
+    """GPTConfig fields (vocab_size, block_size, n_layer, n_head, n_embd, bias) of path/config.json."""
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        hf = json.load(f)
+    if "n_positions" not in hf and "n_ctx" in hf:
+        hf["n_positions"] = hf["n_ctx"]
+    missing = [k for k in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd") if k not in hf]
+    if missing:
+        raise ValueError(f"{file} lacks {', '.join(missing)}: is it a GPT-2 config?")
+    problems = []
+    if hf.get("model_type", "gpt2") != "gpt2":
+        problems.append(f"model_type is {hf['model_type']!r}, not 'gpt2'")
+    if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:  # model.py's LayerNorm has GPT-2's 1e-5 built in
+        problems.append(f"layer_norm_epsilon is {hf['layer_norm_epsilon']}, nanomax supports 1e-5 only")
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        problems.append(f"activation_function is {hf['activation_function']!r}, nanomax has GPT-2's "
+                        f"tanh GELU ('gelu_new') only")
+    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
+        problems.append(f"n_inner is {hf['n_inner']}, nanomax's MLP is 4 * n_embd wide")
+    if problems:
+        raise ValueError(f"{file}: " + "; ".join(problems))
+    return {"vocab_size": hf["vocab_size"], "block_size": hf["n_positions"],
+            "n_layer": hf["n_layer"], "n_head": hf["n_head"], "n_embd": hf["n_embd"], "bias": True}
+
+
+def load_hf_gpt2(path, config: GPTConfig) -> dict:
+    """GPT-2 weights from a Hugging Face directory as parameters of GPT(config).
+
+    Returns the nested dict nnx.to_pure_dict(nnx.state(model)) has, of float32 NumPy
+    arrays. The config must have the checkpoint's shape; block_size may be shorter (the
+    position table is cut) and the vocabulary may be padded (with zero rows). HF's Conv1D
+    stores weights (in, out), i.e. y = x @ W: the orientation of our kernels.
+    """
+    hf = read_hf_gpt2_config(path)
+    differ = [f"{k}: checkpoint {hf[k]}, config {getattr(config, k)}"
+              for k in ("n_layer", "n_head", "n_embd", "vocab_size", "bias") if hf[k] != getattr(config, k)]
+    if config.block_size > hf["block_size"]:
+        differ.append(f"block_size: checkpoint {hf['block_size']}, config {config.block_size} "
+                      f"(may be smaller)")
+    if differ:
+        raise ValueError(f"{path} does not fit the model config ({'; '.join(differ)}): "
+                         f"use the checkpoint's values")
+    file = os.path.join(path, "model.safetensors")
+    tensors = {name.removeprefix("transformer."): array for name, array in read_safetensors(file).items()
+               if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # causal-mask buffers
+    lm_head = tensors.pop("lm_head.weight", None)
+    L, N, D, V = config.n_layer, config.n_head, config.n_embd, config.vocab_size
+    H = D // N
+
+    def take(name, shape):
+        if name not in tensors:
+            raise ValueError(f"{file} has no tensor {name!r} (nor transformer.{name})")
+        array = tensors.pop(name)
+        if array.shape != shape:
+            raise ValueError(f"{file}: {name} has shape {array.shape}, expected {shape}")
+        return array.astype(np.float32)
+
+    def layers(name, shape, reshape_to=None):  # h.0.<name> ... h.{L-1}.<name>, stacked
+        stacked = np.stack([take(f"h.{i}.{name}", shape) for i in range(L)])
+        return stacked if reshape_to is None else stacked.reshape(L, *reshape_to)
+
+    wte = take("wte.weight", (V, D))
+    if lm_head is not None and not np.array_equal(lm_head, wte):
+        raise ValueError(f"{file}: lm_head.weight differs from wte.weight; nanomax ties the two")
+    params = {
+        "wte": np.pad(wte, ((0, config.padded_vocab_size - V), (0, 0))),
+        "wpe": take("wpe.weight", (hf["block_size"], D))[:config.block_size],
+        "blocks": {
+            "ln_1": {"scale": layers("ln_1.weight", (D,)), "bias": layers("ln_1.bias", (D,))},
+            "attn": {  # c_attn's 3D outputs are [q | k | v], each split into N heads of H
+                "qkv_kernel": layers("attn.c_attn.weight", (D, 3 * D), (D, 3, N, H)),
+                "qkv_bias": layers("attn.c_attn.bias", (3 * D,), (3, N, H)),
+                "out_kernel": layers("attn.c_proj.weight", (D, D), (N, H, D)),
+                "out_bias": layers("attn.c_proj.bias", (D,)),
+            },
+            "ln_2": {"scale": layers("ln_2.weight", (D,)), "bias": layers("ln_2.bias", (D,))},
+            "mlp": {
+                "fc_kernel": layers("mlp.c_fc.weight", (D, 4 * D)),
+                "fc_bias": layers("mlp.c_fc.bias", (4 * D,)),
+                "proj_kernel": layers("mlp.c_proj.weight", (4 * D, D)),
+                "proj_bias": layers("mlp.c_proj.bias", (D,)),
+            },
+        },
+        "ln_f": {"scale": take("ln_f.weight", (D,)), "bias": take("ln_f.bias", (D,))},
+    }
+    if tensors:
+        raise ValueError(f"{file} has tensors a GPT-2 of this config does not: {sorted(tensors)[:5]}")
+    return params

@@ -1,13 +1,21 @@
-"""Sample text from a trained model.
+"""Sample text from a trained model, or from GPT-2 weights in Hugging Face files.
 
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3
+    python sample.py --init_from=/path/to/gpt2 --start="Hello, my name is" --top_p=0.9
+    python sample.py --out_dir=out-shakespeare-char --start=FILE:prompts.txt   # one prompt per line
 
-The whole generation is one compiled loop (lax.fori_loop): no return to Python between
-tokens. Each step recomputes the forward pass over a fixed (B, prompt + new) buffer;
-causal attention makes positions beyond the current one irrelevant.
+Two compiled programs, and no return to Python between tokens:
+  prefill  every prompt through the model in one pass, filling a per-layer KV cache. Prompts
+           of different lengths are right-padded, so row b's tokens sit at positions 0, 1, ...
+           and its first new token comes from the logits at its own last prompt position.
+  decode   a lax.while_loop: feed each row's newest token at its own position, attend to the
+           cache, sample the next one. A row stops at the stop token or at the model's context
+           length; the loop stops when every row has.
 """
 
 import dataclasses
+import functools
+import os
 import sys
 import time
 
@@ -18,99 +26,345 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 import configurator
+import model
 import sharding
 import train
-from tokenizer import load_tokenizer
+from tokenizer import EOT_TEXT, gpt2_tokenizer, load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
 class SampleConfig:
-    out_dir: str = "out"  # the training run whose latest checkpoint is used
-    start: str = "\n"  # the prompt; FILE:path reads it from a file
-    num_samples: int = 3
+    init_from: str = "resume"  # 'resume' (latest checkpoint in out_dir) or a Hugging Face GPT-2 directory
+    out_dir: str = "out"
+    start: str = "\n"  # the prompt; FILE:path reads prompts from a file, one per line
+    num_samples: int = 3  # samples per prompt
     max_new_tokens: int = 200
     temperature: float = 0.8  # 0 = greedy
     top_k: int = 200  # 0 = no top-k filtering
+    top_p: float = 1.0  # < 1: sample from the fewest tokens whose probability reaches top_p
+    stop: str = EOT_TEXT  # a sample ends at this token ('' = never); skipped if the vocabulary lacks it
     seed: int = 1337
+    stream: bool = False  # print the first sample while it is generated
+    kv_cache: bool = True  # False: recompute the whole forward pass for every token (slow; to compare)
+    mesh_data: int = 1  # devices splitting the samples
+    mesh_tensor: int = 1  # devices splitting the heads (and the KV cache)
+
+    def __post_init__(self):
+        for key in ("num_samples", "max_new_tokens", "mesh_data", "mesh_tensor"):
+            if getattr(self, key) < 1:
+                raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.temperature < 0 or self.top_k < 0:
+            raise configurator.ConfigError("temperature and top_k must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise configurator.ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def sample_logits(logits_BxV, key, temperature: float, top_k: int):
-    """One token per row: greedy at temperature 0, else softmax(logits / T) over the top k."""
+# ----------------------------------------------------------------------------- one token
+
+def sample_logits(logits_BxV, keys_B, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """One token id per row (row b draws with keys_B[b]): greedy at temperature 0, else from
+    softmax(logits / temperature) over the top_k most likely tokens, and of those the fewest
+    whose probability mass reaches top_p."""
     if temperature == 0:
         return jnp.argmax(logits_BxV, axis=-1)
     logits_BxV = logits_BxV / temperature
-    if top_k:
-        kth_largest = jax.lax.top_k(logits_BxV, min(top_k, logits_BxV.shape[-1]))[0][:, -1:]
-        logits_BxV = jnp.where(logits_BxV < kth_largest, -jnp.inf, logits_BxV)
-    return jax.random.categorical(key, logits_BxV, axis=-1)
+    draw = jax.vmap(jax.random.categorical)
+    if not top_k and top_p >= 1:
+        return draw(keys_B, logits_BxV)
+    V = logits_BxV.shape[-1]
+    logits_BxK, ids_BxK = jax.lax.top_k(logits_BxV, min(top_k or V, V))  # most likely first
+    if top_p < 1:
+        probs_BxK = jax.nn.softmax(logits_BxK, axis=-1)
+        mass_before_BxK = jnp.cumsum(probs_BxK, axis=-1) - probs_BxK  # 0 for the most likely: kept
+        logits_BxK = jnp.where(mass_before_BxK < top_p, logits_BxK, -jnp.inf)
+    choice_B = draw(keys_B, logits_BxK)
+    return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0]
 
 
-def generate(graphdef, params, prompt_BxP, max_new_tokens: int, key, *, vocab_size: int,
-             temperature: float = 1.0, top_k: int = 0):
-    """Prompt (B, P) -> (B, P + max_new_tokens) token ids, in one compiled loop."""
+def _add_token(state: dict, logits_BxV, sampling: tuple):
+    """Sample a token for every row still running and append it; update lengths and `done`."""
+    B, S = state["tokens"].shape
+    rows_B = jnp.arange(B)
+    step_key = jax.random.fold_in(state["key"], state["step"])
+    # A row's draws depend on (seed, row, step) only: not on the batch size or the mesh.
+    keys_B = jax.vmap(jax.random.fold_in, (None, 0))(step_key, rows_B)
+    token_B = sample_logits(logits_BxV, keys_B, *sampling)
+    adding_B = ~state["done"]
+    write_at_B = jnp.where(adding_B, state["length"], S)  # S is out of bounds: finished rows drop it
+    tokens_BxS = state["tokens"].at[rows_B, write_at_B].set(token_B, mode="drop")
+    length_B = state["length"] + adding_B
+    done_B = state["done"] | (token_B == state["stop_id"]) | (length_B >= state["limit"])
+    new_state = {**state, "tokens": tokens_BxS, "length": length_B, "done": done_B, "step": state["step"] + 1}
+    return new_state, token_B, adding_B
+
+
+# ----------------------------------------------------------------------------- the programs
+
+def prefill(graphdef, params, prompt_BxP, prompt_len_B, key, stop_id, *, length: int,
+            max_new_tokens: int, sampling: tuple, kv_cache: bool) -> dict:
+    """Run the prompts (right-padded to P) and sample each row's first new token.
+
+    Returns the generation state: tokens (B, length) so far, their count per row, the
+    length at which each row stops, `done`, the KV cache (None without kv_cache), the key,
+    the stop token (-1: none).
+    """
+    gpt = nnx.merge(graphdef, params)
     B, P = prompt_BxP.shape
-    tokens_BxT = jnp.zeros((B, P + max_new_tokens), jnp.int32).at[:, :P].set(prompt_BxP)
+    rows_B = jnp.arange(B)
+    tokens_BxS = jnp.zeros((B, length), jnp.int32).at[:, :P].set(prompt_BxP)
+    if kv_cache:
+        cache = model.init_cache(gpt.config, B, length)
+        logits_BxV, cache = gpt.decode(prompt_BxP, cache, jnp.zeros(B, jnp.int32), prompt_len_B - 1)
+    else:
+        cache = None
+        logits_BxV = gpt(tokens_BxS)[rows_B, prompt_len_B - 1]
+    state = {"tokens": tokens_BxS, "length": prompt_len_B, "done": jnp.zeros(B, bool),
+             "limit": jnp.minimum(prompt_len_B + max_new_tokens, length), "cache": cache,
+             "key": key, "step": jnp.zeros((), jnp.int32), "stop_id": stop_id}
+    return _add_token(state, logits_BxV[:, :gpt.config.vocab_size], sampling)[0]
 
-    def next_token(t, carry):
-        tokens_BxT, key = carry
-        key, step_key = jax.random.split(key)
-        logits_BxV = nnx.merge(graphdef, params)(tokens_BxT)[:, t - 1, :vocab_size]
-        token_B = sample_logits(logits_BxV, step_key, temperature, top_k)
-        return tokens_BxT.at[:, t].set(token_B), key
 
-    tokens_BxT, _ = jax.lax.fori_loop(P, P + max_new_tokens, next_token, (tokens_BxT, key))
-    return tokens_BxT
+def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, on_token=None) -> dict:
+    """Generate until every row is done, in one lax.while_loop. on_token(token, added) is
+    called on the host with row 0's token after every step (for streaming)."""
+    gpt = nnx.merge(graphdef, params)
+    rows_B = jnp.arange(state["tokens"].shape[0])
+
+    def one_token(state):
+        position_B = state["length"] - 1  # each row's newest token: sampled, not yet run
+        if kv_cache:
+            newest_Bx1 = state["tokens"][rows_B, position_B][:, None]
+            logits_BxV, cache = gpt.decode(newest_Bx1, state["cache"], position_B)
+            state = {**state, "cache": cache}
+        else:  # the whole (B, length) buffer again; causality hides what lies past each row
+            logits_BxV = gpt(state["tokens"])[rows_B, position_B]
+        state, token_B, added_B = _add_token(state, logits_BxV[:, :gpt.config.vocab_size], sampling)
+        if on_token is not None:
+            jax.debug.callback(on_token, token_B[0], added_B[0], ordered=True)
+        return state
+
+    return jax.lax.while_loop(lambda state: ~jnp.all(state["done"]), one_token, state)
+
+
+def compile_programs(setup, inputs: tuple, length: int, max_new_tokens: int, sampling: tuple,
+                     kv_cache: bool, on_token=None):
+    """The compiled prefill and decode for these input shapes and shardings (cached: another
+    call with the same shapes and options compiles nothing)."""
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), inputs)
+    leaves, treedef = jax.tree.flatten(abstract)
+    return _compile(setup.graphdef, setup.mesh, treedef, tuple(leaves), length, max_new_tokens, sampling,
+                    kv_cache, on_token)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(graphdef, mesh, treedef, leaves, length, max_new_tokens, sampling, kv_cache, on_token):
+    params, *inputs = jax.tree.unflatten(treedef, leaves)
+    with sharding.activate(mesh):
+        run_prefill = jax.jit(functools.partial(
+            prefill, graphdef, length=length, max_new_tokens=max_new_tokens, sampling=sampling,
+            kv_cache=kv_cache)).lower(params, *inputs).compile()
+        run_decode = jax.jit(functools.partial(
+            decode, graphdef, sampling=sampling, kv_cache=kv_cache, on_token=on_token),
+            donate_argnums=1).lower(params, run_prefill.out_info).compile()
+    return run_prefill, run_decode
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list  # the new tokens of each prompt, without the stop token
+    hit_context: list  # True where a sample stopped at the model's context length
+    prompt_tokens: int
+    new_tokens: int  # stop tokens included
+    compile_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def decode_tokens(self) -> int:  # each sample's first new token comes from the prefill
+        return self.new_tokens - len(self.tokens)
+
+
+def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_id: int | None = None,
+             kv_cache: bool = True, on_token=None) -> Generation:
+    """Up to max_new_tokens new tokens for each prompt (a list of token-id lists), in one batch.
+
+    The batch is padded with copies up to a multiple of the mesh's batch axes. Compilation
+    is timed apart from the prefill and the decode, and each ends with the result on the host.
+    """
+    block_size = setup.model_config.block_size
+    for i, ids in enumerate(prompts):
+        if not 0 < len(ids) < block_size:
+            raise ValueError(f"prompt {i} is {len(ids)} tokens; the model's context is {block_size} "
+                             f"tokens, with at least one left to generate: shorten the prompt")
+    split = setup.mesh.shape["data"] * setup.mesh.shape["fsdp"]
+    rows = list(prompts) + [prompts[-1]] * (-len(prompts) % split)
+    P = max(len(ids) for ids in rows)
+    S = min(P + max_new_tokens, block_size)
+    prompt_BxP = np.zeros((len(rows), P), np.int32)
+    for b, ids in enumerate(rows):
+        prompt_BxP[b, :len(ids)] = ids
+    prompt_len_B = np.array([len(ids) for ids in rows], np.int32)
+    mesh, batch = setup.mesh, sharding.batch_sharding(setup.mesh)
+    rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch.spec[0]))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    inputs = (params, jax.device_put(prompt_BxP, batch), jax.device_put(prompt_len_B, rows_sharding),
+              jax.device_put(jax.random.key(seed), replicated),
+              jax.device_put(np.int32(-1 if stop_id is None else stop_id), replicated))
+    start = time.perf_counter()
+    run_prefill, run_decode = compile_programs(setup, inputs, S, max_new_tokens, (temperature, top_k, top_p),
+                                               kv_cache, on_token)
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    state = jax.block_until_ready(run_prefill(*inputs))
+    prefill_s = time.perf_counter() - start
+    if on_token is not None:  # the first token of row 0 came from the prefill
+        on_token(int(state["tokens"][0, prompt_len_B[0]]), True)
+    start = time.perf_counter()
+    state = run_decode(params, state)
+    tokens_BxS, length_B = np.asarray(state["tokens"]), np.asarray(state["length"])
+    decode_s = time.perf_counter() - start
+
+    new_tokens, hit_context = [], []
+    for b, ids in enumerate(prompts):
+        new = tokens_BxS[b, len(ids):length_B[b]].tolist()
+        stopped = bool(new) and new[-1] == stop_id
+        new_tokens.append(new[:-1] if stopped else new)
+        hit_context.append(not stopped and length_B[b] == block_size and len(new) < max_new_tokens)
+    return Generation(new_tokens, hit_context, sum(len(ids) for ids in prompts),
+                      int(sum(length_B[b] - len(ids) for b, ids in enumerate(prompts))),
+                      compile_s, prefill_s, decode_s)
+
+
+# ----------------------------------------------------------------------------- text
+
+def encode_prompt(tok, text: str) -> list:
+    """Token ids of a prompt; an empty prompt starts from <|endoftext|> (or id 0 at char level)."""
+    return tok.encode(text) if text else [tok.eot_token or 0]
+
+
+def stop_token_id(tok, stop: str) -> int | None:
+    """The id of the stop token, or None when there is none to stop at."""
+    if not stop:
+        return None
+    try:
+        ids = tok.encode(stop)
+    except ValueError:  # characters outside a char-level vocabulary
+        ids = []
+    if len(ids) == 1:
+        return ids[0]
+    if stop == EOT_TEXT:  # the default, and this vocabulary has no such token: run to the end
+        return None
+    raise ValueError(f"--stop={stop!r} is {len(ids) or 'not'} tokens in this vocabulary; "
+                     f"it must be exactly one")
 
 
 def sample_text(setup, params, n_tokens: int, prompt: str = "\n", seed: int = 0,
-                temperature: float = 0.8, top_k: int = 200, num_samples: int = 1) -> list[str]:
-    """Decoded samples from the model described by `setup` (used by train.py and main())."""
-    tok = load_tokenizer(train.dataset_dir(setup.config))
-    prompt_ids = tok.encode(prompt) if prompt else [tok.eot_token or 0]
-    block_size = setup.model_config.block_size
-    if len(prompt_ids) >= block_size:
-        raise ValueError(f"the prompt is {len(prompt_ids)} tokens; the model's context is "
-                         f"{block_size}: shorten the prompt")
-    n_tokens = min(n_tokens, block_size - len(prompt_ids))
-    prompt_BxP = jnp.asarray([prompt_ids] * num_samples, jnp.int32)
-    run = jax.jit(generate, static_argnums=(0, 3), static_argnames=("vocab_size", "temperature", "top_k"))
-    with sharding.activate(setup.mesh):
-        out = run(setup.graphdef, params, prompt_BxP, n_tokens, jax.random.key(seed),
-                  vocab_size=setup.model_config.vocab_size, temperature=temperature, top_k=top_k)
-    return [tok.decode(row) for row in np.asarray(out)]
+                temperature: float = 0.8, top_k: int = 200, num_samples: int = 1, top_p: float = 1.0,
+                tokenizer=None) -> list[str]:
+    """Prompt + sample texts from the model described by `setup` (used by train.py)."""
+    tok = tokenizer or load_tokenizer(train.dataset_dir(setup.config))
+    ids = encode_prompt(tok, prompt)
+    out = generate(setup, params, [ids] * num_samples, n_tokens, seed=seed, temperature=temperature,
+                   top_k=top_k, top_p=top_p, stop_id=stop_token_id(tok, EOT_TEXT))
+    return [tok.decode(ids + new) for new in out.tokens]
 
 
-def load_for_inference(out_dir: str):
+class StreamPrinter:
+    """Prints one sample's text as its tokens arrive (called from inside the decode loop)."""
+
+    def __init__(self, tok, prompt_ids: list, stop_id: int | None):
+        self.tok, self.ids, self.stop_id, self.shown = tok, list(prompt_ids), stop_id, ""
+        self._show()
+
+    def __call__(self, token, added):
+        if added and int(token) != self.stop_id:
+            self.ids.append(int(token))
+            self._show()
+
+    def _show(self, final=False):
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd") and not final:  # half of a multi-byte character: wait for the rest
+            return
+        print(text[len(self.shown):], end="", flush=True)
+        self.shown = text
+
+    def finish(self):
+        self._show(final=True)
+        print()
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_for_inference(out_dir: str, mesh=None):
     """Setup and parameters of the latest checkpoint in out_dir (its config comes with it)."""
+    mesh = mesh or sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     manager = train.checkpoint_manager(configurator.Config(out_dir=out_dir), read_only=True)
     meta = train.read_checkpoint_meta(manager, out_dir)
-    config = configurator.config_from_dict(meta["config"])
-    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    # init_from may name a directory that is gone by now; it does not matter for sampling.
+    config = configurator.config_from_dict({**meta["config"], "init_from": "resume"})
     setup = train.make_setup(config, mesh, train.read_vocab_size(config))
     params = manager.restore(meta["step"], args=ocp.args.Composite(
         params=ocp.args.StandardRestore(setup.abstract_state["params"])))["params"]
     return setup, params, meta["step"]
 
 
+def load_hf(path: str, mesh):
+    """Setup and parameters of a Hugging Face GPT-2 directory (config.json + model.safetensors)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path} is not a Hugging Face GPT-2 directory: it has no config.json "
+                         f"(expected config.json and model.safetensors)")
+    fields = model.read_hf_gpt2_config(path)
+    batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    config = configurator.Config(init_from=path, batch_size=batch, **fields)
+    setup = train.make_setup(config, mesh, fields["vocab_size"])
+    return setup, train.load_pretrained(setup)
+
+
 def main(argv):
     cfg = configurator.load_config_or_exit(argv, SampleConfig)
-    prompt = cfg.start
     try:
-        if prompt.startswith("FILE:"):
-            with open(prompt[5:], encoding="utf-8") as f:
-                prompt = f.read()
-        setup, params, step = load_for_inference(cfg.out_dir)
-        print(f"loaded step {step} from {cfg.out_dir}", file=sys.stderr)
-        start = time.perf_counter()
-        texts = sample_text(setup, params, cfg.max_new_tokens, prompt, cfg.seed,
-                            cfg.temperature, cfg.top_k, cfg.num_samples)
-    except (OSError, ValueError) as e:
+        mesh = sharding.make_mesh(cfg.mesh_data, 1, cfg.mesh_tensor,
+                                  devices=jax.devices()[:cfg.mesh_data * cfg.mesh_tensor])
+        if cfg.init_from == "resume":
+            setup, params, step = load_for_inference(cfg.out_dir, mesh)
+            tok = load_tokenizer(train.dataset_dir(setup.config))
+            print(f"loaded step {step} from {cfg.out_dir}", file=sys.stderr)
+        else:
+            setup, params = load_hf(cfg.init_from, mesh)
+            tok = gpt2_tokenizer()
+            print(f"loaded {cfg.init_from}", file=sys.stderr)
+        texts = [cfg.start]
+        if cfg.start.startswith("FILE:"):
+            with open(cfg.start[5:], encoding="utf-8") as f:
+                texts = [line for line in f.read().splitlines() if line.strip()]
+            if not texts:
+                raise ValueError(f"{cfg.start[5:]} has no prompts (one per line)")
+        prompts = [encode_prompt(tok, text) for text in texts for _ in range(cfg.num_samples)]
+        stop_id = stop_token_id(tok, cfg.stop)
+        stream = StreamPrinter(tok, prompts[0], stop_id) if cfg.stream else None
+        out = generate(setup, params, prompts, cfg.max_new_tokens, seed=cfg.seed,
+                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_id=stop_id,
+                       kv_cache=cfg.kv_cache, on_token=stream)
+    except (OSError, ValueError) as e:  # also train.CheckpointError, sharding.MeshError
         sys.exit(f"error: {e}")
-    for text in texts:
-        print(text)
+    for i, (ids, new) in enumerate(zip(prompts, out.tokens)):
+        if i == 0 and stream is not None:
+            stream.finish()  # already on screen, but for a last half character
+        else:
+            print(tok.decode(ids + new))
         print("---------------")
-    print(f"{cfg.num_samples} x {cfg.max_new_tokens} tokens in {time.perf_counter() - start:.1f} s "
-          f"(including compilation)", file=sys.stderr)
+    block_size = setup.model_config.block_size
+    for i, new in enumerate(out.tokens):
+        if out.hit_context[i]:
+            print(f"sample {i} stopped at the model's context length ({block_size} tokens) after "
+                  f"{len(new)} new tokens", file=sys.stderr)
+    rows = len(prompts)
+    print(f"prefill: {out.prompt_tokens} prompt tokens in {out.prefill_s * 1e3:.1f} ms "
+          f"({out.prompt_tokens / out.prefill_s:,.0f} tok/s) | decode: {out.decode_tokens} tokens in "
+          f"{out.decode_s:.2f} s ({out.decode_tokens / out.decode_s:,.1f} tok/s, {rows} rows"
+          f"{', KV cache' if cfg.kv_cache else ', recomputed'}) | compile {out.compile_s:.1f} s",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

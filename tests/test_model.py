@@ -2,6 +2,7 @@
 and the forward pass against an independent float64 NumPy implementation of GPT-2."""
 
 import dataclasses
+import json
 import math
 import sys
 from pathlib import Path
@@ -287,3 +288,189 @@ def test_bfloat16_compute():
     assert logits_half.dtype == jnp.float32
     diff = np.abs(np.asarray(logits_half) - logits_full).max()
     assert 0 < diff < 0.02  # really computed in bfloat16 (measured ~2e-3), and close
+
+
+# --- decoding with a KV cache ---------------------------------------------------------------
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_decode_with_cache_matches_the_full_forward(scan_layers):
+    """Feed each row in two chunks that start at different positions per row; every logit
+    must equal the full causal forward's at the same position."""
+    config = dataclasses.replace(TINY, scan_layers=scan_layers, pad_vocab_to_multiple=64)
+    gpt = randomize(nnx.jit(lambda: GPT(config, jax.random.key(0)))())  # eager is slow
+    graphdef, state = nnx.split(gpt)
+    decode = jax.jit(lambda *args: nnx.merge(graphdef, state).decode(*args))
+    idx = tokens((3, 16))
+    full = np.asarray(nnx.jit(lambda gpt, idx: gpt(idx))(gpt, idx))
+    split_B = jnp.array([1, 6, 11])  # row b: tokens [0, split) in one call, then 5 one at a time
+    cache = model.init_cache(gpt.config, batch_size=3, length=16)
+    rows = jnp.arange(3)
+    # Right-padded with a wrong token: its cache entries must stay hidden until overwritten.
+    first = jnp.where(jnp.arange(11) < split_B[:, None], idx[:, :11], 7)
+    logits, cache = decode(first, cache, jnp.zeros(3, jnp.int32), split_B - 1)
+    np.testing.assert_allclose(logits, full[np.arange(3), np.asarray(split_B) - 1], rtol=0, atol=1e-5)
+    second = idx[rows[:, None], split_B[:, None] + jnp.arange(5)]
+    for t in range(5):  # then one token at a time, each row at its own position
+        logits, cache = decode(second[:, t:t + 1], cache, split_B + t)
+        np.testing.assert_allclose(logits, full[np.arange(3), np.asarray(split_B) + t], rtol=0, atol=1e-5)
+    assert cache.k.shape == (2, 3, 16, 4, 8) and cache.k.dtype == jnp.float32
+
+
+# --- GPT-2 weights in Hugging Face files ------------------------------------------------------
+
+def _to_bytes(array, dtype):
+    if dtype == "BF16":  # the top 16 bits of the float32 (the test values are exact in bfloat16)
+        return (np.asarray(array, "<f4").view("<u4") >> 16).astype("<u2").tobytes()
+    return np.asarray(array).astype(model.SAFETENSORS_DTYPES[dtype]).tobytes()
+
+
+def write_safetensors(path, tensors):
+    """{name: (array, dtype)} -> a .safetensors file, written by hand from the format's description."""
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, (array, dtype) in tensors.items():
+        raw = _to_bytes(array, dtype)
+        header[name] = {"dtype": dtype, "shape": list(np.shape(array)),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the format pads the header to 8 bytes
+    Path(path).write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=65, n_positions=16, seed=0):
+    """GPT-2 tensors under Hugging Face's names (no prefix), Conv1D weights stored (in, out)."""
+    rng = np.random.default_rng(seed)
+    D = n_embd
+    normal = lambda *shape, std=0.1: (std * rng.standard_normal(shape)).astype(np.float32)
+    t = {"wte.weight": normal(vocab_size, D, std=0.3), "wpe.weight": normal(n_positions, D),
+         "ln_f.weight": 1 + normal(D, std=0.2), "ln_f.bias": normal(D)}
+    for i in range(n_layer):
+        t |= {f"h.{i}.ln_1.weight": 1 + normal(D, std=0.2), f"h.{i}.ln_1.bias": normal(D),
+              f"h.{i}.attn.c_attn.weight": normal(D, 3 * D, std=0.2),
+              f"h.{i}.attn.c_attn.bias": normal(3 * D),
+              f"h.{i}.attn.c_proj.weight": normal(D, D), f"h.{i}.attn.c_proj.bias": normal(D),
+              f"h.{i}.ln_2.weight": 1 + normal(D, std=0.2), f"h.{i}.ln_2.bias": normal(D),
+              f"h.{i}.mlp.c_fc.weight": normal(D, 4 * D), f"h.{i}.mlp.c_fc.bias": normal(4 * D),
+              f"h.{i}.mlp.c_proj.weight": normal(4 * D, D), f"h.{i}.mlp.c_proj.bias": normal(D)}
+    return t
+
+
+def write_hf_gpt2(directory, tensors, n_head, prefix="transformer.", buffers=True, **config_changes):
+    """A directory as `GPT2LMHeadModel.save_pretrained` writes it: config.json + model.safetensors."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    n_layer = 1 + max(int(name.split(".")[1]) for name in tensors if name.startswith("h."))
+    V, D = tensors["wte.weight"].shape
+    T = tensors["wpe.weight"].shape[0]
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": n_layer,
+              "n_head": n_head, "n_embd": D, "n_positions": T, "n_ctx": T, "vocab_size": V,
+              "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new", "n_inner": None}
+    (directory / "config.json").write_text(json.dumps(config | config_changes))
+    files = {prefix + name: (array, "F32") for name, array in tensors.items()}
+    if buffers:  # what older transformers versions saved too: must be ignored
+        for i in range(n_layer):
+            files[f"{prefix}h.{i}.attn.bias"] = (np.tril(np.ones((1, 1, T, T), np.float32)), "F32")
+            files[f"{prefix}h.{i}.attn.masked_bias"] = (np.array(-1e4, np.float32), "F32")
+        files["lm_head.weight"] = (tensors["wte.weight"], "F32")  # tied
+    write_safetensors(directory / "model.safetensors", files)
+    return str(directory)
+
+
+def hf_reference_forward(t, n_head, idx):
+    """GPT-2 in float64 NumPy straight from the Hugging Face tensors (not via model.py's layout)."""
+    t = {name: np.asarray(a, np.float64) for name, a in t.items()}
+    idx = np.asarray(idx)
+    B, T = idx.shape
+    D = t["wte.weight"].shape[1]
+    N, H = n_head, D // n_head
+    heads = lambda a: a.reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H)
+    x = t["wte.weight"][idx] + t["wpe.weight"][:T]
+    i = 0
+    while f"h.{i}.ln_1.weight" in t:
+        p = lambda name: t[f"h.{i}.{name}"]
+        h = _layer_norm(x, p("ln_1.weight"), p("ln_1.bias"))
+        q, k, v = np.split(h @ p("attn.c_attn.weight") + p("attn.c_attn.bias"), 3, axis=-1)
+        scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / np.sqrt(H)
+        scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        y = (weights @ heads(v)).transpose(0, 2, 1, 3).reshape(B, T, D)
+        x = x + y @ p("attn.c_proj.weight") + p("attn.c_proj.bias")
+        h = _layer_norm(x, p("ln_2.weight"), p("ln_2.bias"))
+        h = _gelu_tanh(h @ p("mlp.c_fc.weight") + p("mlp.c_fc.bias"))
+        x = x + h @ p("mlp.c_proj.weight") + p("mlp.c_proj.bias")
+        i += 1
+    x = _layer_norm(x, t["ln_f.weight"], t["ln_f.bias"])
+    return x @ t["wte.weight"].T
+
+
+def gpt_from_hf(directory, **changes):
+    fields = model.read_hf_gpt2_config(directory)
+    config = GPTConfig(**(fields | changes))
+    gpt = nnx.eval_shape(lambda: GPT(config, jax.random.key(0)))
+    state = nnx.state(gpt)
+    nnx.replace_by_pure_dict(state, model.load_hf_gpt2(directory, config))
+    nnx.update(gpt, state)
+    return gpt
+
+
+def test_safetensors_reader(tmp_path):
+    exact = np.array([[1.0, -2.5, 0.15625], [3.0e4, -1.0e-3, 0.0]], np.float32)
+    bf16_exact = np.array([[1.0, -2.5, 0.15625], [384.0, -0.0078125, 0.0]], np.float32)  # 8-bit mantissas
+    write_safetensors(tmp_path / "t.safetensors", {
+        "a.f32": (exact, "F32"), "b.f16": (exact[:, :2], "F16"), "c.bf16": (bf16_exact, "BF16"),
+        "d.i64": (np.arange(5), "I64"), "e.scalar": (np.float32(7.0), "F32")})
+    t = model.read_safetensors(tmp_path / "t.safetensors")
+    assert set(t) == {"a.f32", "b.f16", "c.bf16", "d.i64", "e.scalar"}  # __metadata__ skipped
+    np.testing.assert_array_equal(t["a.f32"], exact)
+    assert t["b.f16"].dtype == np.float16
+    np.testing.assert_array_equal(t["b.f16"], exact[:, :2].astype(np.float16))
+    assert t["c.bf16"].dtype == np.float32
+    np.testing.assert_array_equal(t["c.bf16"], bf16_exact)
+    np.testing.assert_array_equal(t["d.i64"], np.arange(5))
+    assert t["e.scalar"].shape == () and t["e.scalar"] == 7.0
+
+
+@pytest.mark.parametrize("prefix", ["transformer.", ""])
+def test_hf_gpt2_logits_match_a_float64_numpy_forward(tmp_path, prefix):
+    tensors = random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=65, n_positions=24)
+    directory = write_hf_gpt2(tmp_path / "gpt2", tensors, n_head=4, prefix=prefix, buffers=bool(prefix))
+    idx = tokens((2, 16))
+    expected = hf_reference_forward(tensors, 4, idx)
+    assert np.abs(expected).max() > 1.0  # the weights are big enough for mistakes to show
+    forward = nnx.jit(lambda gpt, idx: gpt(idx))
+    # The checkpoint's own shape...
+    np.testing.assert_allclose(forward(gpt_from_hf(directory), idx), expected, rtol=0, atol=1e-5)
+    # ...and a shorter context with a padded vocabulary (fine-tuning at block_size 16).
+    gpt = gpt_from_hf(directory, block_size=16, pad_vocab_to_multiple=64)
+    assert gpt.wpe.shape == (16, 32) and gpt.wte.shape == (128, 32)
+    logits = np.asarray(forward(gpt, idx))
+    np.testing.assert_allclose(logits[..., :65], expected, rtol=0, atol=1e-5)
+    # The decode path (prefill of the whole row) gives the last position's logits.
+    last, _ = nnx.jit(lambda gpt, idx: gpt.decode(idx, model.init_cache(gpt.config, 2, 16),
+                                                    jnp.zeros(2, jnp.int32)))(gpt, idx)
+    np.testing.assert_allclose(np.asarray(last)[:, :65], expected[:, -1], rtol=0, atol=1e-5)
+
+
+def test_hf_gpt2_problems_are_named(tmp_path):
+    tensors = random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=65, n_positions=16)
+    good = write_hf_gpt2(tmp_path / "good", tensors, n_head=4)
+    config = GPTConfig(**model.read_hf_gpt2_config(good))
+    shape = (config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size)
+    assert shape == (2, 4, 32, 16, 65)
+    with pytest.raises(ValueError, match="n_layer: checkpoint 2, config 3"):
+        model.load_hf_gpt2(good, dataclasses.replace(config, n_layer=3))
+    with pytest.raises(ValueError, match="block_size: checkpoint 16, config 32"):
+        model.load_hf_gpt2(good, dataclasses.replace(config, block_size=32))
+    eps = write_hf_gpt2(tmp_path / "eps", tensors, n_head=4, layer_norm_epsilon=1e-6)
+    with pytest.raises(ValueError, match="layer_norm_epsilon is 1e-06"):
+        model.read_hf_gpt2_config(eps)
+    without = {k: v for k, v in tensors.items() if k != "h.1.mlp.c_fc.bias"}
+    missing = write_hf_gpt2(tmp_path / "missing", without, n_head=4)
+    with pytest.raises(ValueError, match="no tensor 'h.1.mlp.c_fc.bias'"):
+        model.load_hf_gpt2(missing, config)
+    transposed = tensors | {"h.0.attn.c_attn.weight": np.zeros((96, 32))}  # nn.Linear's (out, in)
+    bad_shape = write_hf_gpt2(tmp_path / "shape", transposed, n_head=4)
+    with pytest.raises(ValueError, match=r"h.0.attn.c_attn.weight has shape \(96, 32\), expected \(32, 96\)"):
+        model.load_hf_gpt2(bad_shape, config)
