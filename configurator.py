@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import runpy
 import sys
 import types
@@ -30,7 +31,7 @@ class Config:
     dataset: str = "shakespeare_char"  # reads data/<dataset>/{train,val}.bin and meta.json
     data_dir: str = "data"
     out_dir: str = "out"  # checkpoints, TensorBoard events, the effective config
-    init_from: str = "scratch"  # 'scratch' | 'resume' (latest checkpoint in out_dir)
+    init_from: str = "scratch"  # 'scratch' | 'resume' (latest checkpoint in out_dir) | a HF GPT-2 dir
     seed: int = 1337  # the batch and the dropout mask of step s depend only on (seed, s)
     # model (GPT-2 small by default, as in the paper)
     n_layer: int = 12
@@ -63,7 +64,13 @@ class Config:
     eval_only: bool = False
     log_interval: int = 1
     always_save_checkpoint: bool = True  # False: save only when val loss improves
-    max_to_keep: int = 3
+    max_to_keep: int = 3  # the latest checkpoints kept...
+    keep_best: int = 1  # ...plus this many with the lowest val loss
+    # reliability
+    nan_policy: str = "stop"  # non-finite loss/grads: 'stop' (exit, keep the last good
+    #                           checkpoint) | 'skip_step' (leave the params, count it)
+    stack_dump_interval: int = 0  # seconds; >0 dumps every thread's stack to out_dir (hangs)
+    profile_steps: str = ""  # 'START:STOP' traces those steps into out_dir/profile
     tensorboard: bool = True
     sample_tokens: int = 0  # print a sample of this many tokens at the end of training
     # sanity check: train on one fixed batch again and again (the loss must go to ~0)
@@ -80,6 +87,8 @@ class Config:
     coordinator_address: str = ""  # host:port of process 0
     num_processes: int = 1
     process_id: int = 0
+    # a train step compiled ahead of time (compile_aot.py --save=FILE); '' = compile it here
+    compiled_train_step: str = ""  # it is used only if it was built for exactly this run
 
     @property
     def tokens_per_step(self) -> int:
@@ -88,13 +97,18 @@ class Config:
     def __post_init__(self):
         _check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
-        _check_choice("init_from", self.init_from, ("scratch", "resume"))
+        if self.init_from not in ("scratch", "resume") and not os.path.isdir(self.init_from):
+            raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume' or a Hugging Face "
+                              f"GPT-2 directory (config.json + model.safetensors); got {self.init_from!r}")
+        _check_choice("nan_policy", self.nan_policy, ("stop", "skip_step"))
         for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
                     "gradient_accumulation_steps", "eval_interval", "eval_iters",
                     "log_interval", "max_to_keep", "pad_vocab_to_multiple",
                     "dcn_data", "dcn_fsdp", "dcn_tensor", "num_processes"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
+        if self.profile_steps and not re.fullmatch(r"\d+:\d+", self.profile_steps):
+            raise ConfigError(f"profile_steps must look like START:STOP (e.g. 10:13), got {self.profile_steps!r}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:

@@ -9,10 +9,13 @@ built by `make_train_step` / `make_eval_step` and jitted once with explicit shar
 compile_aot.py and bench.py build and run exactly these functions.
 """
 
+import contextlib
 import dataclasses
+import faulthandler
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -22,11 +25,12 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 import configurator
 import sharding
 from configurator import Config
-from model import GPT, GPTConfig, count_params, flops_per_token
+from model import GPT, GPTConfig, count_params, flops_per_token, load_hf_gpt2
 
 
 class DataError(ValueError):
@@ -35,6 +39,10 @@ class DataError(ValueError):
 
 class CheckpointError(ValueError):
     """A missing or incompatible checkpoint; the message says what differs."""
+
+
+class TrainingError(RuntimeError):
+    """Training can't go on (e.g. the loss became NaN); the message says what was kept."""
 
 
 # ----------------------------------------------------------------------------- data
@@ -222,10 +230,16 @@ def make_train_step(setup: Setup):
         n_micro = x_AxBxT.shape[0]
         grad_sum, losses = jax.lax.scan(micro_step, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro)))
         grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
+        loss, grad_norm = losses.mean(), optax.tree.norm(grads)
         updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
-        new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+        # A non-finite step leaves parameters and optimizer state as they were, so a NaN
+        # can never reach a checkpoint; nan_policy decides whether training goes on.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_state = {"params": keep_if_bad(optax.apply_updates(params, updates), params),
+                     "opt_state": keep_if_bad(opt_state, state["opt_state"]),
                      "step": state["step"] + 1}
-        metrics = {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads),
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
                    "lr": learning_rate(config, state["step"])}
         return new_state, metrics
 
@@ -285,20 +299,45 @@ def peak_flops(devices) -> tuple[float | None, str]:
 # ----------------------------------------------------------------------------- checkpoints
 
 def checkpoint_manager(config: Config, read_only=False) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=config.max_to_keep, read_only=read_only,
-                                           create=not read_only)
-    return ocp.CheckpointManager(os.path.abspath(os.path.join(config.out_dir, "checkpoints")),
-                                 options=options)
+    """Keeps the latest max_to_keep checkpoints plus the keep_best ones by val loss."""
+    policies = ocp.checkpoint_managers
+    keep = policies.AnyPreservationPolicy([
+        policies.LatestN(n=config.max_to_keep),
+        policies.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=config.keep_best,
+                       keep_checkpoints_without_metrics=False)])
+    options = ocp.CheckpointManagerOptions(preservation_policy=keep, read_only=read_only,
+                                           create=False, cleanup_tmp_directories=not read_only)
+    directory = os.path.abspath(os.path.join(config.out_dir, "checkpoints"))
+    return ocp.CheckpointManager(directory, options=options)
 
 
 def save_checkpoint(manager, state: dict, config: Config, val_loss: float | None) -> None:
     """Async and atomic: Orbax writes to a temporary directory and renames it when complete."""
     step = int(state["step"])
     meta = {"step": step, "val_loss": val_loss, "config": dataclasses.asdict(config)}
-    manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(state["params"]),
-        opt_state=ocp.args.StandardSave(state["opt_state"]),
-        meta=ocp.args.JsonSave(meta)))
+    with checkpoint_write_errors(manager):  # also reports a failure of the previous async save
+        manager.save(step, metrics=None if val_loss is None else {"val_loss": val_loss},
+                     args=ocp.args.Composite(params=ocp.args.StandardSave(state["params"]),
+                                             opt_state=ocp.args.StandardSave(state["opt_state"]),
+                                             meta=ocp.args.JsonSave(meta)))
+
+
+def wait_for_checkpoints(manager) -> None:
+    with checkpoint_write_errors(manager):
+        manager.wait_until_finished()
+
+
+@contextlib.contextmanager
+def checkpoint_write_errors(manager):
+    """A failed write (e.g. a full disk) becomes one message. Orbax renames a checkpoint
+    into place only once it is complete, so the earlier ones are untouched."""
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        reason = "No space left on device" if "No space left" in str(e) else str(e).split("\n")[0][:300]
+        manager.reload()  # forget the step that failed
+        raise TrainingError(f"writing a checkpoint failed ({reason}); the latest complete "
+                            f"checkpoint (step {manager.latest_step()}) is intact") from e
 
 
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "pad_vocab_to_multiple")
@@ -328,17 +367,31 @@ def restore_state(manager, setup: Setup) -> dict:
     return {"params": restored["params"], "opt_state": restored["opt_state"], "step": step}
 
 
+def load_pretrained(setup: Setup) -> dict:
+    """Parameters from the Hugging Face GPT-2 directory config.init_from, in this run's shardings."""
+    try:
+        params = load_hf_gpt2(setup.config.init_from, setup.model_config)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"init_from={setup.config.init_from}: {e}") from None
+    # Every process reads the files and keeps only the pieces its devices hold.
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
+                        params, setup.state_shardings["params"])
+
+
 # ----------------------------------------------------------------------------- the loop
 
 class Logger:
-    """stdout on process 0, plus TensorBoard scalars under out_dir."""
+    """stdout on process 0, plus TensorBoard scalars and text under out_dir (no TensorFlow)."""
 
     def __init__(self, config: Config):
         self.is_main = jax.process_index() == 0
-        self.writer = None
+        self.writer = self.text_writer = None
         if self.is_main and config.tensorboard:
-            from tensorboard.summary import Writer  # no TensorFlow needed
-            self.writer = Writer(os.path.join(config.out_dir, "tensorboard"))
+            from tensorboard.summary import Writer
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+            logdir = os.path.join(config.out_dir, "tensorboard")
+            self.writer = Writer(logdir)
+            self.text_writer = EventFileWriter(logdir, filename_suffix=".text")
 
     def print(self, *args):
         if self.is_main:
@@ -350,9 +403,38 @@ class Logger:
                 self.writer.add_scalar(tag, float(value), step)
             self.writer.flush()
 
+    def text(self, step: int, tag: str, text: str):
+        """A text summary, shown in TensorBoard's Text tab."""
+        if self.text_writer:
+            from tensorboard.compat.proto import event_pb2, summary_pb2
+            from tensorboard.util import tensor_util
+            plugin = summary_pb2.SummaryMetadata.PluginData(plugin_name="text")
+            value = summary_pb2.Summary.Value(
+                tag=tag, metadata=summary_pb2.SummaryMetadata(plugin_data=plugin),
+                tensor=tensor_util.make_tensor_proto(np.array(text, dtype=object)))
+            self.text_writer.add_event(event_pb2.Event(
+                wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=[value])))
+            self.text_writer.flush()
+
     def close(self):
         if self.writer:
             self.writer.close()
+            self.text_writer.close()
+
+
+def format_seconds(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def show_progress(label: str, done: int, total: int, start: float) -> None:
+    """A progress line on stderr, only for passes long enough (> 5 s) to need one."""
+    elapsed = time.perf_counter() - start
+    if elapsed > 5 and jax.process_index() == 0:
+        eta = elapsed / done * (total - done)
+        end = "\n" if done == total else ""
+        print(f"\r{label} {done}/{total} | ETA {format_seconds(eta)}", end=end, file=sys.stderr, flush=True)
 
 
 def estimate_losses(eval_step, params, splits: dict, setup: Setup, rows) -> dict:
@@ -360,109 +442,255 @@ def estimate_losses(eval_step, params, splits: dict, setup: Setup, rows) -> dict
     config = setup.config
     losses = {}
     for split, tokens in splits.items():
-        total = 0.0
+        total, start = 0.0, time.perf_counter()
         for i in range(config.eval_iters):
             x, y = batch_for_step(tokens, config, i, split, rows, n_micro=1, stream=1)
             batch = tuple(sharding.global_batch(a[0], setup.batch_sharding, (config.batch_size,
                           config.block_size)) for a in (x, y))
             total += eval_step(params, batch)
+            if (i + 1) % 10 == 0 or i + 1 == config.eval_iters:
+                total = float(total)  # wait here now and then, so the progress line is honest
+                show_progress(f"eval {split}", i + 1, config.eval_iters, start)
         losses[split] = float(total) / config.eval_iters
     return losses
 
 
+class Preemption:
+    """SIGTERM/SIGINT: finish the step, save, exit 0. A second Ctrl-C exits at once.
+
+    On several hosts the signal may reach only some of them, so the processes agree
+    (an all-gather of one flag) before anyone stops.
+    """
+
+    def __init__(self):
+        self.signal_name = None
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame):
+        if self.signal_name is not None and signum == signal.SIGINT:
+            os._exit(130)  # immediate: committed checkpoints are complete, partial ones ignored
+        self.signal_name = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        if jax.process_count() == 1:
+            return self.signal_name is not None
+        flags = multihost_utils.process_allgather(np.array(self.signal_name is not None))
+        return bool(np.any(flags))
+
+    def close(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def start_stack_dumps(config: Config):
+    """Hang diagnostics: every process writes all Python thread stacks to out_dir, every
+    stack_dump_interval seconds and whenever it receives SIGUSR1."""
+    if not config.stack_dump_interval:
+        return None
+    os.makedirs(config.out_dir, exist_ok=True)
+    dump = open(os.path.join(config.out_dir, f"stacks-process{jax.process_index()}.txt"), "a")
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    faulthandler.dump_traceback_later(config.stack_dump_interval, repeat=True, file=dump)
+    return dump
+
+
 def train(config: Config, devices=None) -> list[tuple[int, float]]:
     """Run training as configured (on `devices`, default all); returns (step, loss) per logged step."""
+    # Everything that can be wrong with the input is checked before anything is written.
     vocab_size = read_vocab_size(config)
     splits = {s: open_split(config, s, vocab_size) for s in ("train", "val")}
     mesh = make_mesh(config, devices)
     setup = make_setup(config, mesh, vocab_size)
-    log = Logger(config)
-    if log.is_main:
-        print("config:")
-        configurator.print_config(config)
-
-    n_params = count_params(setup.model_config)
-    flops_token = flops_per_token(setup.model_config)
-    peak, peak_source = peak_flops(mesh.devices.flatten().tolist())
-    log.print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
-              + " x ".join(f"{a}={n}" for a, n in mesh.shape.items()))
-    log.print(f"model: {n_params:,} parameters, {flops_token / 1e6:,.2f} MFLOP/token (train), "
-              f"vocab {vocab_size} (padded {setup.model_config.padded_vocab_size})")
-    log.print(f"data: {len(splits['train']):,} train / {len(splits['val']):,} val tokens; "
-              f"{config.tokens_per_step:,} tokens per step")
-    log.print(f"peak: {peak / 1e12:.2f} TFLOP/s ({peak_source})" if peak else f"peak: {peak_source}")
-    log.print(f"writing to {config.out_dir}")
     manager = checkpoint_manager(config)
     if config.init_from == "resume":
         state = restore_state(manager, setup)
-        log.print(f"resumed from step {int(state['step'])}")
     else:
         state = init_state(setup)
+    if config.init_from not in ("scratch", "resume"):  # a Hugging Face GPT-2 directory: fine-tune it
+        state["params"] = load_pretrained(setup)
+    train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
+    if config.compiled_train_step:  # built by compile_aot.py; refused unless made for this run
+        import compile_aot
+        train_step = compile_aot.load_train_step(config.compiled_train_step, setup)
+
+    log = Logger(config)
+    peak, peak_source = peak_flops(mesh.devices.flatten().tolist())
+    print_summary(log, config, setup, splits, f"{peak / 1e12:.2f} TFLOP/s ({peak_source})"
+                  if peak else peak_source)
+    flops_token = flops_per_token(setup.model_config)
     if jax.process_index() == 0:
         os.makedirs(config.out_dir, exist_ok=True)
         _write_atomically(os.path.join(config.out_dir, "config.json"),
                           configurator.config_to_json(config))
+    stack_dump_file = start_stack_dumps(config)
+    preemption = Preemption()
 
     rows = sharding.local_batch_rows(setup.batch_sharding, config.batch_size)
     n_micro = config.gradient_accumulation_steps
     micro_shape = (n_micro, config.batch_size, config.block_size)
-    train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
-    history, best_val = [], float("inf")
+    history, best_val, n_skipped = [], float("inf"), 0
+    pending_finite = []  # per-step "loss and gradients were finite" flags, read at log time
     start_step = step = int(state["step"])
-    t_last, step_last = time.perf_counter(), step
+    clock = StepClock(step, config.max_iters)
+    profile_start, profile_stop = parse_profile_steps(config.profile_steps)
 
-    with sharding.activate(mesh):
-        while True:
-            last = step >= config.max_iters
-            if (step % config.eval_interval == 0 and step > start_step) or last or config.eval_only:
-                losses = estimate_losses(eval_step, state["params"], splits, setup, rows)
-                log.print(f"step {step} | train loss {losses['train']:.4f} | val loss {losses['val']:.4f}")
-                log.scalars(step, {"eval/train_loss": losses["train"], "eval/val_loss": losses["val"]})
-                if config.eval_only:
+    def check_finite():
+        nonlocal n_skipped
+        if not pending_finite:
+            return
+        finite = np.asarray(jnp.stack(pending_finite))
+        first_bad = step - len(pending_finite) + int(np.argmin(finite))
+        pending_finite.clear()
+        if finite.all():
+            return
+        if config.nan_policy == "stop":
+            raise TrainingError(
+                f"non-finite loss or gradient norm at step {first_bad}; nothing from that step "
+                f"on was saved (latest checkpoint: step {manager.latest_step()}). Lower "
+                f"learning_rate, check the data, or use --nan_policy=skip_step")
+        n_skipped += int((~finite).sum())
+
+    try:
+        with sharding.activate(mesh):
+            while True:
+                last = step >= config.max_iters
+                if (step % config.eval_interval == 0 and step > start_step) or last or config.eval_only:
+                    check_finite()
+                    losses = estimate_losses(eval_step, state["params"], splits, setup, rows)
+                    log.print(f"step {step} | train loss {losses['train']:.4f} | val loss {losses['val']:.4f}")
+                    log.scalars(step, {"eval/train_loss": losses["train"], "eval/val_loss": losses["val"]})
+                    if config.sample_tokens and jax.process_count() == 1:
+                        log.text(step, "samples", sample_for_log(setup, state["params"], splits))
+                    if config.eval_only:
+                        break
+                    if (losses["val"] < best_val or config.always_save_checkpoint or last) and step > start_step:
+                        best_val = min(best_val, losses["val"])
+                        log.print(f"saving checkpoint at step {step}")
+                        save_checkpoint(manager, state, config, losses["val"])
+                    clock.restart(step)  # evaluation and saving are not billed to training steps
+                if last:
                     break
-                if (losses["val"] < best_val or config.always_save_checkpoint or last) and step > start_step:
-                    best_val = min(best_val, losses["val"])
-                    save_checkpoint(manager, state, config, losses["val"])
-                t_last, step_last = time.perf_counter(), step  # don't bill eval time to training
-            if last:
-                break
-            data_step = 0 if config.overfit_batch else step
-            x, y = batch_for_step(splits["train"], config, data_step, "train", rows, n_micro)
-            batch = tuple(sharding.global_batch(a, setup.micro_batch_sharding, micro_shape)
-                          for a in (x, y))
-            state, metrics = train_step(state, batch)
-            step += 1
-            if step == start_step + 1:  # the first call compiles: keep it out of the step times
-                jax.block_until_ready(metrics)
-                compile_seconds = time.perf_counter() - t_last
-                t_last, step_last = time.perf_counter(), step
-            if step % config.log_interval == 0 or step == config.max_iters:
-                loss = float(metrics["loss"])  # fetching the value waits for the step to finish
-                lr = float(metrics["lr"])
-                if step == step_last:  # only the compiling step since the last reset
-                    log.print(f"step {step - 1} | loss {loss:.4f} | lr {lr:.2e} | "
-                              f"compile + first step {compile_seconds:.1f} s")
-                    log.scalars(step - 1, {"train/loss": loss, "train/lr": lr})
-                else:
-                    now = time.perf_counter()
-                    seconds = (now - t_last) / (step - step_last)
-                    t_last, step_last = now, step
-                    tokens_per_s = config.tokens_per_step / seconds
-                    mfu = flops_token * tokens_per_s / peak if peak else float("nan")
-                    log.print(f"step {step - 1} | loss {loss:.4f} | lr {lr:.2e} | "
-                              f"{seconds * 1e3:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu:.1%}")
-                    log.scalars(step - 1, {"train/loss": loss, "train/lr": lr,
-                                           "train/grad_norm": metrics["grad_norm"],
-                                           "train/step_ms": seconds * 1e3,
-                                           "train/tokens_per_sec": tokens_per_s, "train/mfu": mfu})
-                history.append((step - 1, loss))
-    manager.wait_until_finished()
-    manager.close()
-    log.close()
-    if config.sample_tokens and jax.process_count() == 1:
-        import sample
-        print("sample:\n" + sample.sample_text(setup, state["params"], config.sample_tokens)[0])
+                data_step = 0 if config.overfit_batch else step
+                x, y = batch_for_step(splits["train"], config, data_step, "train", rows, n_micro)
+                batch = tuple(sharding.global_batch(a, setup.micro_batch_sharding, micro_shape)
+                              for a in (x, y))
+                if step == profile_start:
+                    jax.profiler.start_trace(os.path.join(config.out_dir, "profile"))
+                with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                    state, metrics = train_step(state, batch)
+                pending_finite.append(metrics["finite"])
+                step += 1
+                if step == profile_stop:
+                    jax.block_until_ready(state)
+                    jax.profiler.stop_trace()
+                    log.print(f"profile of steps {profile_start}..{profile_stop - 1} written to "
+                              f"{config.out_dir}/profile (open it with TensorBoard's profile tab)")
+                if step == start_step + 1:  # the first call compiles: keep it out of the step times
+                    jax.block_until_ready(metrics)
+                    clock.restart(step)
+                if step % config.log_interval == 0 or step == config.max_iters:
+                    check_finite()
+                    loss, lr = float(metrics["loss"]), float(metrics["lr"])  # waits for the step
+                    line = f"step {step - 1} | loss {loss:.4f} | lr {lr:.2e} | "
+                    scalars = {"train/loss": loss, "train/lr": lr}
+                    seconds = clock.seconds_per_step(step)
+                    if seconds is None:  # only the compiling step since the last restart
+                        line += f"compile + first step {clock.compile_seconds:.1f} s"
+                    else:
+                        tokens_per_s = config.tokens_per_step / seconds
+                        mfu = flops_token * tokens_per_s / peak if peak else float("nan")
+                        line += (f"{seconds * 1e3:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu:.1%} | "
+                                 f"{clock.elapsed()} elapsed, ETA {clock.eta(step, seconds)}")
+                        scalars |= {"train/grad_norm": metrics["grad_norm"], "train/step_ms": seconds * 1e3,
+                                    "train/tokens_per_sec": tokens_per_s, "train/mfu": mfu}
+                    if n_skipped:
+                        line += f" | skipped {n_skipped} non-finite steps"
+                    log.print(line)
+                    log.scalars(step - 1, scalars | {"train/skipped_steps": n_skipped})
+                    history.append((step - 1, loss))
+                if preemption.requested():
+                    check_finite()
+                    save_checkpoint(manager, state, config, None)
+                    wait_for_checkpoints(manager)
+                    log.print(f"{preemption.signal_name}: saved a checkpoint at step {step}; "
+                              f"continue with --init_from=resume")
+                    break
+        wait_for_checkpoints(manager)
+    finally:
+        preemption.close()
+        manager.close()
+        log.close()
+        if stack_dump_file:
+            faulthandler.cancel_dump_traceback_later()
+            stack_dump_file.close()
+    if config.sample_tokens and jax.process_count() == 1 and not preemption.signal_name:
+        print("sample:\n" + sample_for_log(setup, state["params"], splits))
     return history
+
+
+def sample_for_log(setup: Setup, params, splits: dict) -> str:
+    import sample  # sample.py imports this file: import it only when needed
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(dataset_dir(setup.config))
+    prompt = tok.decode(splits["val"][:1])  # one token, which every vocabulary can encode
+    return sample.sample_text(setup, params, setup.config.sample_tokens, prompt, tokenizer=tok)[0]
+
+
+class StepClock:
+    """Seconds per training step between log lines; compiling and evaluating are kept out."""
+
+    def __init__(self, step: int, max_iters: int):
+        self.started = self.last_time = time.perf_counter()
+        self.last_step, self.max_iters, self.compile_seconds = step, max_iters, 0.0
+
+    def restart(self, step: int) -> None:
+        now = time.perf_counter()
+        if not self.compile_seconds:
+            self.compile_seconds = now - self.last_time
+        self.last_time, self.last_step = now, step
+
+    def seconds_per_step(self, step: int) -> float | None:
+        if step == self.last_step:
+            return None
+        now = time.perf_counter()
+        seconds = (now - self.last_time) / (step - self.last_step)
+        self.last_time, self.last_step = now, step
+        return seconds
+
+    def elapsed(self) -> str:
+        return format_seconds(time.perf_counter() - self.started)
+
+    def eta(self, step: int, seconds_per_step: float) -> str:
+        return format_seconds((self.max_iters - step) * seconds_per_step)
+
+
+def parse_profile_steps(text: str) -> tuple[int | None, int | None]:
+    """'10:13' -> (10, 13): trace steps 10, 11 and 12. Checked by the configurator."""
+    if not text:
+        return None, None
+    start, stop = text.split(":")
+    return int(start), int(stop)
+
+
+def print_summary(log, config: Config, setup: Setup, splits: dict, peak: str) -> None:
+    if log.is_main:
+        print("config:")
+        configurator.print_config(config)
+    mesh = setup.mesh
+    log.print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
+              + " x ".join(f"{a}={n}" for a, n in mesh.shape.items()))
+    log.print(f"model: {count_params(setup.model_config):,} parameters, "
+              f"{flops_per_token(setup.model_config) / 1e6:,.2f} MFLOP/token (train), vocab "
+              f"{setup.model_config.vocab_size} (padded {setup.model_config.padded_vocab_size})")
+    state_bytes = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                      for a in jax.tree.leaves(setup.abstract_state))
+    log.print(f"memory per device: {state_bytes / 2**20:,.1f} MiB of parameters and optimizer "
+              f"state, plus activations (compile_aot.py reports the compiler's total)")
+    log.print(f"data: {len(splits['train']):,} train / {len(splits['val']):,} val tokens; "
+              f"{config.tokens_per_step:,} tokens per step")
+    log.print(f"peak: {peak}")
+    resuming = " (resuming its latest checkpoint)" if config.init_from == "resume" else ""
+    log.print(f"writing to {config.out_dir}{resuming}")
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -477,7 +705,7 @@ def main(argv: list[str]) -> None:
         sharding.initialize_distributed(config.coordinator_address, config.num_processes,
                                         config.process_id)
         train(config)
-    except (DataError, CheckpointError, sharding.MeshError) as e:
+    except (DataError, CheckpointError, TrainingError, sharding.MeshError) as e:
         sys.exit(f"error: {e}")
 
 

@@ -96,7 +96,7 @@ def test_model_that_does_not_fit_the_mesh(toy64):
 
 def tensorboard_losses(out_dir) -> list[float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(os.path.join(out_dir, "tensorboard"))
+    events = EventAccumulator(os.path.join(out_dir, "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
     return [float(tensor_util.make_ndarray(e.tensor_proto)) for e in events.Tensors("train/loss")]
 

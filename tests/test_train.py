@@ -1,15 +1,20 @@
+import dataclasses
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
 
 import sharding
 import train
@@ -70,16 +75,22 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(toy):
     assert straight[-1][1] < straight[0][1]
 
 
-def test_tensorboard_events_and_saved_config(toy):
-    config = small_config(toy, tensorboard=True)
+def test_tensorboard_events_profile_and_saved_config(toy):
+    config = small_config(toy, tensorboard=True, sample_tokens=8, profile_steps="2:4")
     train.train(config, ONE_DEVICE)
-    events = EventAccumulator(os.path.join(config.out_dir, "tensorboard"))
+    events = EventAccumulator(os.path.join(config.out_dir, "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
     tags = events.Tags()["tensors"]
     for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "eval/val_loss"):
         assert tag in tags
     steps = [e.step for e in events.Tensors("train/loss")]
     assert steps == sorted(steps) and len(steps) == config.max_iters
+    samples = events.Tensors("samples")  # generated text at each evaluation
+    assert [e.step for e in samples] == [4, 8]
+    assert len(tensor_util.make_ndarray(samples[0].tensor_proto).item().decode()) > 8
+    traces = [f for _, _, files in os.walk(os.path.join(config.out_dir, "profile"))
+              for f in files if f.endswith(".xplane.pb")]
+    assert len(traces) == 1
     saved = json.loads(open(os.path.join(config.out_dir, "config.json")).read())
     assert saved["n_layer"] == 2 and saved["dataset"] == "toy"
 
@@ -156,3 +167,209 @@ def test_command_line_errors_exit_with_one_line(toy):
     no_data = run(f"--data_dir={toy / 'nowhere'}", "--dataset=toy")
     assert no_data.returncode != 0 and "Traceback" not in no_data.stderr
     assert "run `python data/toy/prepare.py` first" in no_data.stderr
+
+
+# ----------------------------------------------------------------------------- reliability
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config_flags(config: Config) -> list[str]:
+    return [f"--{k}={v}" for k, v in dataclasses.asdict(config).items() if v != getattr(Config(), k)]
+
+
+def start_training(config: Config) -> subprocess.Popen:
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, "-u", "train.py", *config_flags(config)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_line(proc, prefix: str) -> list[str]:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError(f"never printed {prefix!r}:\n" + "".join(lines[-30:]))
+
+
+def logged_losses(out_dir) -> dict[int, float]:
+    """step -> loss from every TensorBoard event file under out_dir (all runs into it)."""
+    events = EventAccumulator(os.path.join(out_dir, "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    return {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in events.Tensors("train/loss")}
+
+
+def test_sigterm_saves_and_the_resumed_run_matches(toy):
+    config = small_config(toy, n_embd=128, n_head=4, block_size=64, batch_size=16, max_iters=40,
+                          lr_decay_iters=40, eval_interval=1000, tensorboard=True)
+    straight = dict(train.train(dataclasses.replace(config, out_dir=str(toy / "straight")), ONE_DEVICE))
+    proc = start_training(config)
+    wait_for_line(proc, "step 3 |")
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output
+    stopped_at = int(re.search(r"SIGTERM: saved a checkpoint at step (\d+)", output).group(1))
+    assert 4 <= stopped_at < 40
+    resumed = start_training(dataclasses.replace(config, init_from="resume"))
+    assert resumed.wait(timeout=120) == 0
+    losses = logged_losses(config.out_dir)
+    assert sorted(losses) == list(range(40))
+    np.testing.assert_allclose([losses[s] for s in range(40)], [straight[s] for s in range(40)],
+                               rtol=0, atol=1e-6)
+
+
+def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_one(toy):
+    # ~13M parameters: a checkpoint (params + Adam) of ~150 MB takes long enough to write
+    # that the kill lands in the middle of it.
+    config = small_config(toy, n_embd=512, n_head=4, n_layer=4, block_size=32, batch_size=4,
+                          max_iters=12, lr_decay_iters=12, eval_interval=4, tensorboard=True)
+    proc = start_training(config)
+    wait_for_line(proc, "saving checkpoint at step 8")
+    proc.kill()
+    proc.wait()
+    manager = train.checkpoint_manager(config, read_only=True)
+    assert manager.latest_step() == 4  # the step-8 save never completed, so it is not seen
+    resumed = start_training(dataclasses.replace(config, init_from="resume"))
+    output = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, output
+    straight = dict(train.train(dataclasses.replace(config, out_dir=str(toy / "straight"),
+                                                    tensorboard=False), ONE_DEVICE))
+    losses = logged_losses(config.out_dir)
+    np.testing.assert_allclose([losses[s] for s in range(12)], [straight[s] for s in range(12)],
+                               rtol=0, atol=1e-6)
+
+
+def test_second_ctrl_c_exits_at_once_and_keeps_checkpoints(toy):
+    # Large enough that the checkpoint the first Ctrl-C asks for takes a while to write.
+    config = small_config(toy, n_embd=512, n_head=4, n_layer=4, block_size=32, batch_size=4,
+                          max_iters=10_000, eval_interval=4)
+    proc = start_training(config)
+    wait_for_line(proc, "step 5 |")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)  # two signals sent back to back would arrive as one
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, output
+    assert "saved a checkpoint" not in output
+    manager = train.checkpoint_manager(config, read_only=True)
+    assert manager.latest_step() == 4
+    # the interrupted save left at most a temporary directory, which the next run ignores
+    train.train(dataclasses.replace(config, init_from="resume", max_iters=6), ONE_DEVICE)
+
+
+def poison_step(monkeypatch, poisoned_step: int):
+    """Make the loss of one step NaN: that step's batch is all zeros, and such a batch's
+    loss is multiplied by NaN inside the compiled step."""
+    batch_for_step, cross_entropy = train.batch_for_step, train.cross_entropy
+
+    def poisoned_batch(tokens, config, step, split, *args, **kwargs):
+        x, y = batch_for_step(tokens, config, step, split, *args, **kwargs)
+        return (np.zeros_like(x), y) if split == "train" and step == poisoned_step else (x, y)
+
+    def poisoned_loss(setup, params, x, y, key=None):
+        return cross_entropy(setup, params, x, y, key) * jnp.where(jnp.all(x == 0), jnp.nan, 1.0)
+
+    monkeypatch.setattr(train, "batch_for_step", poisoned_batch)
+    monkeypatch.setattr(train, "cross_entropy", poisoned_loss)
+
+
+def restored_params(config):
+    manager = train.checkpoint_manager(config, read_only=True)
+    setup = train.make_setup(config, sharding.make_mesh(devices=ONE_DEVICE), 65)
+    return manager.restore(manager.latest_step(), args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(setup.abstract_state["params"])))["params"]
+
+
+def test_nan_policy_skip_step_leaves_the_parameters_untouched(toy, monkeypatch, capsys):
+    clean = small_config(toy, max_iters=3, out_dir=str(toy / "clean"))
+    train.train(clean, ONE_DEVICE)  # steps 0, 1, 2
+    poison_step(monkeypatch, 3)
+    skipping = small_config(toy, max_iters=4, nan_policy="skip_step", eval_interval=1000)
+    history = dict(train.train(skipping, ONE_DEVICE))  # steps 0..3, the last one NaN
+    assert math.isnan(history[3]) and all(math.isfinite(history[s]) for s in range(3))
+    assert "skipped 1 non-finite steps" in capsys.readouterr().out
+    jax.tree.map(np.testing.assert_array_equal, restored_params(skipping), restored_params(clean))
+
+
+def test_nan_policy_stop_keeps_the_last_good_checkpoint(toy, monkeypatch):
+    poison_step(monkeypatch, 5)
+    config = small_config(toy, max_iters=8, eval_interval=4, nan_policy="stop")
+    with pytest.raises(train.TrainingError, match="non-finite loss or gradient norm at step 5.*"
+                                                  "latest checkpoint: step 4"):
+        train.train(config, ONE_DEVICE)
+    assert train.checkpoint_manager(config, read_only=True).all_steps() == [4]
+
+
+def snapshot(directory) -> dict:
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[path] = (os.path.getmtime(path), hash(f.read()))
+    return files
+
+
+@pytest.fixture
+def trained(toy):
+    """A toy run with a checkpoint, to check that bad input leaves it alone."""
+    config = small_config(toy, max_iters=4, tensorboard=True)
+    train.train(config, ONE_DEVICE)
+    return toy, config
+
+
+def bin_path(toy, split="train"):
+    return toy / "data" / "toy" / f"{split}.bin"
+
+
+BAD_INPUTS = [  # (how to break things, extra flags, the message expected)
+    (None, ["--batchsize=3"], "unknown config key 'batchsize': did you mean batch_size"),
+    (None, ["--n_layer=two"], "config key 'n_layer' expects int, got 'two'"),
+    (None, ["missing_config.py"], "config file 'missing_config.py' does not exist"),
+    (lambda toy: (toy / "raises.py").write_text("n_layer = 1 / 0\n"), ["{toy}/raises.py"],
+     "raised ZeroDivisionError"),
+    (lambda toy: bin_path(toy).unlink(), [], "train.bin not found: run `python data/toy/prepare.py`"),
+    (lambda toy: bin_path(toy).write_bytes(b""), [], "has 0 bytes"),
+    (lambda toy: bin_path(toy, "val").write_bytes(b"abc"), [], "val.bin has 3 bytes"),
+    (lambda toy: np.full(1000, 99, np.uint16).tofile(bin_path(toy)), [], "token id 99 >= vocab_size 65"),
+    (None, ["--block_size=30000"], "fewer than block_size+2"),
+    (None, ["--init_from=resume", "--out_dir={toy}/empty"], "no checkpoint in"),
+    (None, ["--init_from=resume", "--n_layer=3"], "n_layer: checkpoint 2, config 3"),
+    (None, ["--mesh_data=3"], "= 3 devices, but there are 8"),
+    (None, ["--batch_size=4", "--mesh_data=8"], "batch_size=4 is not divisible by mesh_data x mesh_fsdp"),
+]
+
+
+@pytest.mark.parametrize("break_input, flags, message", BAD_INPUTS)
+def test_bad_input_is_one_message_and_writes_nothing(trained, break_input, flags, message):
+    toy, config = trained
+    if break_input:
+        break_input(toy)
+    before = snapshot(toy / "out")
+    argv = [f.format(toy=toy) for f in flags if not f.startswith("--")]
+    argv += config_flags(config) + [f.format(toy=toy) for f in flags if f.startswith("--")]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    assert message in str(exit_info.value.code)
+    assert "\n" not in str(exit_info.value.code)
+    assert snapshot(toy / "out") == before
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(toy, tmp_path):
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    # 1.6 MB: room for the first checkpoint (~0.5 MB with Adam state), not for three.
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("needs permission to mount a small tmpfs")
+    try:
+        config = small_config(toy, out_dir=str(disk / "out"), n_embd=64, max_iters=12,
+                              eval_interval=4, max_to_keep=5, keep_best=0)
+        with pytest.raises(train.TrainingError, match=r"writing a checkpoint failed \(No space left on device\); the latest complete checkpoint \(step 4\) is intact"):
+            train.train(config, ONE_DEVICE)
+        good = train.checkpoint_manager(config, read_only=True).latest_step()
+        assert good is not None
+        restored_params(dataclasses.replace(config, n_embd=64))  # the survivor is readable
+    finally:
+        subprocess.run(["umount", str(disk)])
