@@ -1,0 +1,524 @@
+"""Compile train.py's train step for hardware that is not here, and know before launch if it fits.
+
+    python compile_aot.py config/gpt2_124m.py --topology=v5e-256 --batch_size=256 --save=step.bin
+    python train.py config/gpt2_124m.py --batch_size=256 --compiled_train_step=step.bin  # on the pod
+
+The step is train.py's own (make_setup + jit_train_step), lowered with abstract sharded
+inputs (nothing is allocated) and compiled by XLA for the target's devices: cpu:N
+(simulated), gpu / gpu:N (this machine's GPUs; N mock hosts), or a TPU slice from libtpu's
+description (v5e-256, v6e-64, v4-8, v5p-128, or v5e:16x16; --topology_num_slices=2). The
+report puts XLA's memory and FLOP counts next to the arithmetic and says whether the step
+fits. --save writes the executable with a fingerprint of what is baked into it; train.py
+loads it only into a run that matches.
+"""
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import serialize_executable
+
+import configurator
+import sharding
+import train
+from model import count_params, flops_per_token
+
+GiB = 1 << 30
+
+
+class AotError(ValueError):
+    """A topology or compiled step that can't be used; the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """compile_aot.py's own flags; every other flag is a train.py config key."""
+    topology: str = ""  # cpu:8 | gpu | gpu:2 | v5e-256 | v5e:16x16 | v4-8 | v5p-128 | v6e-64 ...
+    topology_num_slices: int = 1  # TPU slices joined by the data-center network
+    save: str = ""  # write the compiled step here, for train.py --compiled_train_step
+    hbm_gib: float = 0.0  # per-device memory to check against (CPU has no limit; what-ifs)
+
+
+# ----------------------------------------------------------------------------- targets
+
+# TPU generation -> (torus dimensions, TensorCores per chip as Cloud names count them,
+# HBM bytes per chip, dense bf16 FLOP/s per chip from the datasheet)
+TPU_CHIPS = {"v4": (3, 2, 32 * GiB, 275e12), "v5e": (2, 1, 16 * GiB, 197e12),
+             "v5p": (3, 2, 95 * GiB, 459e12), "v6e": (2, 1, 32 * GiB, 918e12)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str  # as the user wrote it, and what it resolved to
+    devices: list
+    hbm_bytes: int | None  # per device; None = unknown (CPU)
+    peak_flops: float | None  # all devices together
+    peak_source: str
+
+
+def tpu_topology_name(name: str) -> str:
+    """'v5e-256' -> 'v5e:16x16', 'v4-8' -> 'v4:2x2x1' (4 chips of 2 cores); 'v5e:4x4' as is."""
+    generation, sep, size = name.partition(":") if ":" in name else name.partition("-")
+    if generation not in TPU_CHIPS:
+        raise AotError(f"unknown topology '{name}': use cpu:N, gpu, gpu:N, or a TPU slice of "
+                       f"{', '.join(TPU_CHIPS)}, e.g. v5e-256 or v5e:16x16")
+    dims, cores_per_chip, _, _ = TPU_CHIPS[generation]
+    if sep == ":":
+        return name
+    chips = int(size) // cores_per_chip if size.isdigit() else 0
+    if chips < 1 or chips & (chips - 1) or (dims == 3 and chips < 4):
+        raise AotError(f"topology '{name}': the size must be a power of two, at least "
+                       f"{4 * cores_per_chip if dims == 3 else 1} (e.g. {generation}-64), "
+                       f"or write the shape (e.g. {generation}:{'x'.join(['4'] * dims)})")
+    shape = [1] * dims
+    for i in range(chips.bit_length() - 1):  # double the sides in turn: 2x2x1, 2x2x2, 2x2x4, ...
+        shape[i % dims] *= 2
+    return f"{generation}:{'x'.join(map(str, sorted(shape, key=lambda n: (n == 1, n))))}"
+
+
+def configure_jax(topology: str) -> None:
+    """Settings that must come before JAX first touches a device (command line only)."""
+    kind, _, count = topology.partition(":")
+    if kind == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", int(count) if count.isdigit() else 1)
+    elif kind == "gpu" and count.isdigit():  # N mock hosts, each with this machine's GPUs
+        try:
+            jax.config.update("mock_num_gpu_processes", int(count))
+        except AttributeError:
+            raise AotError(f"JAX {jax.__version__} can't mock GPU hosts: use --topology=gpu") from None
+    elif kind != "gpu":  # TPU: abstract devices from libtpu; nothing runs on a TPU here
+        if "JAX_PLATFORMS" not in os.environ:
+            jax.config.update("jax_platforms", "cpu")
+        # Describe this host as a one-host TPU machine, so libtpu doesn't probe for a real one.
+        for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                           ("TPU_HOST_BOUNDS", "1,1,1")):
+            os.environ.setdefault(key, value)
+
+
+def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Target:
+    """The devices to compile for, with their memory and peak FLOP/s."""
+    kind, _, count = topology.partition(":")
+    if kind in ("cpu", "gpu"):
+        try:
+            devices = jax.devices(kind)
+        except RuntimeError:  # no such backend in this process
+            devices = []
+        wanted = int(count) if kind == "cpu" and count.isdigit() else max(1, len(devices))
+        if len(devices) < wanted or num_slices != 1:
+            raise AotError(f"--topology={topology}: this process has {len(devices)} {kind} devices"
+                           if num_slices == 1 else "--topology_num_slices is for TPU slices")
+        devices = devices[:wanted]
+        hbm = devices[0].memory_stats().get("bytes_limit") if kind == "gpu" else None
+        peak, source = train.peak_flops(devices)
+        name = f"{topology} = {len(devices)} x {devices[0].device_kind}"
+    else:
+        topology_name = tpu_topology_name(topology)
+        if importlib.util.find_spec("libtpu") is None:
+            raise AotError(f'--topology={topology} needs libtpu to describe TPU devices: pip install '
+                           f'"jax[tpu]=={jax.__version__}" (README: "Compile ahead of time")')
+        from jax.experimental import topologies
+        _, _, hbm, chip_flops = TPU_CHIPS[topology_name.partition(":")[0]]
+        extra = {"chip_config_name": "megacore"} if topology_name.startswith("v4") else {}
+        devices = topologies.get_topology_desc(platform="tpu", topology_name=topology_name,
+                                               num_slices=num_slices, **extra).devices
+        peak = chip_flops * len(devices)
+        source = f"{len(devices)} x {chip_flops / 1e12:.0f} TFLOP/s bf16"
+        slices = f" x {num_slices} slices" if num_slices > 1 else ""
+        name = f"{topology} = {len(devices)} x {devices[0].device_kind} ({topology_name}{slices})"
+    return Target(name, list(devices), int(hbm_gib * GiB) if hbm_gib else hbm, peak, source)
+
+
+# ----------------------------------------------------------------------------- compile
+
+def batch_struct(setup: train.Setup) -> tuple:
+    """The (x, y) micro-batches that train.py feeds the step, as abstract arrays."""
+    c = setup.config
+    shape = (c.gradient_accumulation_steps, c.batch_size, c.block_size)
+    x = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.micro_batch_sharding)
+    return x, x
+
+
+def lower(setup: train.Setup):
+    with sharding.activate(setup.mesh):  # the model's activation constraints need the rules
+        return train.jit_train_step(setup).lower(setup.abstract_state, batch_struct(setup))
+
+
+def compile_step(config: configurator.Config, target: Target, vocab_size: int) -> "Result":
+    """Lower and compile train.py's step for the target; running out of memory is a result too."""
+    n_slices = len({getattr(d, "slice_index", 0) or 0 for d in target.devices})
+    if n_slices > 1 and config.dcn_data * config.dcn_fsdp * config.dcn_tensor != n_slices:
+        raise AotError(f"the topology has {n_slices} slices: set dcn_data x dcn_fsdp x dcn_tensor "
+                       f"to {n_slices} (e.g. --dcn_data={n_slices})")
+    setup = train.make_setup(config, train.make_mesh(config, target.devices), vocab_size)
+    estimate = estimate_memory(setup)
+    start = time.perf_counter()
+    lowered = lower(setup)
+    try:
+        compiled, oom = lowered.compile(), ""
+        memory = compiler_memory(compiled, target.devices[0].platform)
+    except Exception as e:  # XLA:TPU refuses a program that can't fit; anything else is a bug
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        compiled, oom = None, str(e).strip()
+        arguments = estimate["parameters"] + estimate["AdamW moments"] + estimate["batch"]
+        memory = oom_memory(oom, arguments)
+    seconds = time.perf_counter() - start
+    return Result(target, setup, lowered, compiled, seconds, memory, oom, estimate,
+                  flops_per_step(setup), xla_flops_per_step(setup))
+
+
+def compiler_memory(compiled, platform: str) -> dict:
+    """Per-device bytes as XLA's buffer assignment counts them."""
+    m = compiled.memory_analysis()
+    memory = {"arguments": m.argument_size_in_bytes,
+              "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,  # donated state is reused
+              "temporaries": m.temp_size_in_bytes,
+              "code": m.generated_code_size_in_bytes}
+    memory["total"] = sum(memory.values())
+    if platform != "cpu" and m.peak_memory_in_bytes:  # XLA:CPU's peak is not reliable
+        memory["peak"] = m.peak_memory_in_bytes
+    return memory
+
+
+def oom_memory(message: str, arguments: int) -> dict:
+    """XLA:TPU's out-of-memory message, e.g. '... the total memory required for HLO temporaries
+    (58.64G) exceeds available HBM (15.75G)' (older: 'Used 17.2G of 15.75G hbm')."""
+    def bytes_after(prefix):
+        found = re.search(prefix + r"([\d.]+)([KMGT]?)", message)
+        return found and int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))
+    if used := bytes_after(r"Used "):
+        return {"total": used}
+    if temporaries := bytes_after(r"temporaries \("):
+        return {"arguments": arguments, "temporaries": temporaries, "total": arguments + temporaries}
+    return {}
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (shape / shards x itemsize)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.tree.leaves(tree))
+
+
+def activation_bytes(policy: str, D, N, T, t, s, qkv, mlp, mlp_in) -> float:
+    """Bytes per token of one layer's activations kept for the backward pass, on one device.
+
+    D width, N heads, T context, t = mesh_tensor (it splits heads and MLP units, not the width
+    between layers), s = bytes of the compute dtype; qkv = query+key+value width, mlp = width
+    of the MLP's hidden activations (gelu: fc out and gelu out, 2F; swiglu: 3F), mlp_in = of
+    its input matmuls' outputs (F; 2F). XLA keeps the attention scores (B·N·T² per layer) in
+    float32, in several copies (scores, masked, softmax). Fitted to XLA:TPU's buffers for
+    GPT-2 124M: within ~20% for every policy, in bfloat16 and float32.
+    """
+    scores = N * T / t * 4
+    return {"none": (6 * D + (qkv + D + mlp) / t) * s + 3 * scores,  # everything
+            "dots_saveable": (3 * D + (qkv + D + mlp_in) / t) * s + 2 * scores,  # matmul outputs
+            "dots_with_no_batch_dims_saveable": (3 * D + (qkv + mlp_in) / t) * s,  # weight matmuls
+            "full": D * s,  # the layer's input only
+            }[policy]
+
+
+def estimate_memory(setup: train.Setup) -> dict:
+    """Per-device bytes, term by term, from the shapes alone (nothing compiled)."""
+    c, m, mesh = setup.config, setup.model_config, setup.mesh.shape
+    tokens = c.batch_size // (mesh["data"] * mesh["fsdp"]) * c.block_size  # per device and micro-step
+    # model.py's Llama-style switches (GQA, swiglu, MLP width); GPT-2 where they are absent
+    kv_heads, swiglu = getattr(m, "kv_heads", c.n_head), getattr(m, "mlp", "gelu") == "swiglu"
+    F = getattr(m, "mlp_hidden_size", 4 * c.n_embd)
+    widths = dict(D=c.n_embd, N=c.n_head, T=c.block_size, t=mesh["tensor"],
+                  s=jnp.dtype(c.dtype).itemsize, qkv=(c.n_head + 2 * kv_heads) * (c.n_embd // c.n_head),
+                  mlp=(3 if swiglu else 2) * F, mlp_in=(2 if swiglu else 1) * F)
+    params = per_device_bytes(setup.abstract_state["params"])  # 4 B per parameter / its shards
+    logits = 2 * tokens * m.padded_vocab_size / mesh["tensor"] * 4  # float32, + their gradient
+    rerun = activation_bytes("none", **widths) * tokens if c.remat_policy != "none" else 0
+    return {
+        "parameters": params,
+        "AdamW moments": per_device_bytes(setup.abstract_state) - params,  # 8 B per parameter
+        "batch": per_device_bytes(batch_struct(setup)),
+        "gradients": params * (2 if c.gradient_accumulation_steps > 1 else 1),  # + the running sum
+        "activations": int(c.n_layer * activation_bytes(c.remat_policy, **widths) * tokens),
+        # live at different times: the loss's backward, then one remat'd layer's re-run
+        "logits or a re-run layer": int(max(logits, rerun)),
+        "AdamW update": 3 * params,  # the update and new moments, before they replace the old
+    }
+
+
+def estimated_temporaries(e: dict) -> int:
+    """The backward pass and the optimizer update (with one gradient tree, the size of the
+    parameters) come one after the other: the larger counts."""
+    return max(e["gradients"] + e["activations"] + e["logits or a re-run layer"],
+               e["parameters"] + e["AdamW update"])
+
+
+def flops_per_step(setup: train.Setup) -> float:
+    """Model FLOPs of one step over all devices: (6N + 12·L·T·d) per token (model.py)."""
+    return flops_per_token(setup.model_config) * setup.config.tokens_per_step
+
+
+def xla_flops_per_step(setup: train.Setup) -> float | None:
+    """XLA's own count of the step's global program. Its cost analysis counts a loop body once,
+    so it analyses the same step with the layers unrolled, and the micro-step loop is counted
+    by hand. It runs on this host's CPU (TPU and GPU clients analyse only compiled programs):
+    lowered for one CPU device, the global program is the same."""
+    one_device = {f"{kind}_{axis}": 1 for kind in ("mesh", "dcn") for axis in sharding.MESH_AXES}
+    config = dataclasses.replace(setup.config, scan_layers=False, **one_device)
+    try:
+        mesh = train.make_mesh(config, jax.devices("cpu")[:1])
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        return None
+    cost = lower(train.make_setup(config, mesh, setup.model_config.vocab_size)).cost_analysis()
+    if isinstance(cost, list):  # older JAX: one dict per program
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        return None
+    return cost["flops"] * setup.config.gradient_accumulation_steps
+
+
+# ----------------------------------------------------------------------------- the report
+
+@dataclasses.dataclass
+class Result:
+    target: Target
+    setup: train.Setup
+    lowered: object
+    compiled: object  # None when XLA ran out of memory
+    seconds: float
+    memory: dict  # the compiler's per-device bytes (after an OOM: what its message says)
+    oom: str  # XLA's out-of-memory message; '' when it compiled
+    estimate: dict  # estimate_memory()
+    flops: float  # analytic, one step, all devices
+    xla_flops: float | None
+
+    @property
+    def needed(self) -> int:
+        """Per-device bytes: XLA's peak where it simulates one (TPU, GPU), else the sum."""
+        return self.memory.get("peak") or self.memory.get("total")
+
+    @property
+    def fits(self) -> bool | None:  # None: the device's memory is unknown
+        if self.oom:
+            return False
+        return None if self.target.hbm_bytes is None else self.needed <= self.target.hbm_bytes
+
+
+def size(n) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def report(r: Result) -> str:
+    setup, c, e, m = r.setup, r.setup.config, r.estimate, r.memory
+    mesh = " x ".join(f"{axis}={n}" for axis, n in setup.mesh.shape.items())
+    lines = [
+        f"train step for {r.target.name}, mesh {mesh}",
+        f"model {count_params(setup.model_config):,} parameters, {c.dtype}, remat {c.remat_policy}; "
+        f"{c.batch_size} x {c.block_size} tokens x {c.gradient_accumulation_steps} micro-steps = "
+        f"{c.tokens_per_step:,} tokens per step",
+        f"{'compiled' if r.compiled else 'XLA ran out of memory'} in {r.seconds:.1f} s", "",
+        f"{'memory per device':<40}{'compiler':>12}{'estimate':>12}"]
+    state = e["parameters"] + e["AdamW moments"] + e["batch"]
+    rows = [("arguments: train state + batch", m.get("arguments"), state),
+            ("outputs not donated to the arguments", m.get("outputs"), 0),
+            ("temporaries: gradients, activations", m.get("temporaries"), estimated_temporaries(e)),
+            ("generated code", m.get("code"), None),
+            ("total", m.get("total"), state + estimated_temporaries(e))]
+    if "peak" in m:
+        rows.append(("peak (XLA's simulation of the buffers)", m["peak"], None))
+    lines += [f"  {label:<38}{size(got):>12}{size(est):>12}" for label, got, est in rows]
+    lines.append("  estimate by term, largest first: " + ", ".join(
+        f"{k} {size(v)}" for k, v in sorted(e.items(), key=lambda kv: -kv[1])))
+    hbm = r.target.hbm_bytes
+    if r.oom:
+        lines.append(f"verdict: DOES NOT FIT in {size(hbm)} per device; XLA: {r.oom.splitlines()[0]}")
+    elif hbm is None:
+        lines.append(f"verdict: no memory limit known for {r.target.devices[0].device_kind} "
+                     f"(pass --hbm_gib=16 to check against one)")
+    elif r.fits:
+        lines.append(f"verdict: fits, {size(r.needed)} of {size(hbm)} per device "
+                     f"({size(hbm - r.needed)} to spare)")
+    else:
+        lines.append(f"verdict: DOES NOT FIT, needs {size(r.needed)} of {size(hbm)} per device "
+                     f"({size(r.needed - hbm)} over)")
+    if r.fits is False:
+        lines += ["to fit, try:"] + [f"  {s}" for s in suggestions(r)]
+    A = c.gradient_accumulation_steps
+    lines += ["", "compute per step, all devices",
+              f"  analytic (6N + 12·L·T·d per token)   {r.flops:.3e} FLOP"]
+    if r.xla_flops:
+        lines.append(f"  XLA cost analysis                    {r.xla_flops:.3e} FLOP "
+                     f"({r.xla_flops / r.flops:.2f}x; layers unrolled, x{A} micro-steps, remat "
+                     f"recompute and non-matmul work included)")
+    if r.target.peak_flops:
+        seconds = r.flops / r.target.peak_flops
+        lines.append(f"  at 100% MFU ({r.target.peak_source}): {seconds * 1e3:,.1f} ms per step, "
+                     f"{c.tokens_per_step / seconds:,.0f} tokens/s; at 40% MFU "
+                     f"{seconds / 0.4 * 1e3:,.1f} ms")
+    else:
+        lines.append(f"  peak FLOP/s: {r.target.peak_source}")
+    return "\n".join(lines)
+
+
+def suggestions(r: Result) -> list[str]:
+    """What would shrink the largest terms, largest first."""
+    c, mesh, e = r.setup.config, r.setup.mesh.shape, r.estimate
+    rows = c.batch_size // (mesh["data"] * mesh["fsdp"])
+    state = e["parameters"] + e["AdamW moments"]
+    tips = []
+    if rows > 1:
+        tips.append((e["activations"] + e["logits or a re-run layer"],
+                     f"a smaller batch per device ({rows} rows now), same tokens per step: "
+                     f"--batch_size={c.batch_size // 2} "
+                     f"--gradient_accumulation_steps={2 * c.gradient_accumulation_steps}"))
+    if c.remat_policy != "full":
+        lighter = "dots_with_no_batch_dims_saveable"
+        lighter = "full" if c.remat_policy == lighter else lighter
+        tips.append((e["activations"], f"recompute more in the backward pass: "
+                                       f"--remat_policy={lighter}"))
+    if mesh["data"] > 1:
+        tips.append((state + e["gradients"] + e["AdamW update"],
+                     f"shard parameters, gradients and AdamW state over all "
+                     f"{mesh['data'] * mesh['fsdp']} devices (now {size(state)} per device): "
+                     f"--mesh_data=1 --mesh_fsdp=-1"))
+    tips.append((0, "more chips: a bigger topology"))
+    return [tip for _, tip in sorted(tips, key=lambda t: -t[0])]
+
+
+# ----------------------------------------------------------------------------- save and load
+
+MAGIC = b"nanomax compiled train step v1\n"
+
+# Config keys the compiled step does not depend on. Every other key is checked, including
+# the learning-rate schedule, optimizer settings and seed, which are baked into the program.
+NOT_IN_PROGRAM = (
+    "dataset", "data_dir",  # the data; the vocabulary size it implies is checked instead
+    "out_dir", "init_from", "max_iters", "eval_interval", "eval_iters", "eval_only",
+    "log_interval", "always_save_checkpoint", "max_to_keep", "tensorboard", "sample_tokens",
+    "overfit_batch",  # which batch is fed, not what the step does with it
+    "mesh_data", "mesh_fsdp", "mesh_tensor",  # the resolved mesh and its devices are checked
+    "dcn_data", "dcn_fsdp", "dcn_tensor",
+    "keep_best", "stack_dump_interval",
+    "coordinator_address", "num_processes", "process_id", "compiled_train_step",
+)
+
+
+def fingerprint(setup: train.Setup) -> dict:
+    """What the program was built for, from the run's setup alone (cheap: nothing lowered)."""
+    import jaxlib
+    devices = setup.mesh.devices.flatten().tolist()
+    config = {k: v for k, v in dataclasses.asdict(setup.config).items() if k not in NOT_IN_PROGRAM}
+    return json.loads(json.dumps(config | {
+        "vocab_size": setup.model_config.vocab_size,
+        "mesh": " x ".join(f"{axis}={n}" for axis, n in setup.mesh.shape.items()),
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "mesh_device_ids": [d.id for d in devices],
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+    }))
+
+
+def program_fingerprint(lowered) -> dict:
+    """The step's inputs, outputs and a hash of its program (catches edits to the code)."""
+    def describe(tree):
+        return [f"{jax.tree_util.keystr(path)} {leaf.dtype}{list(leaf.shape)}"
+                for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+    return {"inputs": describe(lowered.in_avals), "outputs": describe(lowered.out_info),
+            "program_sha256": hashlib.sha256(lowered.as_text().encode()).hexdigest()}
+
+
+def save(result: Result, path: str) -> None:
+    payload, _, _ = serialize_executable.serialize(result.compiled)
+    header = fingerprint(result.setup) | program_fingerprint(result.lowered)
+    with open(path + ".tmp", "wb") as f:
+        f.write(MAGIC + json.dumps(header).encode() + b"\n" + payload)
+    os.replace(path + ".tmp", path)
+
+
+def check(path: str, compiled_for: dict, given: dict) -> None:
+    differ = []
+    for key, value in given.items():
+        was = compiled_for.get(key)
+        if was == value:
+            continue
+        if isinstance(value, list) and isinstance(was, list):  # name the first difference
+            i = next((i for i, (a, b) in enumerate(zip(was, value)) if a != b),
+                     min(len(was), len(value)))
+            key, was, value = f"{key}[{i}]", *(x[i] if i < len(x) else "nothing" for x in (was, value))
+        if key == "program_sha256":
+            differ.append("the program differs (train.py or model.py changed since it was compiled)")
+        else:
+            differ.append(f"{key} compiled {was}, given {value}")
+    if differ:
+        raise AotError(f"{path} was compiled for another run: {'; '.join(differ)}. Compile it again "
+                       f"with this config (compile_aot.py --save={path}) or drop --compiled_train_step")
+
+
+def load_train_step(path: str, setup: train.Setup):
+    """The saved executable as train_step(state, batch) -> (state, metrics), if it fits this run."""
+    try:
+        with open(path, "rb") as f:
+            magic, header, payload = f.readline(), f.readline(), f.read()
+    except FileNotFoundError:
+        raise AotError(f"{path} not found: make it with compile_aot.py --save={path}") from None
+    if magic != MAGIC:
+        raise AotError(f"{path} is not a train step saved by compile_aot.py")
+    compiled_for = json.loads(header)
+    check(path, compiled_for, fingerprint(setup))
+    lowered = lower(setup)  # seconds, not the minutes of a compile
+    check(path, compiled_for, program_fingerprint(lowered))
+    devices = setup.mesh.devices.flatten().tolist()  # in the mesh's order, as when it was compiled
+    return serialize_executable.deserialize_and_load(payload, lowered.in_tree, lowered.out_tree,
+                                                     devices[0].client, execution_devices=devices)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def aot_vocab_size(config: configurator.Config) -> int:
+    if config.vocab_size or os.path.exists(os.path.join(train.dataset_dir(config), "meta.json")):
+        return train.read_vocab_size(config)
+    print(f"note: {train.dataset_dir(config)}/meta.json not found; compiling for GPT-2's "
+          f"vocab_size 50257 (set --vocab_size to choose)")
+    return 50257
+
+
+def main(argv: list[str]) -> None:
+    keys = {f.name for f in dataclasses.fields(Options)}
+    ours = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in keys]
+    options = configurator.load_config_or_exit(ours, Options)
+    config = configurator.load_config_or_exit([a for a in argv if a not in ours])
+    if not options.topology:
+        sys.exit("error: --topology is required: cpu:8, gpu, gpu:2, v5e-256, v5e:16x16, v4-8, ...")
+    try:
+        configure_jax(options.topology)
+        target = make_target(options.topology, options.topology_num_slices, options.hbm_gib)
+        vocab_size = aot_vocab_size(config)
+        result = compile_step(config, target, vocab_size)
+    except (AotError, sharding.MeshError, train.DataError) as e:
+        sys.exit(f"error: {e}")
+    print(report(result))
+    if options.save and result.compiled is not None:
+        save(result, options.save)
+        print(f"\nsaved {options.save} ({size(os.path.getsize(options.save))}); train with it: "
+              f"python train.py <same config and flags> --compiled_train_step={options.save}")
+    elif options.save:
+        print("\nnot saved: nothing was compiled")
+    if result.fits is False:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

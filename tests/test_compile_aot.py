@@ -1,0 +1,218 @@
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import compile_aot
+import sharding
+import train
+from configurator import Config
+from model import count_params
+from test_train import make_dataset, small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = dict(n_embd=64, n_head=4, batch_size=8, gradient_accumulation_steps=2, max_iters=4,
+             eval_interval=1000, mesh_data=1, mesh_fsdp=8)  # parameters really split 8 ways
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The command line compiles for cpu:8 in its own process and saves the step."""
+    root = tmp_path_factory.mktemp("aot")
+    make_dataset(root / "data", vocab_size=64)
+    config = small_config(root, **FLAGS)
+    path = str(root / "step.bin")
+    defaults = Config()
+    flags = [f"--{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
+             if getattr(config, f.name) != getattr(defaults, f.name)]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # it must make its 8 devices
+    run = subprocess.run([sys.executable, "compile_aot.py", "--topology=cpu:8", f"--save={path}",
+                          "--hbm_gib=0.001", *flags],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return root, config, path, run
+
+
+@pytest.fixture(scope="module")
+def result(compiled):
+    """Compiled in this process for two of the eight devices, parameters split 2 ways."""
+    root, config, _, _ = compiled
+    config = dataclasses.replace(config, mesh_fsdp=2)
+    return compile_aot.compile_step(config, compile_aot.make_target("cpu:2"), 64)
+
+
+def random_state(setup, seed=0):
+    """A train state in the step's shardings, without compiling an initializer."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda a: jax.device_put(
+        np.abs(rng.normal(0, 0.02, a.shape)).astype(a.dtype), a.sharding), setup.abstract_state)
+
+
+def test_command_line_reports_and_saves(compiled):
+    _, _, path, run = compiled
+    assert run.returncode == 1, run.stderr[-2000:]  # 1 MiB of memory: does not fit
+    assert "train step for cpu:8 = 8 x cpu, mesh data=1 x fsdp=8 x tensor=1" in run.stdout
+    assert "verdict: DOES NOT FIT" in run.stdout and "--remat_policy=" in run.stdout
+    assert os.path.getsize(path) > 10_000 and f"saved {path}" in run.stdout
+
+
+def test_loaded_step_gives_the_losses_of_the_jitted_step(compiled, monkeypatch):
+    root, config, path, _ = compiled
+    jitted = train.train(dataclasses.replace(config, out_dir=str(root / "jit")))
+    loads, load = [], compile_aot.load_train_step
+    monkeypatch.setattr(compile_aot, "load_train_step", lambda *args: loads.append(1) or load(*args))
+    loaded = train.train(dataclasses.replace(config, out_dir=str(root / "aot"), compiled_train_step=path))
+    assert loads == [1] and [s for s, _ in loaded] == [0, 1, 2, 3]
+    np.testing.assert_allclose([l for _, l in loaded], [l for _, l in jitted], rtol=0, atol=1e-6)
+
+
+def test_step_saved_and_loaded_in_process_on_two_of_the_devices(result, tmp_path):
+    compile_aot.save(result, str(tmp_path / "two.bin"))
+    config = result.setup.config
+    setup = train.make_setup(config, train.make_mesh(config, jax.devices()[:2]), 64)
+    loaded = compile_aot.load_train_step(str(tmp_path / "two.bin"), setup)
+    assert isinstance(loaded, jax.stages.Compiled)  # not compiled again
+    x = jax.device_put(np.arange(2 * 8 * 16).reshape(2, 8, 16) % 64, setup.micro_batch_sharding)
+    with sharding.activate(setup.mesh):
+        (want_state, want), (got_state, got) = (step(random_state(setup), (x, x))
+                                                for step in (train.jit_train_step(setup), loaded))
+    assert float(got["loss"]) == float(want["loss"]) and float(got["grad_norm"]) == float(want["grad_norm"])
+    np.testing.assert_array_equal(got_state["params"]["wte"], want_state["params"]["wte"])
+
+
+def test_report_numbers_agree_with_the_arrays(result):
+    setup, e, m = result.setup, result.estimate, result.memory
+    state = random_state(setup)
+    one_device = lambda tree: sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree))
+    assert e["parameters"] == one_device(state["params"])
+    assert e["parameters"] + e["AdamW moments"] == one_device(state)
+    # Sharded weights hold half of 4 B per parameter each; the small vectors are replicated.
+    replicated = sum(a.nbytes for a in jax.tree.leaves(state["params"]) if a.sharding.is_fully_replicated)
+    assert e["parameters"] == (count_params(setup.model_config) * 4 - replicated) // 2 + replicated
+    assert m["arguments"] == e["parameters"] + e["AdamW moments"] + e["batch"]
+    assert e["batch"] == 2 * 2 * (8 // 2) * 16 * 4  # x and y, 2 micro-steps, 4 of 8 rows, int32
+    tokens = 8 * 2 * 16
+    assert result.flops == pytest.approx(train.flops_per_token(setup.model_config) * tokens)
+    assert 0.9 < result.xla_flops / result.flops < 1.3  # plus softmax, norms, the optimizer
+    assert result.fits is None and "no memory limit known" in compile_aot.report(result)
+
+
+def test_data_parallel_holds_all_parameters_on_each_device(compiled):
+    root, config, _, _ = compiled
+    config = dataclasses.replace(config, mesh_data=8, mesh_fsdp=1)
+    setup = train.make_setup(config, train.make_mesh(config), 64)
+    assert compile_aot.estimate_memory(setup)["parameters"] == count_params(setup.model_config) * 4
+
+
+def test_too_small_memory_is_reported_as_does_not_fit(result):
+    small = dataclasses.replace(result, target=dataclasses.replace(result.target, hbm_bytes=1 << 20))
+    text = compile_aot.report(small)
+    assert small.fits is False
+    assert f"DOES NOT FIT, needs {compile_aot.size(result.memory['total'])} of 1.00 MiB" in text
+    assert "--remat_policy=dots_with_no_batch_dims_saveable" in text
+    assert "--batch_size=4 --gradient_accumulation_steps=4" in text  # the same tokens per step
+    big = dataclasses.replace(result, target=dataclasses.replace(result.target, hbm_bytes=1 << 40))
+    assert big.fits and "verdict: fits" in compile_aot.report(big)
+
+
+def test_xla_out_of_memory_messages_are_parsed():
+    assert compile_aot.oom_memory("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+                                  "required for HLO temporaries (58.64G) exceeds available HBM "
+                                  "(15.75G).", arguments=2 << 30) == {
+        "arguments": 2 << 30, "temporaries": int(58.64 * 2**30), "total": int(58.64 * 2**30) + (2 << 30)}
+    assert compile_aot.oom_memory("Ran out of memory in memory space hbm. Used 17.20G of 15.48G hbm. "
+                                  "Exceeded hbm capacity by 1.72G.", arguments=0) == {"total": int(17.2 * 2**30)}
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(batch_size=16), "batch_size compiled 8, given 16"),
+    (dict(learning_rate=1e-3), "learning_rate compiled 0.003, given 0.001"),  # baked into the program
+    (dict(mesh_data=8, mesh_fsdp=1), "mesh compiled data=1 x fsdp=8 x tensor=1, given data=8 x fsdp=1 x tensor=1"),
+])
+def test_a_different_run_is_refused_naming_the_field(compiled, change, message):
+    root, config, path, _ = compiled
+    config = dataclasses.replace(config, **change)
+    with pytest.raises(compile_aot.AotError, match=message):
+        compile_aot.load_train_step(path, train.make_setup(config, train.make_mesh(config), 64))
+
+
+def test_another_jax_version_is_refused(compiled, tmp_path):
+    root, config, path, _ = compiled
+    with open(path, "rb") as f:
+        magic, header, payload = f.readline(), json.loads(f.readline()), f.read()
+    header["jax"] = "0.4.1"
+    (tmp_path / "old.bin").write_bytes(magic + json.dumps(header).encode() + b"\n" + payload)
+    setup = train.make_setup(config, train.make_mesh(config), 64)
+    with pytest.raises(compile_aot.AotError, match=f"jax compiled 0.4.1, given {jax.__version__}"):
+        compile_aot.load_train_step(str(tmp_path / "old.bin"), setup)
+
+
+def test_changed_code_is_refused(compiled, monkeypatch):
+    root, config, path, _ = compiled
+    original = train.cross_entropy
+    monkeypatch.setattr(train, "cross_entropy", lambda *args: 2 * original(*args))
+    with pytest.raises(compile_aot.AotError, match="the program differs"):
+        compile_aot.load_train_step(path, train.make_setup(config, train.make_mesh(config), 64))
+
+
+def test_keys_left_out_of_the_fingerprint_do_not_change_the_program(compiled):
+    root, config, _, _ = compiled
+    fields = {f.name: f.type for f in dataclasses.fields(config)}
+    assert set(compile_aot.NOT_IN_PROGRAM) <= set(fields)
+    mesh_keys = {"mesh_data", "mesh_fsdp", "mesh_tensor", "dcn_data", "dcn_fsdp", "dcn_tensor"}
+    changed = {}  # the resolved mesh is checked instead of the mesh keys
+    for key in set(compile_aot.NOT_IN_PROGRAM) - mesh_keys:
+        value = getattr(config, key)
+        changed[key] = ("resume" if key == "init_from" else not value if isinstance(value, bool)
+                        else value * 2 + 1 if isinstance(value, (int, float)) else value + "x")
+    other = dataclasses.replace(config, **changed)
+    mesh = train.make_mesh(config)
+    fingerprints = [compile_aot.program_fingerprint(compile_aot.lower(train.make_setup(c, mesh, 64)))
+                    for c in (config, other)]
+    assert fingerprints[0] == fingerprints[1], f"one of {sorted(changed)} changes the program"
+
+
+@pytest.mark.parametrize("name, topology", [
+    ("v5e-256", "v5e:16x16"), ("v5e-8", "v5e:2x4"), ("v6e-64", "v6e:8x8"), ("v5e-1", "v5e:1x1"),
+    ("v4-8", "v4:2x2x1"), ("v4-32", "v4:2x2x4"), ("v5p-128", "v5p:4x4x4"), ("v5p:2x2x1", "v5p:2x2x1"),
+])
+def test_tpu_names(name, topology):
+    assert compile_aot.tpu_topology_name(name) == topology
+
+
+@pytest.mark.parametrize("name, message", [
+    ("v7x-8", "unknown topology 'v7x-8'"), ("v5e-12", "must be a power of two"),
+    ("v4-4", "must be a power of two, at least 8"), ("cpu:64", "this process has 8 cpu devices"),
+])
+def test_bad_topologies(name, message):
+    with pytest.raises(compile_aot.AotError, match=message):
+        compile_aot.make_target(name)
+
+
+def test_tpu_without_libtpu_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(compile_aot.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(compile_aot.AotError, match=r'needs libtpu .*pip install "jax\[tpu\]=='):
+        compile_aot.make_target("v5e-4")
+
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu not installed (README: Compile ahead of time)")
+
+
+@needs_libtpu
+def test_tpu_topology_fits_and_too_big_does_not(compiled):
+    root, config, _, _ = compiled
+    target = compile_aot.make_target("v5e-8")
+    assert len(target.devices) == 8 and target.hbm_bytes == 16 * 2**30
+    ok = compile_aot.compile_step(config, target, 64)
+    assert ok.fits and ok.memory["peak"] <= ok.memory["total"]
+    big = dataclasses.replace(config, n_layer=4, n_embd=4096, n_head=32, block_size=128, mesh_fsdp=1,
+                              mesh_data=8, gradient_accumulation_steps=1)
+    oom = compile_aot.compile_step(big, target, 50257)
+    assert oom.fits is False and oom.compiled is None and oom.memory["total"] > target.hbm_bytes
+    assert "DOES NOT FIT" in compile_aot.report(oom) and "--mesh_fsdp=-1" in compile_aot.report(oom)
