@@ -45,6 +45,15 @@ class Config:
     dtype: str = "float32"  # compute dtype: 'float32' | 'bfloat16'; params stay float32
     scan_layers: bool = True  # run the stacked layers with lax.scan: compile time flat in depth
     remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
+    # architecture: the defaults are GPT-2; config/llama_style_small.py shows a Llama-style mix
+    pos_embedding: str = "learned"  # 'learned' (GPT-2's position table) | 'rope' (rotary, rotate-half)
+    rope_theta: float = 10000.0  # RoPE base; Llama 3 uses 500000
+    norm: str = "layernorm"  # 'layernorm' (GPT-2) | 'rmsnorm' (Llama; never has a bias)
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # 'gelu' (GPT-2) | 'swiglu' (Llama: gated, three matrices)
+    mlp_hidden: int = 0  # MLP hidden units; 0 = 4*n_embd (gelu) or 8*n_embd/3 rounded up to 64 (swiglu)
+    n_kv_head: int = 0  # key/value heads (grouped-query attention); 0 = n_head, 1 = multi-query
+    tie_embeddings: bool = True  # the output layer is wte (GPT-2) or a separate lm_head_kernel
     # optimizer: AdamW, linear warmup then cosine decay, as nanoGPT/GPT-2
     batch_size: int = 12  # sequences per micro-step, over all devices
     gradient_accumulation_steps: int = 1  # tokens per step = this * batch_size * block_size
@@ -97,6 +106,9 @@ class Config:
     def __post_init__(self):
         _check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
+        _check_choice("pos_embedding", self.pos_embedding, ("learned", "rope"))
+        _check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
+        _check_choice("mlp", self.mlp, ("gelu", "swiglu"))
         if self.init_from not in ("scratch", "resume") and not os.path.isdir(self.init_from):
             raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume' or a Hugging Face "
                               f"GPT-2 directory (config.json + model.safetensors); got {self.init_from!r}")
@@ -113,6 +125,17 @@ class Config:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.n_kv_head < 0 or self.mlp_hidden < 0:
+            raise ConfigError(f"n_kv_head ({self.n_kv_head}) and mlp_hidden ({self.mlp_hidden}) must be "
+                              f">= 0 (0 = the default)")
+        if self.n_kv_head and self.n_head % self.n_kv_head:
+            raise ConfigError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head}): "
+                              f"each key/value head serves an equal group of query heads")
+        if self.pos_embedding == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ConfigError(f"pos_embedding='rope' needs an even head size, got n_embd / n_head = "
+                              f"{self.n_embd // self.n_head}: RoPE turns pairs of dimensions")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ConfigError(f"rope_theta ({self.rope_theta}) and norm_eps ({self.norm_eps}) must be > 0")
 
 
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")

@@ -1,4 +1,4 @@
-"""GPT-2 in Flax NNX.
+"""GPT-2 in Flax NNX, and with a few switches a Llama-style decoder.
 
 Every parameter carries logical axis names (`vocab`, `embed`, `heads`, `mlp`, `layers`, ...)
 as its `out_sharding` metadata; sharding.py maps those names to mesh axes, so this file knows
@@ -8,6 +8,11 @@ nothing about devices. The layers are stored stacked (one array per weight with 
 Shape suffixes name the axes: B batch, T time, D model width, N heads, H head size,
 F MLP hidden, V vocabulary, L layers, S length of the KV cache; BT is batch and time
 flattened into one axis.
+
+GPT-2 is the default. `pos_embedding='rope'`, `norm='rmsnorm'`, `mlp='swiglu'`, `n_kv_head` (grouped-
+query attention), `bias=False` and `tie_embeddings=False` give today's architectures. Each is a
+small function or module below, picked once by name (ROTATIONS, NORMS, MLPS), or a parameter that
+is there or not (wpe, lm_head_kernel, like the biases); the forward pass has no branches on them.
 
 For generation, `GPT.decode` runs new tokens against a KV cache (keys and values of the
 tokens seen before); the training forward `GPT.__call__` never touches it. At the end,
@@ -39,11 +44,31 @@ class GPTConfig:
     scan_layers: bool = True
     remat_policy: str = "none"
     pad_vocab_to_multiple: int = 1
+    # architecture switches (configurator.py documents and checks them); defaults are GPT-2
+    pos_embedding: str = "learned"  # 'learned' (a wpe table) | 'rope' (rotate q and k)
+    rope_theta: float = 10000.0
+    norm: str = "layernorm"  # 'layernorm' | 'rmsnorm'
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # 'gelu' | 'swiglu'
+    mlp_hidden: int = 0  # 0: see mlp_hidden_size
+    n_kv_head: int = 0  # key/value heads; 0 = n_head (multi-head), 1 = multi-query
+    tie_embeddings: bool = True  # the output layer is wte (GPT-2), or its own lm_head_kernel
 
     @property
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_to_multiple
         return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_hidden_size(self) -> int:
+        """mlp_hidden, or by default GPT-2's 4·D (gelu), or 8/3·D rounded up to a multiple of 64
+        (swiglu: its three matrices then hold about as many weights as gelu's two)."""
+        default = {"gelu": 4 * self.n_embd, "swiglu": (8 * self.n_embd // 3 + 63) // 64 * 64}
+        return self.mlp_hidden or default[self.mlp]
 
 
 def param(value, logical_axes) -> nnx.Param:
@@ -74,19 +99,64 @@ def dropout(x, rate: float, key):
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def linear(x_BTxI, kernel, bias):
+    """x @ kernel (+ bias), in the compute dtype of x."""
+    y_BTxO = x_BTxI @ kernel[...].astype(x_BTxI.dtype)
+    return y_BTxO if bias is None else y_BTxO + bias[...].astype(x_BTxI.dtype)
+
+
 class LayerNorm(nnx.Module):
+    """GPT-2's: centre, scale to unit variance, then a learned scale and (with bias) shift."""
+
     def __init__(self, config: GPTConfig):
         self.scale = param(jnp.ones(config.n_embd), ("norm",))
         self.bias = param(jnp.zeros(config.n_embd), ("norm",)) if config.bias else None
+        self.eps = config.norm_eps
 
     def __call__(self, x_BxTxD):
         x = x_BxTxD.astype(jnp.float32)  # statistics in float32, even under bfloat16
         mean = x.mean(-1, keepdims=True)
         var = jnp.square(x - mean).mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...]
+        y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...]
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(x_BxTxD.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Llama's: divide by the root mean square (no centring), times a learned scale; no bias."""
+
+    def __init__(self, config: GPTConfig):
+        self.scale = param(jnp.ones(config.n_embd), ("norm",))
+        self.eps = config.norm_eps
+
+    def __call__(self, x_BxTxD):
+        x = x_BxTxD.astype(jnp.float32)
+        y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps) * self.scale[...]
+        return y.astype(x_BxTxD.dtype)
+
+
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+
+def no_rotation(x_BxTxNxH, position_BxT, theta: float):
+    """Learned positions: GPT.wpe adds them to the input, queries and keys stay as they are."""
+    return x_BxTxNxH
+
+
+def rope(x_BxTxNxH, position_BxT, theta: float):
+    """Rotary position embedding, in the rotate-half layout (Llama's in Hugging Face files):
+    the pair of dimensions (i, i + H/2) of every head turns by the angle position·theta^(-2i/H).
+    A query and a key then score by their distance alone. Angles in float32."""
+    H = x_BxTxNxH.shape[-1]
+    inverse_freq = (1.0 / theta ** (np.arange(0, H, 2) / H)).astype(np.float32)  # (H/2,) from float64
+    angle_BxTx1xH2 = (position_BxT.astype(jnp.float32)[:, :, None, None] * inverse_freq)
+    cos, sin = jnp.cos(angle_BxTx1xH2), jnp.sin(angle_BxTx1xH2)
+    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxNxH.dtype)
+
+
+ROTATIONS = {"learned": no_rotation, "rope": rope}
 
 
 CACHE_AXES = ("layers", "batch", "seq", "heads", "head_dim")
@@ -95,28 +165,28 @@ CACHE_AXES = ("layers", "batch", "seq", "heads", "head_dim")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of the tokens seen so far: (L, B, S, N, H) each, in the compute dtype.
+    """Keys and values of the tokens seen so far: (L, B, S, K, H) each, in the compute dtype,
+    with K = n_kv_head (so grouped-query attention shrinks the cache by n_head / K).
 
-    The layer scan hands each layer its (B, S, N, H) slice. The cache does not know how
+    The layer scan hands each layer its (B, S, K, H) slice. The cache does not know how
     much of itself is filled: the caller says where new tokens go (start_B) and the causal
     mask hides everything past them, so stale entries there are harmless.
     """
     k: jax.Array
     v: jax.Array
 
-    def write(self, k_BxTxNxH, v_BxTxNxH, start_B) -> "KVCache":
+    def write(self, k_BxTxKxH, v_BxTxKxH, start_B) -> "KVCache":
         """One layer's cache with T new positions per row written at start_B[b] (per row)."""
-        put = jax.vmap(lambda cache_SxNxH, new_TxNxH, start:
-                       jax.lax.dynamic_update_slice_in_dim(cache_SxNxH, new_TxNxH, start, axis=0))
+        put = jax.vmap(lambda cache_SxKxH, new_TxKxH, start:
+                       jax.lax.dynamic_update_slice_in_dim(cache_SxKxH, new_TxKxH, start, axis=0))
         return KVCache(*(constrain(put(cache, new, start_B), CACHE_AXES[1:])
-                         for cache, new in ((self.k, k_BxTxNxH), (self.v, v_BxTxNxH))))
+                         for cache, new in ((self.k, k_BxTxKxH), (self.v, v_BxTxKxH))))
 
 
 def init_cache(config: GPTConfig, batch_size: int, length: int) -> KVCache:
     """An empty cache for `batch_size` rows of up to `length` tokens, sharded like the model
     (heads over `tensor`, rows over the batch axes) when sharding rules are active."""
-    N = config.n_head
-    shape = (config.n_layer, batch_size, length, N, config.n_embd // N)
+    shape = (config.n_layer, batch_size, length, config.kv_heads, config.n_embd // config.n_head)
     return KVCache(*(constrain(jnp.zeros(shape, config.dtype), CACHE_AXES) for _ in range(2)))
 
 
@@ -127,45 +197,62 @@ def causal_mask(start_B, T: int, S: int):
 
 
 class Attention(nnx.Module):
+    """Causal self-attention; grouped-query when n_kv_head K < n_head N.
+
+    The N query heads form K groups of G = N/K that share one key and one value head. One
+    kernel (D, G+2, K, H) computes them all: for each group, its G query heads, then its key,
+    then its value. With G = 1 that is exactly GPT-2's [q | k | v] layout (D, 3, N, H).
+    Query head n = k·G + g belongs to group k (jax.nn.dot_product_attention's convention).
+    """
+
     def __init__(self, config: GPTConfig, key):
-        D, N = config.n_embd, config.n_head
-        H = D // N
+        D, N, K = config.n_embd, config.n_head, config.kv_heads
+        G, H = N // K, D // N
         k_qkv, k_out = jax.random.split(key)
         residual_std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2: scale residual writes
-        self.qkv_kernel = param(normal(k_qkv, (D, 3, N, H), 0.02), ("embed", "qkv", "heads", "head_dim"))
+        self.qkv_kernel = param(normal(k_qkv, (D, G + 2, K, H), 0.02), ("embed", "qkv", "heads", "head_dim"))
         self.out_kernel = param(normal(k_out, (N, H, D), residual_std), ("heads", "head_dim", "embed"))
-        self.qkv_bias = param(jnp.zeros((3, N, H)), ("qkv", "heads", "head_dim")) if config.bias else None
+        self.qkv_bias = param(jnp.zeros((G + 2, K, H)), ("qkv", "heads", "head_dim")) if config.bias else None
         self.out_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
         self.config = config
 
-    def __call__(self, x_BTxD, batch_size: int, dropout_key=None, cache=None, start_B=None):
-        """Without a cache: causal self-attention over these T tokens (training). With a layer's
-        cache (B, S, N, H): row b's tokens sit at positions start_B[b] + [0, T); their keys
-        and values are written there and they attend to every cached position up to their own."""
-        dtype = x_BTxD.dtype
-        D, (_, _, N, H) = x_BTxD.shape[-1], self.qkv_kernel.shape
-        B, T = batch_size, x_BTxD.shape[0] // batch_size
-        qkv_BTx3NH = x_BTxD @ self.qkv_kernel[...].reshape(D, 3 * N * H).astype(dtype)
+    def __call__(self, x_BTxD, batch_size: int, start_B, dropout_key=None, cache=None):
+        """Row b's T tokens sit at positions start_B[b] + [0, T). Without a cache: causal
+        self-attention over them (training: start_B = 0). With a layer's cache (B, S, K, H):
+        their keys and values are written there and they attend to every cached position up
+        to their own."""
+        config, dtype = self.config, x_BTxD.dtype
+        D, (_, C, K, H) = x_BTxD.shape[-1], self.qkv_kernel.shape
+        G, B, T = C - 2, batch_size, x_BTxD.shape[0] // batch_size
+        N = G * K
+        qkv_BTxCKH = x_BTxD @ self.qkv_kernel[...].reshape(D, C * K * H).astype(dtype)
         if self.qkv_bias is not None:
-            qkv_BTx3NH = qkv_BTx3NH + self.qkv_bias[...].reshape(3 * N * H).astype(dtype)
-        qkv_BxTx3xNxH = constrain(qkv_BTx3NH.reshape(B, T, 3, N, H), ("batch", "seq", None, "heads", None))
-        q_BxTxNxH, k_BxTxNxH, v_BxTxNxH = (qkv_BxTx3xNxH[:, :, i] for i in range(3))
+            qkv_BTxCKH = qkv_BTxCKH + self.qkv_bias[...].reshape(C * K * H).astype(dtype)
+        qkv_BxTxCxKxH = constrain(qkv_BTxCKH.reshape(B, T, C, K, H), ("batch", "seq", None, "heads", None))
+        q_BxTxNxH = qkv_BxTxCxKxH[:, :, :G].swapaxes(2, 3).reshape(B, T, N, H)  # head k·G + g
+        k_BxTxKxH, v_BxTxKxH = qkv_BxTxCxKxH[:, :, G], qkv_BxTxCxKxH[:, :, G + 1]
+        rotate = ROTATIONS[config.pos_embedding]  # RoPE turns q and k by position; GPT-2 does not
+        position_BxT = start_B[:, None] + jnp.arange(T)
+        q_BxTxNxH = rotate(q_BxTxNxH, position_BxT, config.rope_theta)
+        k_BxTxKxH = rotate(k_BxTxKxH, position_BxT, config.rope_theta)
         if cache is None:
-            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxNxH, v_BxTxNxH, is_causal=True)
+            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True)
         else:
-            cache = cache.write(k_BxTxNxH, v_BxTxNxH, start_B)
+            cache = cache.write(k_BxTxKxH, v_BxTxKxH, start_B)
             # is_causal aligns top-left, which is wrong once queries start past 0: explicit mask.
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, cache.k, cache.v,
                                                      mask=causal_mask(start_B, T, cache.k.shape[1]))
         y_BTxD = y_BxTxNxH.reshape(B * T, N * H) @ self.out_kernel[...].reshape(N * H, D).astype(dtype)
         if self.out_bias is not None:
             y_BTxD = y_BTxD + self.out_bias[...].astype(dtype)
-        return dropout(y_BTxD, self.config.dropout, dropout_key), cache
+        return dropout(y_BTxD, config.dropout, dropout_key), cache
 
 
 class MLP(nnx.Module):
+    """GPT-2's: proj(gelu(fc(x)))."""
+
     def __init__(self, config: GPTConfig, key):
-        D, F = config.n_embd, 4 * config.n_embd
+        D, F = config.n_embd, config.mlp_hidden_size
         k_fc, k_proj = jax.random.split(key)
         residual_std = 0.02 / math.sqrt(2 * config.n_layer)
         self.fc_kernel = param(normal(k_fc, (D, F), 0.02), ("embed", "mlp"))
@@ -175,28 +262,47 @@ class MLP(nnx.Module):
         self.config = config
 
     def __call__(self, x_BTxD, dropout_key=None):
-        dtype = x_BTxD.dtype
-        h_BTxF = x_BTxD @ self.fc_kernel[...].astype(dtype)
-        if self.fc_bias is not None:
-            h_BTxF = h_BTxF + self.fc_bias[...].astype(dtype)
-        h_BTxF = constrain(jax.nn.gelu(h_BTxF, approximate=True), ("batch", "mlp"))
-        y_BTxD = h_BTxF @ self.proj_kernel[...].astype(dtype)
-        if self.proj_bias is not None:
-            y_BTxD = y_BTxD + self.proj_bias[...].astype(dtype)
+        h_BTxF = jax.nn.gelu(linear(x_BTxD, self.fc_kernel, self.fc_bias), approximate=True)
+        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias)
         return dropout(y_BTxD, self.config.dropout, dropout_key)
+
+
+class SwiGLU(nnx.Module):
+    """Llama's: proj(silu(gate(x)) * fc(x)), a gated unit with three matrices."""
+
+    def __init__(self, config: GPTConfig, key):
+        D, F = config.n_embd, config.mlp_hidden_size
+        k_gate, k_fc, k_proj = jax.random.split(key, 3)
+        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
+        self.gate_kernel = param(normal(k_gate, (D, F), 0.02), ("embed", "mlp"))
+        self.fc_kernel = param(normal(k_fc, (D, F), 0.02), ("embed", "mlp"))
+        self.proj_kernel = param(normal(k_proj, (F, D), residual_std), ("mlp", "embed"))
+        self.gate_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
+        self.fc_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
+        self.proj_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
+        self.config = config
+
+    def __call__(self, x_BTxD, dropout_key=None):
+        gate_BTxF = jax.nn.silu(linear(x_BTxD, self.gate_kernel, self.gate_bias))
+        h_BTxF = gate_BTxF * linear(x_BTxD, self.fc_kernel, self.fc_bias)
+        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias)
+        return dropout(y_BTxD, self.config.dropout, dropout_key)
+
+
+MLPS = {"gelu": MLP, "swiglu": SwiGLU}
 
 
 class Block(nnx.Module):
     def __init__(self, config: GPTConfig, key):
         k_attn, k_mlp = jax.random.split(key)
-        self.ln_1 = LayerNorm(config)
+        self.ln_1 = NORMS[config.norm](config)
         self.attn = Attention(config, k_attn)
-        self.ln_2 = LayerNorm(config)
-        self.mlp = MLP(config, k_mlp)
+        self.ln_2 = NORMS[config.norm](config)
+        self.mlp = MLPS[config.mlp](config, k_mlp)
 
-    def __call__(self, x_BTxD, batch_size: int, dropout_key=None, cache=None, start_B=None):
+    def __call__(self, x_BTxD, batch_size: int, start_B, dropout_key=None, cache=None):
         k_attn, k_mlp = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        y_BTxD, cache = self.attn(self.ln_1(x_BTxD), batch_size, k_attn, cache, start_B)
+        y_BTxD, cache = self.attn(self.ln_1(x_BTxD), batch_size, start_B, k_attn, cache)
         x_BTxD = x_BTxD + y_BTxD
         x_BTxD = x_BTxD + self.mlp(self.ln_2(x_BTxD), k_mlp)
         return constrain(x_BTxD, ("batch", "embed_act")), cache
@@ -213,8 +319,12 @@ class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, key):
         k_wte, k_wpe, k_blocks = jax.random.split(key, 3)
         V, D = config.padded_vocab_size, config.n_embd
-        self.wte = param(normal(k_wte, (V, D), 0.02), ("vocab", "embed"))  # also the output layer
-        self.wpe = param(normal(k_wpe, (config.block_size, D), 0.02), ("seq_table", "embed"))
+        self.wte = param(normal(k_wte, (V, D), 0.02), ("vocab", "embed"))
+        self.wpe = (param(normal(k_wpe, (config.block_size, D), 0.02), ("seq_table", "embed"))
+                    if config.pos_embedding == "learned" else None)  # RoPE: q and k turn instead
+        # GPT-2 ties the output layer to wte; Llama-style models may have their own.
+        self.lm_head_kernel = None if config.tie_embeddings else param(
+            normal(jax.random.fold_in(key, 1), (D, V), 0.02), ("embed", "vocab"))
 
         # One Block per layer key, stacked: each weight gets a leading `layers` axis.
         @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -222,7 +332,7 @@ class GPT(nnx.Module):
             return Block(config, layer_key)
 
         self.blocks = make_blocks(jax.random.split(k_blocks, config.n_layer))
-        self.ln_f = LayerNorm(config)
+        self.ln_f = NORMS[config.norm](config)
         self.config = config
 
     def __call__(self, idx_BxT, dropout_key=None):
@@ -231,14 +341,16 @@ class GPT(nnx.Module):
         B, T = idx_BxT.shape
         if T > config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {config.block_size}")
-        dtype = jnp.dtype(config.dtype)
-        x_BxTxD = (self.wte[...][idx_BxT] + self.wpe[...][:T]).astype(dtype)
+        x_BxTxD = self.wte[...][idx_BxT]
+        if self.wpe is not None:
+            x_BxTxD = x_BxTxD + self.wpe[...][:T]
+        x_BxTxD = x_BxTxD.astype(config.dtype)
         # Between the matmuls, activations are 2-D (B*T, D): XLA:CPU's fast matmul path wants
         # one contracting dimension, and a weight gradient over (B, T) is 2x slower there.
         x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         x_BTxD = dropout(x_BTxD, config.dropout, k_emb)
-        x_BTxD, _ = self._run_blocks(x_BTxD, B, k_layers)
+        x_BTxD, _ = self._run_blocks(x_BTxD, B, jnp.zeros(B, jnp.int32), k_layers)
         logits_BxTxV = self._unembed(self.ln_f(x_BTxD)).reshape(B, T, -1)
         return self._mask_padding(logits_BxTxV)
 
@@ -252,18 +364,19 @@ class GPT(nnx.Module):
         """
         config = self.config
         B, T = idx_BxT.shape
-        dtype = jnp.dtype(config.dtype)
-        position_BxT = start_B[:, None] + jnp.arange(T)  # per row: prompts of any length
-        x_BxTxD = (self.wte[...][idx_BxT] + self.wpe[...][position_BxT]).astype(dtype)
-        x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
-        x_BTxD, cache = self._run_blocks(x_BTxD, B, None, cache, start_B)
+        x_BxTxD = self.wte[...][idx_BxT]
+        if self.wpe is not None:
+            x_BxTxD = x_BxTxD + self.wpe[...][start_B[:, None] + jnp.arange(T)]  # per row: any prompt length
+        x_BTxD = constrain(x_BxTxD.astype(config.dtype).reshape(B * T, -1), ("batch", "embed_act"))
+        x_BTxD, cache = self._run_blocks(x_BTxD, B, start_B, None, cache)
         last_B = jnp.full((B,), T - 1) if last_B is None else last_B
         x_BxD = x_BTxD.reshape(B, T, -1)[jnp.arange(B), last_B]  # the vocab matmul for B rows only
         return self._mask_padding(self._unembed(self.ln_f(x_BxD))), cache
 
     def _unembed(self, x_NxD):
-        """Float32 logits (N, padded vocab) through the tied embedding."""
-        return jax.lax.dot_general(x_NxD, self.wte[...].astype(x_NxD.dtype), (((1,), (1,)), ((), ())),
+        """Float32 logits (N, padded vocab), through the tied embedding or lm_head_kernel."""
+        w_DxV = self.wte[...].T if self.lm_head_kernel is None else self.lm_head_kernel[...]
+        return jax.lax.dot_general(x_NxD, w_DxV.astype(x_NxD.dtype), (((1,), (0,)), ((), ())),
                                    preferred_element_type=jnp.float32)
 
     def _mask_padding(self, logits_xV):
@@ -274,15 +387,15 @@ class GPT(nnx.Module):
         is_real_token = jnp.arange(config.padded_vocab_size) < config.vocab_size
         return jnp.where(is_real_token, logits_xV, -jnp.inf)
 
-    def _run_blocks(self, x_BTxD, batch_size: int, dropout_key, cache=None, start_B=None):
-        """The stacked layers; with a cache (L, B, S, N, H), each layer reads and writes its slice."""
+    def _run_blocks(self, x_BTxD, batch_size: int, start_B, dropout_key, cache=None):
+        """The stacked layers; with a cache (L, B, S, K, H), each layer reads and writes its slice."""
         config = self.config
         graphdef, stacked_state = nnx.split(self.blocks)
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
 
         def one_layer(x_BTxD, layer_inputs):
             layer_state, layer_key, layer_cache = layer_inputs
-            return nnx.merge(graphdef, layer_state)(x_BTxD, batch_size, layer_key, layer_cache, start_B)
+            return nnx.merge(graphdef, layer_state)(x_BTxD, batch_size, start_B, layer_key, layer_cache)
 
         if config.remat_policy != "none":
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[config.remat_policy])
@@ -305,15 +418,24 @@ def count_params(config: GPTConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
+def matmul_params(config: GPTConfig) -> int:
+    """Parameters that multiply activations: all but the lookup tables, i.e. wpe, and wte when
+    the output layer is its own lm_head_kernel (tied, wte counts once, as the output layer).
+    Norm scales and biases are in, as nanoGPT counts them (they are ~0.1%)."""
+    lookups = (config.block_size * config.n_embd if config.pos_embedding == "learned" else 0) + (
+        0 if config.tie_embeddings else config.padded_vocab_size * config.n_embd)
+    return count_params(config) - lookups
+
+
 def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
     """Training FLOPs per token: 6 per weight (forward + backward) + attention scores/values.
 
-    6N counts every matmul weight (the tied embedding counts once, as the output layer);
-    12·L·T·D is the attention's QK^T and AV over a context of T tokens.
+    6N counts matmul_params: SwiGLU's third matrix and grouped-query attention's smaller
+    key/value projections are in it. 12·L·T·D is the attention's QK^T and AV over a context
+    of T tokens for n_head query heads of size D / n_head, whatever n_kv_head is.
     """
     T = seq_len or config.block_size
-    n_matmul = count_params(config) - config.block_size * config.n_embd  # wpe is a lookup
-    return 6 * n_matmul + 12 * config.n_layer * T * config.n_embd
+    return 6 * matmul_params(config) + 12 * config.n_layer * T * config.n_embd
 
 
 # ----------------------------------------------------------------------------- GPT-2 weights
@@ -392,6 +514,10 @@ def load_hf_gpt2(path, config: GPTConfig) -> dict:
     hf = read_hf_gpt2_config(path)
     differ = [f"{k}: checkpoint {hf[k]}, config {getattr(config, k)}"
               for k in ("n_layer", "n_head", "n_embd", "vocab_size", "bias") if hf[k] != getattr(config, k)]
+    gpt2 = GPTConfig(n_head=config.n_head, n_embd=config.n_embd)  # GPT-2's architecture switches
+    differ += [f"{k}: GPT-2 {getattr(gpt2, k)!r}, config {getattr(config, k)!r}"
+               for k in ("pos_embedding", "norm", "norm_eps", "mlp", "mlp_hidden_size", "kv_heads",
+                         "tie_embeddings") if getattr(gpt2, k) != getattr(config, k)]
     if config.block_size > hf["block_size"]:
         differ.append(f"block_size: checkpoint {hf['block_size']}, config {config.block_size} "
                       f"(may be smaller)")

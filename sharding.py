@@ -107,13 +107,20 @@ def _launched_as_several_processes() -> bool:
             or "JAX_COORDINATOR_ADDRESS" in env)
 
 
-def check_model_fits_mesh(mesh, *, n_head: int, n_embd: int, batch_size: int) -> None:
-    """Fail before compiling when the model's sizes can't be split the way the mesh asks."""
+def check_model_fits_mesh(mesh, *, n_head: int, n_embd: int, batch_size: int, n_kv_head: int = 0,
+                          mlp_hidden: int = 0) -> None:
+    """Fail before compiling when the model's sizes can't be split the way the mesh asks.
+    n_kv_head and mlp_hidden: 0 = GPT-2's (n_head, 4 * n_embd)."""
     data, fsdp, tensor = (mesh.shape[a] for a in MESH_AXES)
     if n_head % tensor:
         raise MeshError(f"n_head={n_head} is not divisible by mesh_tensor={tensor}")
-    if (4 * n_embd) % tensor:
-        raise MeshError(f"the MLP width 4*n_embd={4 * n_embd} is not divisible by mesh_tensor={tensor}")
+    if n_kv_head and n_kv_head % tensor:  # model.py keeps each key/value head with its query heads
+        raise MeshError(f"n_kv_head={n_kv_head} is not divisible by mesh_tensor={tensor}: tensor splits "
+                        f"the groups of query heads that share a key/value head; use a mesh_tensor "
+                        f"that divides n_kv_head")
+    mlp_hidden = mlp_hidden or 4 * n_embd
+    if mlp_hidden % tensor:
+        raise MeshError(f"the MLP width {mlp_hidden} is not divisible by mesh_tensor={tensor}")
     if batch_size % (data * fsdp):
         raise MeshError(
             f"batch_size={batch_size} is not divisible by mesh_data x mesh_fsdp = {data} x {fsdp}; "

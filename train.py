@@ -171,9 +171,10 @@ class Setup:
 
 def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
     """Shapes and shardings of the train state, derived without allocating it."""
-    sharding.check_model_fits_mesh(mesh, n_head=config.n_head, n_embd=config.n_embd,
-                                   batch_size=config.batch_size)
     gpt_config = model_config(config, vocab_size)
+    sharding.check_model_fits_mesh(mesh, n_head=config.n_head, n_embd=config.n_embd,
+                                   batch_size=config.batch_size, n_kv_head=gpt_config.kv_heads,
+                                   mlp_hidden=gpt_config.mlp_hidden_size)
     abstract_model = nnx.eval_shape(lambda: GPT(gpt_config, jax.random.key(0)))
     graphdef, abstract_params = nnx.split(abstract_model)
     param_shardings = nnx.to_pure_dict(sharding.param_shardings(abstract_params, mesh))
@@ -340,7 +341,8 @@ def checkpoint_write_errors(manager):
                             f"checkpoint (step {manager.latest_step()}) is intact") from e
 
 
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "pad_vocab_to_multiple")
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "pad_vocab_to_multiple",
+              "pos_embedding", "norm", "mlp", "mlp_hidden", "n_kv_head", "tie_embeddings")
 
 
 def read_checkpoint_meta(manager, out_dir: str) -> dict:
@@ -355,8 +357,9 @@ def restore_state(manager, setup: Setup) -> dict:
     """The latest checkpoint, loaded straight into this run's shardings (any mesh shape)."""
     meta = read_checkpoint_meta(manager, setup.config.out_dir)
     saved = meta["config"]
-    differ = [f"{k}: checkpoint {saved.get(k)!r}, config {getattr(setup.config, k)!r}"
-              for k in MODEL_KEYS if saved.get(k) != getattr(setup.config, k)]
+    saved = {k: saved.get(k, getattr(Config, k)) for k in MODEL_KEYS}  # older checkpoints: defaults
+    differ = [f"{k}: checkpoint {saved[k]!r}, config {getattr(setup.config, k)!r}"
+              for k in MODEL_KEYS if saved[k] != getattr(setup.config, k)]
     if differ:
         raise CheckpointError("checkpoint model shape differs from the config ("
                               + "; ".join(differ) + "): use the checkpoint's values")
@@ -700,12 +703,13 @@ def _write_atomically(path: str, text: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    import compile_aot  # it imports this file, so not at the top; needed for its error type
     config = configurator.load_config_or_exit(argv)
     try:
         sharding.initialize_distributed(config.coordinator_address, config.num_processes,
                                         config.process_id)
         train(config)
-    except (DataError, CheckpointError, TrainingError, sharding.MeshError) as e:
+    except (DataError, CheckpointError, TrainingError, sharding.MeshError, compile_aot.AotError) as e:
         sys.exit(f"error: {e}")
 
 

@@ -231,3 +231,29 @@ def test_load_config_or_exit_returns_the_config():
 def test_tokens_per_step():
     config = load_config(["--batch_size=3", "--gradient_accumulation_steps=5", "--block_size=7"])
     assert config.tokens_per_step == 3 * 5 * 7
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--pos_embedding=alibi"], ["pos_embedding", "'alibi'", "'learned'", "'rope'"]),
+    (["--norm=batchnorm"], ["norm", "'layernorm'", "'rmsnorm'"]),
+    (["--mlp=relu"], ["mlp", "'gelu'", "'swiglu'"]),
+    (["--n_head=12", "--n_kv_head=5"], ["n_head (12)", "n_kv_head (5)", "divisible"]),
+    (["--n_kv_head=-1"], ["n_kv_head", ">= 0"]),
+    (["--n_embd=36", "--n_head=4", "--pos_embedding=rope"], ["rope", "even head size", "9"]),
+    (["--rope_theta=0"], ["rope_theta", "> 0"]),
+])
+def test_architecture_options_are_checked(flags, words):
+    message = error_of(flags)
+    for word in words:
+        assert word in message
+
+
+def test_architecture_defaults_are_gpt2_and_every_model_field_is_a_config_key():
+    import model
+    gpt2 = model.GPTConfig()
+    for field in dataclasses.fields(model.GPTConfig):  # train.model_config copies them by name
+        if field.name != "vocab_size":
+            assert getattr(DEFAULTS, field.name) == getattr(gpt2, field.name), field.name
+    llama = load_config([str(ROOT / "config" / "llama_style_small.py")])
+    assert (llama.pos_embedding, llama.norm, llama.mlp) == ("rope", "rmsnorm", "swiglu")
+    assert 0 < llama.n_kv_head < llama.n_head

@@ -1,5 +1,6 @@
 """model.py: parameter counts, FLOPs, causality, layer layouts, remat, init, dropout, dtypes,
-and the forward pass against an independent float64 NumPy implementation of GPT-2."""
+and the forward pass against an independent float64 NumPy implementation of GPT-2 and of its
+Llama-style options (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output)."""
 
 import dataclasses
 import json
@@ -20,6 +21,9 @@ import model  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 TINY = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
+# Every switch away from GPT-2: 4 query heads in 2 groups (G = 2), head size 8, SwiGLU 64 wide.
+LLAMA = dataclasses.replace(TINY, pos_embedding="rope", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu",
+                            n_kv_head=2, bias=False, tie_embeddings=False)
 GPT2_SMALL_PARAMS = 124_439_808
 
 
@@ -36,48 +40,81 @@ def _gelu_tanh(x):
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
-def reference_forward(params, idx):
-    """GPT-2's forward pass in float64 NumPy, from the stacked parameters of model.GPT.
+def _rms_norm(x, scale, bias=None, eps=1e-5):
+    assert bias is None
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * scale
 
-    params: nested dict as nnx.to_pure_dict(nnx.state(model)) gives it (arrays of any kind);
-        biases may be absent (bias=False). idx: int array (B, T). Returns float64 logits
-        (B, T, V) over every row of wte, padding rows included (no masking).
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _rotate(x, positions, theta):
+    """RoPE the slow way: every head vector x[..., t, :, :] (H dims) is multiplied by a rotation
+    matrix built for its position, turning the plane of dimensions (i, i + H/2) by
+    position · theta^(-2i/H). x: (B, T, ..., H); positions: (B, T)."""
+    H = x.shape[-1]
+    out = np.empty_like(x)
+    for b, t in np.ndindex(*positions.shape):
+        rotation = np.zeros((H, H))
+        for i in range(H // 2):
+            angle = positions[b, t] * theta ** (-2.0 * i / H)
+            c, s = np.cos(angle), np.sin(angle)
+            rotation[i, i], rotation[i, i + H // 2] = c, -s
+            rotation[i + H // 2, i], rotation[i + H // 2, i + H // 2] = s, c
+        out[b, t] = x[b, t] @ rotation.T
+    return out
+
+
+def reference_forward(params, idx, config=None):
+    """The forward pass in float64 NumPy, from the stacked parameters of model.GPT.
+
+    GPT-2's by default; config's switches (pos_embedding, norm, mlp, n_kv_head, tie_embeddings)
+    make it Llama-style. params: nested dict as nnx.to_pure_dict(nnx.state(model)) gives it;
+    biases may be absent (bias=False). idx: int array (B, T). Returns float64 logits (B, T, V)
+    over every row of the output layer, padding rows included (no masking).
     """
+    config = config or TINY
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     blocks, idx = p["blocks"], np.asarray(idx)
     attn, mlp = blocks["attn"], blocks["mlp"]
     ln_1, ln_2, ln_f = blocks["ln_1"], blocks["ln_2"], p["ln_f"]
+    norm = {"layernorm": _layer_norm, "rmsnorm": _rms_norm}[config.norm]
     B, T = idx.shape
-    L, D, _, N, H = attn["qkv_kernel"].shape
+    L, D, C, K, H = attn["qkv_kernel"].shape  # C = G query heads per key/value head + k + v
+    G = C - 2
     causal_TxT = np.tril(np.ones((T, T), bool))
+    positions = np.broadcast_to(np.arange(T), (B, T))
 
-    x = p["wte"][idx] + p["wpe"][:T]  # (B, T, D)
+    x = p["wte"][idx] + (p["wpe"][:T] if config.pos_embedding == "learned" else 0)  # (B, T, D)
     for l in range(L):
-        h = _layer_norm(x, ln_1["scale"][l], ln_1.get("bias", [None] * L)[l])
-        qkv = np.einsum("btd,dcnh->btcnh", h, attn["qkv_kernel"][l])
+        h = norm(x, ln_1["scale"][l], ln_1.get("bias", [None] * L)[l], config.norm_eps)
+        qkv = np.einsum("btd,dckh->btckh", h, attn["qkv_kernel"][l])
         if "qkv_bias" in attn:
             qkv = qkv + attn["qkv_bias"][l]
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, N, H)
-        scores = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(H)
+        q, k, v = qkv[:, :, :G], qkv[:, :, G], qkv[:, :, G + 1]  # (B, T, G, K, H), (B, T, K, H) x 2
+        if config.pos_embedding == "rope":
+            q = _rotate(q, positions, config.rope_theta)
+            k = _rotate(k, positions, config.rope_theta)
+        scores = np.einsum("bqgkh,bskh->bkgqs", q, k) / np.sqrt(H)  # query head n = k·G + g
         scores = np.where(causal_TxT, scores, -np.inf)
         weights = np.exp(scores - scores.max(-1, keepdims=True))
         weights = weights / weights.sum(-1, keepdims=True)
-        y = np.einsum("bnqk,bknh->bqnh", weights, v)
+        y = np.einsum("bkgqs,bskh->bqkgh", weights, v).reshape(B, T, K * G, H)
         y = np.einsum("btnh,nhd->btd", y, attn["out_kernel"][l])
         if "out_bias" in attn:
             y = y + attn["out_bias"][l]
         x = x + y
 
-        h = _layer_norm(x, ln_2["scale"][l], ln_2.get("bias", [None] * L)[l])
-        h = h @ mlp["fc_kernel"][l]
-        if "fc_bias" in mlp:
-            h = h + mlp["fc_bias"][l]
-        h = _gelu_tanh(h) @ mlp["proj_kernel"][l]
-        if "proj_bias" in mlp:
-            h = h + mlp["proj_bias"][l]
-        x = x + h
-    x = _layer_norm(x, ln_f["scale"], ln_f.get("bias"))
-    return x @ p["wte"].T  # tied output layer
+        h = norm(x, ln_2["scale"][l], ln_2.get("bias", [None] * L)[l], config.norm_eps)
+        bias = lambda name: mlp[name][l] if name in mlp else 0
+        if config.mlp == "swiglu":
+            h = _silu(h @ mlp["gate_kernel"][l] + bias("gate_bias")) * (h @ mlp["fc_kernel"][l] + bias("fc_bias"))
+        else:
+            h = _gelu_tanh(h @ mlp["fc_kernel"][l] + bias("fc_bias"))
+        x = x + h @ mlp["proj_kernel"][l] + bias("proj_bias")
+    x = norm(x, ln_f["scale"], ln_f.get("bias"), config.norm_eps)
+    return x @ (p["wte"].T if config.tie_embeddings else p["lm_head_kernel"])
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -292,11 +329,12 @@ def test_bfloat16_compute():
 
 # --- decoding with a KV cache ---------------------------------------------------------------
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_decode_with_cache_matches_the_full_forward(scan_layers):
+@pytest.mark.parametrize("base, scan_layers", [(TINY, True), (TINY, False), (LLAMA, True)],
+                         ids=["gpt2-scan", "gpt2-unrolled", "llama-scan"])
+def test_decode_with_cache_matches_the_full_forward(base, scan_layers):
     """Feed each row in two chunks that start at different positions per row; every logit
     must equal the full causal forward's at the same position."""
-    config = dataclasses.replace(TINY, scan_layers=scan_layers, pad_vocab_to_multiple=64)
+    config = dataclasses.replace(base, scan_layers=scan_layers, pad_vocab_to_multiple=64)
     gpt = randomize(nnx.jit(lambda: GPT(config, jax.random.key(0)))())  # eager is slow
     graphdef, state = nnx.split(gpt)
     decode = jax.jit(lambda *args: nnx.merge(graphdef, state).decode(*args))
@@ -313,7 +351,7 @@ def test_decode_with_cache_matches_the_full_forward(scan_layers):
     for t in range(5):  # then one token at a time, each row at its own position
         logits, cache = decode(second[:, t:t + 1], cache, split_B + t)
         np.testing.assert_allclose(logits, full[np.arange(3), np.asarray(split_B) + t], rtol=0, atol=1e-5)
-    assert cache.k.shape == (2, 3, 16, 4, 8) and cache.k.dtype == jnp.float32
+    assert cache.k.shape == (2, 3, 16, config.kv_heads, 8) and cache.k.dtype == jnp.float32
 
 
 # --- GPT-2 weights in Hugging Face files ------------------------------------------------------
@@ -474,3 +512,132 @@ def test_hf_gpt2_problems_are_named(tmp_path):
     bad_shape = write_hf_gpt2(tmp_path / "shape", transposed, n_head=4)
     with pytest.raises(ValueError, match=r"h.0.attn.c_attn.weight has shape \(96, 32\), expected \(32, 96\)"):
         model.load_hf_gpt2(bad_shape, config)
+
+
+# --- architecture options: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output ------
+
+VARIANTS = {  # between them, each switch both ways
+    "llama": LLAMA,
+    "multi-query, rope, layernorm, swiglu, biases, tied": dataclasses.replace(
+        TINY, pos_embedding="rope", rope_theta=500_000.0, n_kv_head=1, mlp="swiglu", mlp_hidden=48),
+}
+
+
+@pytest.mark.parametrize("theta", [10_000.0, 500_000.0])
+def test_rope_matches_a_float64_numpy_rotation(theta):
+    rng = np.random.default_rng(0)
+    x_BxTxNxH = rng.standard_normal((2, 5, 3, 16)).astype(np.float32)
+    position_BxT = np.array([[0, 1, 2, 3, 4], [7, 100, 101, 500, 1000]])
+    rotated = np.asarray(model.rope(jnp.asarray(x_BxTxNxH), jnp.asarray(position_BxT), theta))
+    expected = _rotate(x_BxTxNxH.astype(np.float64), position_BxT, theta)
+    np.testing.assert_allclose(rotated, expected, rtol=0, atol=1e-4)  # float32 angles: measured 2e-5
+    np.testing.assert_array_equal(rotated[0, 0], x_BxTxNxH[0, 0])  # position 0: unchanged
+    # What RoPE is for: a rotated query-key product depends on their distance only.
+    q, k = (jnp.asarray(rng.standard_normal((1, 1, 1, 16)), jnp.float32) for _ in range(2))
+    score = lambda i, j: float(jnp.sum(model.rope(q, jnp.array([[i]]), theta) * model.rope(k, jnp.array([[j]]), theta)))
+    assert abs(score(9, 4) - score(105, 100)) < 1e-4 and abs(score(9, 4) - score(4, 9)) > 1e-3
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_architecture_options_match_the_numpy_reference(name):
+    config = VARIANTS[name]
+    gpt = randomize(nnx.jit(lambda: GPT(config, jax.random.key(0)))())
+    idx = tokens((2, 16))
+    logits = np.asarray(nnx.jit(lambda gpt, idx: gpt(idx))(gpt, idx))
+    expected = reference_forward(nnx.to_pure_dict(nnx.state(gpt)), idx, config)
+    assert np.abs(expected).max() > 0.1
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-6)  # measured: ~9e-8
+
+
+def test_grouped_query_attention_equals_multi_head_attention_with_shared_key_value_heads():
+    """n_kv_head = n_head is GPT-2's attention exactly; GQA with K = 2 key/value heads for N = 4
+    query heads is multi-head attention whose heads k·G and k·G + 1 share a key and a value."""
+    forward = nnx.jit(lambda gpt, idx: gpt(idx))
+    idx = tokens()
+    mha, explicit = make(), make(n_kv_head=4)
+    for a, b in zip(param_leaves(explicit), param_leaves(mha), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(forward(explicit, idx), forward(mha, idx))
+
+    G, K = 2, 2
+    gqa = randomize(make(n_kv_head=K))
+    p = nnx.to_pure_dict(nnx.state(gqa))
+    assert p["blocks"]["attn"]["qkv_kernel"].shape == (2, 32, G + 2, K, 8)
+
+    def to_multi_head(a_xCxKxH):  # (..., G+2, K, H) -> (..., 3, N, H), query head n = k·G + g
+        q = np.swapaxes(a_xCxKxH[..., :G, :, :], -3, -2)
+        q = q.reshape(*q.shape[:-3], K * G, q.shape[-1])
+        k, v = (np.repeat(a_xCxKxH[..., i, :, :], G, axis=-2) for i in (G, G + 1))
+        return np.stack([q, k, v], axis=-3)
+
+    attn = p["blocks"]["attn"]
+    attn["qkv_kernel"], attn["qkv_bias"] = to_multi_head(attn["qkv_kernel"]), to_multi_head(attn["qkv_bias"])
+    state = nnx.state(mha)
+    nnx.replace_by_pure_dict(state, p)
+    nnx.update(mha, state)
+    np.testing.assert_allclose(forward(gqa, idx), forward(mha, idx), rtol=0, atol=1e-5)
+
+
+def test_count_params_of_a_llama_style_model():
+    V, T, L, D, N, K, H = 65, 16, 2, 32, 4, 2, 8
+    F = LLAMA.mlp_hidden_size
+    assert F == 128  # 8/3 x 32 = 85.3, rounded up to a multiple of 64
+    per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F + 2 * D  # no wpe, no biases, RMSNorm scales
+    assert model.count_params(LLAMA) == L * per_layer + V * D + D * V + D == 35_040
+    gpt = make(LLAMA)
+    assert gpt.wpe is None and gpt.lm_head_kernel.shape == (D, V)
+    assert sum(a.size for a in param_leaves(gpt)) == 35_040
+    # SwiGLU's default width keeps GPT-2's MLP size: 3 x 768 x 2048 = 2 x 768 x 3072.
+    assert GPTConfig(mlp="swiglu").mlp_hidden_size == 2048
+    no_bias = lambda mlp: model.count_params(GPTConfig(mlp=mlp, bias=False))
+    assert no_bias("swiglu") == no_bias("gelu")
+
+
+@pytest.mark.parametrize("name", ["gpt2", *VARIANTS])
+def test_flops_per_token_counts_the_matmul_weights_of_the_real_model(name):
+    """6 FLOPs per weight that multiplies (every parameter but the lookup tables: wpe, and wte
+    when the output layer is separate) + 12·L·T·D for attention, from the model's own arrays."""
+    config = VARIANTS.get(name, TINY)
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: GPT(config, jax.random.key(0)))))
+    lookups = {"wpe"} | ({"wte"} if "lm_head_kernel" in params else set())
+    n_matmul = sum(math.prod(a.shape) for path, a in jax.tree_util.tree_leaves_with_path(params)
+                   if path[0].key not in lookups)
+    T = 16
+    assert model.flops_per_token(config) == 6 * n_matmul + 12 * config.n_layer * T * config.n_embd
+
+
+def test_llama_style_layers_scanned_unrolled_and_rematerialized_agree():
+    idx, targets = tokens(seed=1), tokens(seed=3)
+
+    def logits_and_grads(**changes):
+        gpt = randomize(make(LLAMA, **changes))
+        graphdef, state = nnx.split(gpt)
+
+        def loss(state):
+            logits = nnx.merge(graphdef, state)(idx)
+            return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1).mean(), logits
+
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+        return [logits, *jax.tree.leaves(grads)]
+
+    base = logits_and_grads()  # scanned, nothing recomputed
+    for a, b in zip(base, logits_and_grads(scan_layers=False, remat_policy="full"), strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+    assert len(base) == 1 + 10 and any(np.abs(g).max() > 1e-3 for g in base[1:])
+
+
+def test_llama_style_bfloat16_compute():
+    full, half = make(LLAMA), make(LLAMA, dtype="bfloat16")
+    idx = tokens()
+    diff = np.abs(np.asarray(half(idx)) - np.asarray(full(idx))).max()
+    assert 0 < diff < 0.02
+
+
+def test_hf_gpt2_weights_need_the_gpt2_architecture(tmp_path):
+    directory = write_hf_gpt2(tmp_path / "gpt2", random_hf_gpt2(), n_head=4)
+    config = GPTConfig(**model.read_hf_gpt2_config(directory))
+    model.load_hf_gpt2(directory, dataclasses.replace(config, n_kv_head=4))  # = n_head: still GPT-2
+    with pytest.raises(ValueError, match="pos_embedding: GPT-2 'learned', config 'rope'; "
+                                         "kv_heads: GPT-2 4, config 2; tie_embeddings: GPT-2 True"):
+        model.load_hf_gpt2(directory, dataclasses.replace(config, pos_embedding="rope", n_kv_head=2,
+                                                          tie_embeddings=False))

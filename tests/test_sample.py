@@ -178,3 +178,31 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
     out, err = capsys.readouterr()
     assert out.startswith(CHARS[:4]) and len(out.split("\n")[0]) == 16  # stopped at the context
     assert "stopped at the model's context length (16 tokens) after 12 new tokens" in err
+
+
+def test_llama_style_sampling_sharded_with_a_grouped_query_cache():
+    """RoPE + grouped-query attention: the cache holds the 2 key/value heads (not 4), split over
+    tensor; greedy tokens with it equal recomputing the whole forward pass, on 1 device and on
+    data=2 x tensor=2."""
+    def llama_style(devices, data, tensor):
+        config = Config(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=65, pad_vocab_to_multiple=64,
+                        batch_size=data, seed=3, tensorboard=False, pos_embedding="rope", norm="rmsnorm",
+                        mlp="swiglu", n_kv_head=2, bias=False, tie_embeddings=False)
+        setup = train.make_setup(config, sharding.make_mesh(data, 1, tensor, devices=devices), 65)
+        return setup, jax.tree.map(lambda a: a * 4, train.init_state(setup)["params"])
+
+    setup, params = llama_style(jax.devices()[:1], 1, 1)
+    cached = sample.generate(setup, params, RAGGED, 8, temperature=0).tokens
+    assert cached == [greedy_by_recomputing(setup, params, ids, 8) for ids in RAGGED]
+    assert len({tuple(t) for t in cached}) == 3
+    setup, params = llama_style(jax.devices()[:4], 2, 2)
+    assert sample.generate(setup, params, RAGGED, 8, temperature=0).tokens == cached
+    with sharding.activate(setup.mesh):
+        state = jax.jit(lambda p, x, n: sample.prefill(setup.graphdef, p, x, n, jax.random.key(0), -1,
+                                                       length=16, max_new_tokens=4, sampling=(0, 0, 1.0),
+                                                       kv_cache=True))(params, jnp.ones((4, 5), jnp.int32),
+                                                                       jnp.full(4, 5, jnp.int32))
+    assert state["cache"].k.shape == (2, 4, 16, 2, 8)  # (L, B, S, n_kv_head, H)
+    expected = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(
+        None, ("data", "fsdp"), None, "tensor", None))
+    assert state["cache"].k.sharding.is_equivalent_to(expected, 5)

@@ -168,3 +168,44 @@ def test_scanned_layers_keep_the_program_size_flat_in_depth(toy64):
 
     assert program_size(48, True) < 1.05 * program_size(12, True)
     assert program_size(12, False) > 2 * program_size(3, False)
+
+
+LLAMA_STYLE = dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, bias=False,
+                   tie_embeddings=False)
+
+
+def test_llama_style_model_sharded_equals_one_device(toy64):
+    """RoPE, RMSNorm, SwiGLU, 2 key/value heads for 4 query heads, untied output: tensor=2 x
+    fsdp=4 gives one device's losses, and tensor really splits the key/value heads."""
+    root, _ = toy64
+
+    def setup_and_losses(data, fsdp, tensor):
+        config = dataclasses.replace(sharded_config(root, data, fsdp, tensor), **LLAMA_STYLE)
+        mesh = sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[:data * fsdp * tensor])
+        setup = train.make_setup(config, mesh, 64)
+        state, train_step = train.init_state(setup), train.jit_train_step(setup)
+        tokens, losses = train.open_split(config, "train", 64), []
+        with sharding.activate(mesh):
+            for step in range(4):
+                batch = train.batch_for_step(tokens, config, step, "train", np.arange(config.batch_size), 1)
+                state, metrics = train_step(state, tuple(jax.device_put(a, setup.micro_batch_sharding)
+                                                         for a in batch))
+                losses.append(float(metrics["loss"]))
+        return setup, losses
+
+    _, one_device = setup_and_losses(1, 1, 1)
+    setup, split = setup_and_losses(1, 4, 2)
+    np.testing.assert_allclose(split, one_device, rtol=0, atol=1e-5)
+    assert one_device[-1] < one_device[0] - 0.1  # it learns
+    P = jax.sharding.PartitionSpec
+    specs = setup.state_shardings["params"]
+    assert specs["blocks"]["attn"]["qkv_kernel"].spec == P(None, "fsdp", None, "tensor", None)  # (L, D, G+2, K, H)
+    assert specs["blocks"]["mlp"]["gate_kernel"].spec == P(None, "fsdp", "tensor")
+    assert specs["lm_head_kernel"].spec == P("fsdp", "tensor")
+
+
+def test_key_value_heads_that_tensor_cannot_split_are_one_clear_error(toy64):
+    root, _ = toy64
+    config = dataclasses.replace(sharded_config(root, 1, 2, 4), **LLAMA_STYLE)
+    with pytest.raises(sharding.MeshError, match="n_kv_head=2 is not divisible by mesh_tensor=4"):
+        train.make_setup(config, sharding.make_mesh(1, 2, 4), 64)

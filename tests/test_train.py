@@ -373,3 +373,14 @@ def test_a_full_disk_keeps_the_previous_checkpoint(toy, tmp_path):
         restored_params(dataclasses.replace(config, n_embd=64))  # the survivor is readable
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+def test_weight_decay_of_the_llama_style_parameters(toy):
+    config = small_config(toy, mlp="swiglu", norm="rmsnorm", tie_embeddings=False, pos_embedding="rope")
+    setup = train.make_setup(config, sharding.make_mesh(devices=ONE_DEVICE), 65)
+    mask = jax.tree_util.tree_map_with_path(train.decays, setup.abstract_state["params"])
+    flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(mask)}
+    assert "['wpe']" not in flat  # RoPE has no position table
+    assert flat["['lm_head_kernel']"] and flat["['blocks']['mlp']['gate_kernel']"]
+    assert not flat["['blocks']['mlp']['gate_bias']"] and not flat["['ln_f']['scale']"]
+    assert "['ln_f']['bias']" not in flat  # RMSNorm has no bias
