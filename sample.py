@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 import configurator
+import hf_gpt2
 import model
 import sharding
 import train
@@ -314,7 +315,7 @@ def load_hf(path: str, mesh):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path} is not a Hugging Face GPT-2 directory: it has no config.json "
                          f"(expected config.json and model.safetensors)")
-    fields = model.read_hf_gpt2_config(path)
+    fields = hf_gpt2.read_hf_gpt2_config(path)
     batch = mesh.shape["data"] * mesh.shape["fsdp"]
     config = configurator.Config(init_from=path, batch_size=batch, **fields)
     setup = train.make_setup(config, mesh, fields["vocab_size"])

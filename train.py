@@ -30,7 +30,8 @@ from jax.experimental import multihost_utils
 import configurator
 import sharding
 from configurator import Config
-from model import GPT, GPTConfig, count_params, flops_per_token, load_hf_gpt2
+from hf_gpt2 import load_hf_gpt2
+from model import GPT, GPTConfig, count_params, flops_per_token
 
 
 class DataError(ValueError):

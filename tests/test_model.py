@@ -17,6 +17,7 @@ from flax import nnx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # model.py lives at the repo root
 
+import hf_gpt2  # noqa: E402
 import model  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -359,7 +360,7 @@ def test_decode_with_cache_matches_the_full_forward(base, scan_layers):
 def _to_bytes(array, dtype):
     if dtype == "BF16":  # the top 16 bits of the float32 (the test values are exact in bfloat16)
         return (np.asarray(array, "<f4").view("<u4") >> 16).astype("<u2").tobytes()
-    return np.asarray(array).astype(model.SAFETENSORS_DTYPES[dtype]).tobytes()
+    return np.asarray(array).astype(hf_gpt2.SAFETENSORS_DTYPES[dtype]).tobytes()
 
 
 def write_safetensors(path, tensors):
@@ -444,11 +445,11 @@ def hf_reference_forward(t, n_head, idx):
 
 
 def gpt_from_hf(directory, **changes):
-    fields = model.read_hf_gpt2_config(directory)
+    fields = hf_gpt2.read_hf_gpt2_config(directory)
     config = GPTConfig(**(fields | changes))
     gpt = nnx.eval_shape(lambda: GPT(config, jax.random.key(0)))
     state = nnx.state(gpt)
-    nnx.replace_by_pure_dict(state, model.load_hf_gpt2(directory, config))
+    nnx.replace_by_pure_dict(state, hf_gpt2.load_hf_gpt2(directory, config))
     nnx.update(gpt, state)
     return gpt
 
@@ -459,7 +460,7 @@ def test_safetensors_reader(tmp_path):
     write_safetensors(tmp_path / "t.safetensors", {
         "a.f32": (exact, "F32"), "b.f16": (exact[:, :2], "F16"), "c.bf16": (bf16_exact, "BF16"),
         "d.i64": (np.arange(5), "I64"), "e.scalar": (np.float32(7.0), "F32")})
-    t = model.read_safetensors(tmp_path / "t.safetensors")
+    t = hf_gpt2.read_safetensors(tmp_path / "t.safetensors")
     assert set(t) == {"a.f32", "b.f16", "c.bf16", "d.i64", "e.scalar"}  # __metadata__ skipped
     np.testing.assert_array_equal(t["a.f32"], exact)
     assert t["b.f16"].dtype == np.float16
@@ -494,24 +495,24 @@ def test_hf_gpt2_logits_match_a_float64_numpy_forward(tmp_path, prefix):
 def test_hf_gpt2_problems_are_named(tmp_path):
     tensors = random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=65, n_positions=16)
     good = write_hf_gpt2(tmp_path / "good", tensors, n_head=4)
-    config = GPTConfig(**model.read_hf_gpt2_config(good))
+    config = GPTConfig(**hf_gpt2.read_hf_gpt2_config(good))
     shape = (config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size)
     assert shape == (2, 4, 32, 16, 65)
     with pytest.raises(ValueError, match="n_layer: checkpoint 2, config 3"):
-        model.load_hf_gpt2(good, dataclasses.replace(config, n_layer=3))
+        hf_gpt2.load_hf_gpt2(good, dataclasses.replace(config, n_layer=3))
     with pytest.raises(ValueError, match="block_size: checkpoint 16, config 32"):
-        model.load_hf_gpt2(good, dataclasses.replace(config, block_size=32))
+        hf_gpt2.load_hf_gpt2(good, dataclasses.replace(config, block_size=32))
     eps = write_hf_gpt2(tmp_path / "eps", tensors, n_head=4, layer_norm_epsilon=1e-6)
     with pytest.raises(ValueError, match="layer_norm_epsilon is 1e-06"):
-        model.read_hf_gpt2_config(eps)
+        hf_gpt2.read_hf_gpt2_config(eps)
     without = {k: v for k, v in tensors.items() if k != "h.1.mlp.c_fc.bias"}
     missing = write_hf_gpt2(tmp_path / "missing", without, n_head=4)
     with pytest.raises(ValueError, match="no tensor 'h.1.mlp.c_fc.bias'"):
-        model.load_hf_gpt2(missing, config)
+        hf_gpt2.load_hf_gpt2(missing, config)
     transposed = tensors | {"h.0.attn.c_attn.weight": np.zeros((96, 32))}  # nn.Linear's (out, in)
     bad_shape = write_hf_gpt2(tmp_path / "shape", transposed, n_head=4)
     with pytest.raises(ValueError, match=r"h.0.attn.c_attn.weight has shape \(96, 32\), expected \(32, 96\)"):
-        model.load_hf_gpt2(bad_shape, config)
+        hf_gpt2.load_hf_gpt2(bad_shape, config)
 
 
 # --- architecture options: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output ------
@@ -635,9 +636,9 @@ def test_llama_style_bfloat16_compute():
 
 def test_hf_gpt2_weights_need_the_gpt2_architecture(tmp_path):
     directory = write_hf_gpt2(tmp_path / "gpt2", random_hf_gpt2(), n_head=4)
-    config = GPTConfig(**model.read_hf_gpt2_config(directory))
-    model.load_hf_gpt2(directory, dataclasses.replace(config, n_kv_head=4))  # = n_head: still GPT-2
+    config = GPTConfig(**hf_gpt2.read_hf_gpt2_config(directory))
+    hf_gpt2.load_hf_gpt2(directory, dataclasses.replace(config, n_kv_head=4))  # = n_head: still GPT-2
     with pytest.raises(ValueError, match="pos_embedding: GPT-2 'learned', config 'rope'; "
                                          "kv_heads: GPT-2 4, config 2; tie_embeddings: GPT-2 True"):
-        model.load_hf_gpt2(directory, dataclasses.replace(config, pos_embedding="rope", n_kv_head=2,
+        hf_gpt2.load_hf_gpt2(directory, dataclasses.replace(config, pos_embedding="rope", n_kv_head=2,
                                                           tie_embeddings=False))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import model
+import hf_gpt2
+
 import sample
 import sharding
 import train
@@ -169,7 +170,7 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
                     eval_interval=1, eval_iters=1, tensorboard=False)
     train.train(config, jax.devices()[:1])
     setup, params, step = sample.load_for_inference(config.out_dir)
-    loaded = model.load_hf_gpt2(hf_dir, setup.model_config)
+    loaded = hf_gpt2.load_hf_gpt2(hf_dir, setup.model_config)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(a, b)
     capsys.readouterr()
