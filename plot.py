@@ -14,7 +14,8 @@ from tensorboard.util import tensor_util
 
 
 def read_scalars(out_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)] from every event file of the run (resumed runs add files)."""
+    """tag -> [(step, value)] for every scalar in the run's event files (a resumed run adds
+    files; a step logged twice keeps one value)."""
     logdir = os.path.join(out_dir, "tensorboard")
     if not os.path.isdir(logdir):
         raise FileNotFoundError(f"{logdir} not found: train with --tensorboard=True first")
@@ -22,8 +23,9 @@ def read_scalars(out_dir: str) -> dict[str, list[tuple[int, float]]]:
     events.Reload()
     series = {}
     for tag in events.Tags()["tensors"]:
-        points = {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in events.Tensors(tag)}
-        series[tag] = sorted(points.items())  # a resumed step appears once, its latest value
+        values = {e.step: tensor_util.make_ndarray(e.tensor_proto) for e in events.Tensors(tag)}
+        if all(v.dtype.kind == "f" for v in values.values()):  # scalars, not text samples
+            series[tag] = sorted((step, float(v)) for step, v in values.items())
     return series
 
 

@@ -10,7 +10,7 @@ from test_train import make_dataset, small_config
 
 def test_plot_writes_a_png_of_the_run(tmp_path):
     make_dataset(tmp_path / "data")
-    config = small_config(tmp_path, tensorboard=True, max_iters=8, eval_interval=4)
+    config = small_config(tmp_path, tensorboard=True, max_iters=8, eval_interval=4, sample_tokens=4)
     train.train(config, jax.devices()[:1])
     series = plot.read_scalars(config.out_dir)
     assert [s for s, _ in series["train/loss"]] == list(range(8))
