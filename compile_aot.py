@@ -232,9 +232,7 @@ def estimate_memory(setup: train.Setup) -> dict:
     """Per-device bytes, term by term, from the shapes alone (nothing compiled)."""
     c, m, mesh = setup.config, setup.model_config, setup.mesh.shape
     tokens = c.batch_size // (mesh["data"] * mesh["fsdp"]) * c.block_size  # per device and micro-step
-    # model.py's Llama-style switches (GQA, swiglu, MLP width); GPT-2 where they are absent
-    kv_heads, swiglu = getattr(m, "kv_heads", c.n_head), getattr(m, "mlp", "gelu") == "swiglu"
-    F = getattr(m, "mlp_hidden_size", 4 * c.n_embd)
+    kv_heads, swiglu, F = m.kv_heads, m.mlp == "swiglu", m.mlp_hidden_size
     widths = dict(D=c.n_embd, N=c.n_head, T=c.block_size, t=mesh["tensor"],
                   s=jnp.dtype(c.dtype).itemsize, qkv=(c.n_head + 2 * kv_heads) * (c.n_embd // c.n_head),
                   mlp=(3 if swiglu else 2) * F, mlp_in=(2 if swiglu else 1) * F)
