@@ -1,0 +1,330 @@
+"""Honest throughput and MFU of train.py's train step, or of sample.py's decode loop.
+
+    python bench.py config/gpt2_124m.py --batch_size=16 --gradient_accumulation_steps=1
+    python bench.py config/shakespeare_char.py --block_size=64 --batch_size=12 --steps=50
+    python bench.py config/gpt2_124m.py --mode=decode --decode_batch=1,32
+
+Train mode builds the state and the step with train.py's own functions (make_setup,
+init_state, jit_train_step), compiles it apart (timed), warms up, then times each step to
+`block_until_ready` of the new state and metrics. Random tokens: no dataset needed. MFU is
+model FLOPs (model.flops_per_token: 6N + 12·L·T·d) x tokens/s over train.peak_flops: the
+datasheet dense bf16 peak of the GPU/TPU in use, or on CPU a float32 matmul measured now.
+
+Decode mode runs sample.generate (prefill, then the compiled lax.while_loop over tokens)
+with greedy sampling and random weights, at each --decode_batch, and compares the time
+per token step with the memory-bandwidth roofline: every step must read the weights (in the
+compute dtype) and each row's KV cache up to its position.
+
+Every run appends one JSON record to --json (default bench.jsonl), so runs can be compared.
+Other flags are train.py config keys.
+"""
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import configurator
+import sharding
+import train
+from model import count_params, flops_per_token
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """bench.py's own flags; every other flag is a train.py config key."""
+    mode: str = "train"  # 'train' | 'decode'
+    steps: int = 20  # timed train steps, or timed decode runs per batch size
+    warmup: int = 3  # untimed steps after compiling
+    devices: int = 0  # use the first N devices (0 = all)
+    json: str = "bench.jsonl"  # one JSON record per run is appended here ('' = don't)
+    decode_batch: str = "1,8"  # decode: comma-separated batch sizes
+    prompt_len: int = 16  # decode: prompt tokens per row
+    new_tokens: int = 128  # decode: tokens generated per row
+    profile: str = ""  # train: also trace 3 more steps into this directory (jax.profiler, Perfetto)
+
+    def __post_init__(self):
+        if self.mode not in ("train", "decode"):
+            raise configurator.ConfigError(f"--mode must be 'train' or 'decode', got {self.mode!r}")
+        for key in ("steps", "prompt_len", "new_tokens"):
+            if getattr(self, key) < 1:
+                raise configurator.ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
+        if self.warmup < 0 or self.devices < 0:
+            raise configurator.ConfigError("--warmup and --devices must be >= 0")
+        if not all(s.strip().isdigit() and int(s) > 0 for s in self.decode_batch.split(",")):
+            raise configurator.ConfigError(f"--decode_batch must be positive integers separated by "
+                                           f"commas (e.g. 1,8), got {self.decode_batch!r}")
+
+
+# HBM bandwidth per chip, bytes/s, from the vendors' datasheets (for the decode roofline).
+PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "TPU v4": 1.2e12,
+                  "TPU v5 lite": 819e9, "TPU v5e": 819e9, "TPU v5p": 2.765e12,
+                  "TPU v6 lite": 1.64e12, "TPU v6e": 1.64e12}
+
+
+def measure_cpu_bandwidth() -> float:
+    """Bytes/s of a streaming pass (read 256 MiB, write 256 MiB) on this host: the CPU's roofline."""
+    # In place (donated): a fresh 256 MiB output per call would time the kernel's page faults.
+    scale = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
+    x = scale(jnp.ones((64 << 20,), jnp.float32)).block_until_ready()
+    nbytes, best = x.nbytes, float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x = scale(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def peak_bandwidth(devices) -> tuple[float | None, str]:
+    """Memory bandwidth of all `devices` together, and where the number comes from."""
+    if devices[0].platform == "cpu":  # simulated CPU devices share the host's memory
+        return measure_cpu_bandwidth(), "measured streaming copy on this host"
+    kind = devices[0].device_kind
+    for name, bandwidth in PEAK_BANDWIDTH.items():
+        if name.lower() in kind.lower():
+            return bandwidth * len(devices), f"{name} datasheet x {len(devices)}"
+    return None, f"unknown bandwidth for '{kind}'"
+
+
+def bench_vocab_size(config) -> int:
+    """The config's or dataset's vocabulary; GPT-2's 50257 when there is neither."""
+    if config.vocab_size or os.path.exists(os.path.join(train.dataset_dir(config), "meta.json")):
+        return train.read_vocab_size(config)
+    return 50257
+
+
+def peak_memory(devices) -> tuple[int | None, str]:
+    """The largest peak bytes in use of `devices`, where the backend keeps count (GPU, TPU)."""
+    stats = [d.memory_stats() or {} for d in devices]
+    peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+    return (max(peaks), "backend peak_bytes_in_use") if peaks else (None, "not reported by this backend")
+
+
+def random_batch(setup: train.Setup, vocab_size: int, seed: int = 0) -> tuple:
+    """(x, y) of shape (micro-steps, B, T), int32 random tokens, sharded as train.py feeds them."""
+    config = setup.config
+    shape = (config.gradient_accumulation_steps, config.batch_size, config.block_size)
+    rng = np.random.default_rng(seed)
+    return tuple(jax.device_put(rng.integers(0, vocab_size, shape, dtype=np.int32),
+                                setup.micro_batch_sharding) for _ in range(2))
+
+
+# ----------------------------------------------------------------------------- train
+
+class TrainBench:
+    """train.py's state and compiled train step on random tokens, ready to be timed."""
+
+    def __init__(self, config, devices):
+        self.config, self.devices = config, devices
+        self.vocab_size = bench_vocab_size(config)
+        self.mesh = train.make_mesh(config, devices)
+        self.setup = train.make_setup(config, self.mesh, self.vocab_size)
+        self.peak, self.peak_source = train.peak_flops(devices)  # before anything else runs on a CPU
+        self.state = train.init_state(self.setup)
+        self.batch = random_batch(self.setup, self.vocab_size)
+        with sharding.activate(self.mesh):
+            start = time.perf_counter()
+            self.step = train.jit_train_step(self.setup).lower(self.state, self.batch).compile()
+            self.compile_s = time.perf_counter() - start
+
+    def run(self, n: int) -> list[float]:
+        """Seconds of each of n steps, each to block_until_ready of the new state and metrics."""
+        seconds = []
+        with sharding.activate(self.mesh):
+            for _ in range(n):
+                start = time.perf_counter()
+                self.state, self.metrics = jax.block_until_ready(self.step(self.state, self.batch))
+                seconds.append(time.perf_counter() - start)
+        return seconds
+
+    def result(self, seconds: list[float]) -> dict:
+        memory, memory_source = peak_memory(self.devices)
+        if memory is None:  # CPU: what the compiler planned (arguments + temporaries) instead
+            m = self.step.memory_analysis()
+            if m is not None:
+                memory = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                          + m.temp_size_in_bytes)
+                memory_source = "compiler's plan: arguments + outputs + temporaries; backend reports none"
+        tokens = self.config.tokens_per_step
+        median = statistics.median(seconds)
+        flops = flops_per_token(self.setup.model_config)
+        tokens_per_s = tokens / median
+        return {
+            "params": count_params(self.setup.model_config), "vocab_size": self.vocab_size,
+            "mesh": dict(self.mesh.shape), "tokens_per_step": tokens,
+            "step_s": seconds, "min_s": min(seconds), "median_s": median,
+            "tokens_per_s": tokens_per_s, "tokens_per_s_best": tokens / min(seconds),
+            "flops_per_token": flops, "achieved_flops": flops * tokens_per_s,
+            "peak_flops": self.peak, "peak_source": self.peak_source,
+            "mfu": flops * tokens_per_s / self.peak if self.peak else None,
+            "peak_memory_bytes": memory, "memory_source": memory_source,
+            "compile_s": self.compile_s, "final_loss": float(self.metrics["loss"]),
+        }
+
+
+def bench_train(config, options: Options, devices) -> dict:
+    bench = TrainBench(config, devices)
+    bench.run(options.warmup)
+    result = bench.result(bench.run(options.steps))
+    if options.profile:  # after the timed steps, so tracing costs them nothing
+        with jax.profiler.trace(options.profile, create_perfetto_trace=True):
+            bench.run(3)
+    return result
+
+
+def format_train(r: dict) -> str:
+    peak = f"{r['peak_flops'] / 1e12:,.3f} TFLOP/s ({r['peak_source']})" if r["peak_flops"] else r["peak_source"]
+    memory = (f"{r['peak_memory_bytes'] / 2**20:,.1f} MiB ({r['memory_source']})"
+              if r["peak_memory_bytes"] is not None else r["memory_source"])
+    rows = [
+        ("ms/step (min / median)", f"{r['min_s'] * 1e3:,.2f} / {r['median_s'] * 1e3:,.2f}"),
+        ("tokens/s (at median; at min)", f"{r['tokens_per_s']:,.0f}; {r['tokens_per_s_best']:,.0f}"),
+        ("model FLOPs per token", f"{r['flops_per_token'] / 1e6:,.2f} M (6N + 12·L·T·d)"),
+        ("achieved", f"{r['achieved_flops'] / 1e12:,.3f} TFLOP/s"),
+        ("peak", peak),
+        ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "unknown (no peak for this device)"),
+        ("peak memory per device", memory),
+        ("compile", f"{r['compile_s']:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+# ----------------------------------------------------------------------------- decode
+
+def bench_decode(config, options: Options, devices) -> dict:
+    import sample  # only decode mode needs it
+
+    vocab_size = bench_vocab_size(config)
+    mesh = train.make_mesh(config, devices)
+    setup = train.make_setup(config, mesh, vocab_size)
+    bandwidth, bandwidth_source = peak_bandwidth(devices)
+    params = train.init_state(setup)["params"]
+    mc = setup.model_config
+    # The fewest bytes a token step can read: every weight once, in the compute dtype (the
+    # position table is a lookup of one row), plus each row's cache up to its position.
+    itemsize = jnp.dtype(mc.dtype).itemsize
+    weight_bytes = (count_params(mc) - mc.block_size * mc.n_embd) * itemsize
+    cache_bytes_per_position = 2 * mc.n_layer * mc.n_embd * itemsize  # keys and values
+    rng = np.random.default_rng(0)
+    P = options.prompt_len
+    runs = []
+    for batch_size in (int(s) for s in options.decode_batch.split(",")):
+        if P + options.new_tokens > mc.block_size:
+            raise ValueError(f"--prompt_len + --new_tokens = {P + options.new_tokens} exceeds block_size "
+                             f"{mc.block_size}: lower them")
+        prompts = rng.integers(0, vocab_size, (batch_size, P)).tolist()
+        generate = lambda: sample.generate(setup, params, prompts, options.new_tokens, temperature=0.0)
+        first = generate()  # compiles
+        out = [generate() for _ in range(max(1, min(options.steps, 5)))]
+        decode_s = [g.decode_s for g in out]
+        steps = options.new_tokens - 1  # the prefill samples each row's first new token
+        step_s = statistics.median(decode_s) / steps
+        # Rows hold P+1 .. P+new_tokens-1 cached positions during the decode steps: their mean.
+        mean_positions = P + options.new_tokens / 2
+        bytes_per_step = weight_bytes + batch_size * mean_positions * cache_bytes_per_position
+        runs.append({
+            "batch_size": batch_size, "prompt_len": P, "new_tokens": options.new_tokens,
+            "compile_s": first.compile_s, "prefill_s": statistics.median(g.prefill_s for g in out),
+            "decode_s": decode_s, "min_s": min(decode_s), "median_s": statistics.median(decode_s),
+            "decode_tokens": out[0].decode_tokens, "step_s": step_s,
+            "tokens_per_s": out[0].decode_tokens / statistics.median(decode_s),
+            "bytes_per_step": bytes_per_step, "bandwidth": bytes_per_step / step_s,
+            "roofline_fraction": bytes_per_step / step_s / bandwidth if bandwidth else None,
+        })
+    return {"params": count_params(mc), "vocab_size": vocab_size, "mesh": dict(mesh.shape),
+            "weight_bytes": weight_bytes, "peak_bandwidth": bandwidth,
+            "bandwidth_source": bandwidth_source, "runs": runs}
+
+
+def format_decode(r: dict) -> str:
+    lines = [f"  weights read per token step: {r['weight_bytes'] / 2**20:,.1f} MiB; peak bandwidth "
+             + (f"{r['peak_bandwidth'] / 1e9:,.1f} GB/s ({r['bandwidth_source']})" if r["peak_bandwidth"]
+                else r["bandwidth_source"]),
+             f"  {'batch':>5} {'prefill ms':>10} {'ms/token step':>14} {'tokens/s':>10} "
+             f"{'MiB/step':>9} {'GB/s':>8} {'roofline':>8} {'compile s':>9}"]
+    for run in r["runs"]:
+        fraction = f"{run['roofline_fraction']:.1%}" if run["roofline_fraction"] is not None else "?"
+        lines.append(f"  {run['batch_size']:>5} {run['prefill_s'] * 1e3:>10.1f} {run['step_s'] * 1e3:>14.3f} "
+                     f"{run['tokens_per_s']:>10,.1f} {run['bytes_per_step'] / 2**20:>9.1f} "
+                     f"{run['bandwidth'] / 1e9:>8.1f} {fraction:>8} {run['compile_s']:>9.1f}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+def git_revision() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (rev + ("+dirty" if dirty else "")) if rev else "unknown"
+
+
+def run(argv: list[str], extra: dict | None = None) -> dict:
+    """Parse flags, benchmark, print the table, append the JSON record (with `extra` in it)."""
+    keys = {f.name for f in dataclasses.fields(Options)}
+    ours = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in keys]
+    options = configurator.load_config(ours, Options)
+    config = configurator.load_config([a for a in argv if a not in ours])
+    devices = jax.devices()[:options.devices or None]
+    if options.mode == "train":
+        result = bench_train(config, options, devices)
+    else:
+        result = bench_decode(config, options, devices)
+    mc = train.model_config(config, result["vocab_size"])
+    record = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git": git_revision(), "argv": argv, "mode": options.mode, "options": dataclasses.asdict(options),
+        "jax": jax.__version__, "backend": devices[0].platform, "device_kind": devices[0].device_kind,
+        "n_devices": len(devices), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "config": {k: getattr(config, k) for k in (
+            "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
+            "dtype", "remat_policy", "scan_layers", "pad_vocab_to_multiple", "dropout", "bias")},
+        "padded_vocab_size": mc.padded_vocab_size,
+    } | (extra or {}) | result
+    what = ("train step" if options.mode == "train" else "decode") + f" of {' '.join(argv) or 'defaults'}"
+    print(f"bench: {what}")
+    load = f", load average {record['load_average']:.2f}" if record["load_average"] is not None else ""
+    print(f"  {len(devices)} x {devices[0].device_kind} ({devices[0].platform}, jax {jax.__version__}), "
+          f"mesh {' x '.join(f'{a}={n}' for a, n in result['mesh'].items())}{load}")
+    print(f"  model {result['params']:,} params, {config.dtype}, remat {config.remat_policy}, "
+          f"scan_layers {config.scan_layers}, vocab {mc.padded_vocab_size}; " +
+          (f"{config.gradient_accumulation_steps} x {config.batch_size} x {config.block_size} = "
+           f"{config.tokens_per_step:,} tokens/step; {options.steps} timed steps after {options.warmup} "
+           f"warm-up" if options.mode == "train" else f"prompt {options.prompt_len} + "
+           f"{options.new_tokens} new tokens per row, greedy"))
+    print(format_train(result) if options.mode == "train" else format_decode(result))
+    if options.json:
+        with open(options.json, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"  appended to {options.json}")
+    return record
+
+
+def main(argv: list[str], extra: dict | None = None) -> None:
+    """The command line: a bad flag or config is one line, no traceback."""
+    try:
+        run(argv, extra)
+    except configurator.ConfigError as e:
+        sys.exit(f"config error: {e}")
+    except (ValueError, sharding.MeshError, train.DataError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,61 @@
+"""bench.py runs on a tiny config and its JSON record is self-consistent (no timing asserts)."""
+
+import json
+import math
+
+import pytest
+
+import bench
+
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+        "--vocab_size=65", "--devices=1", "--warmup=1"]
+
+
+def read_records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_train_record_is_consistent(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    record = bench.run(TINY + ["--steps=3", "--gradient_accumulation_steps=2", f"--json={out}"])
+    assert read_records(out) == [json.loads(json.dumps(record))]  # appended exactly once
+    assert record["mode"] == "train" and record["backend"] == "cpu" and record["n_devices"] == 1
+    assert record["tokens_per_step"] == 2 * 4 * 32
+    assert len(record["step_s"]) == 3 and record["min_s"] == min(record["step_s"])
+    assert record["median_s"] == sorted(record["step_s"])[1]
+    assert math.isclose(record["tokens_per_s"], record["tokens_per_step"] / record["median_s"])
+    assert math.isclose(record["achieved_flops"], record["flops_per_token"] * record["tokens_per_s"])
+    assert record["peak_source"].startswith("measured") and record["peak_flops"] > 0
+    assert math.isclose(record["mfu"], record["achieved_flops"] / record["peak_flops"])
+    assert record["compile_s"] > 0 and math.isfinite(record["final_loss"])
+    assert record["peak_memory_bytes"] > 0  # CPU: the compiler's plan, said so
+    assert "compiler" in record["memory_source"]
+    table = capsys.readouterr().out
+    for label in ("ms/step (min / median)", "tokens/s", "MFU", "compile"):
+        assert label in table
+
+    bench.run(TINY + ["--steps=2", f"--json={out}"])
+    assert len(read_records(out)) == 2  # a second run appends
+
+
+def test_decode_record_is_consistent(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    record = bench.run(TINY + ["--mode=decode", "--decode_batch=1,2", "--prompt_len=4",
+                               "--new_tokens=6", "--steps=2", f"--json={out}"])
+    assert [r["batch_size"] for r in record["runs"]] == [1, 2]
+    itemsize = 4  # float32
+    for r in record["runs"]:
+        assert r["decode_tokens"] == r["batch_size"] * (6 - 1)  # the first new token is the prefill's
+        assert math.isclose(r["step_s"], r["median_s"] / 5)
+        assert math.isclose(r["tokens_per_s"], r["decode_tokens"] / r["median_s"])
+        cache = r["batch_size"] * (4 + 6 / 2) * 2 * 2 * 32 * itemsize
+        assert math.isclose(r["bytes_per_step"], record["weight_bytes"] + cache)
+        assert math.isclose(r["roofline_fraction"], r["bytes_per_step"] / r["step_s"] / record["peak_bandwidth"])
+
+
+@pytest.mark.parametrize("flag, message", [("--mode=infer", "--mode"), ("--decode_batch=1,x", "decode_batch"),
+                                           ("--bogus=1", "unknown config key")])
+def test_bad_flags_are_one_line_errors(flag, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(TINY + [flag])
+    assert message in str(e.value)
