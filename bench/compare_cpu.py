@@ -4,6 +4,9 @@
     .venv/bin/python bench/compare_cpu.py --nanogpt=/path/to/nanoGPT/model.py --rounds=8
     .venv/bin/python bench/compare_cpu.py --shapes=small --scan_layers=False   # nanomax flags too
 
+nanomax runs with --base (default config/shakespeare_char.py, the CPU config: its settings such
+as scan_layers apply), then the shape, vocab 65 and dropout 0, then any other flag given here.
+
 nanomax's step is train.py's own (through bench.TrainBench); the PyTorch side runs in its own
 virtual environment (--torch_python; PyTorch is no nanomax dependency) as a worker process,
 either bench/torch_reference.py's model (written for this comparison) or, with --nanogpt,
@@ -37,7 +40,8 @@ SHAPES = {
     "medium": (dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8), 1.3),  # its baby GPT, batch 8
 }
 VOCAB = 65  # shakespeare_char
-OWN_FLAGS = {"shapes": "small,medium", "rounds": "6", "steps": "0", "warmup": "3",
+OWN_FLAGS = {"base": os.path.join(os.path.dirname(HERE), "config", "shakespeare_char.py"),  # the CPU config
+             "shapes": "small,medium", "rounds": "6", "steps": "0", "warmup": "3",
              "nanogpt": "", "torch_python": "/work/torchvenv/bin/python", "json": "bench_compare.jsonl"}
 
 
@@ -71,7 +75,8 @@ class TorchWorker:
 
 def compare(name: str, flags: dict, nanomax_argv: list[str]) -> dict:
     shape, target = SHAPES[name]
-    config = configurator.load_config([f"--{k}={v}" for k, v in shape.items()] +
+    base = [flags["base"]] if flags["base"] else []
+    config = configurator.load_config(base + [f"--{k}={v}" for k, v in shape.items()] +
                                       [f"--vocab_size={VOCAB}", "--dropout=0.0"] + nanomax_argv)
     ours = bench.TrainBench(config, jax.devices()[:1])
     theirs = TorchWorker(flags["torch_python"], shape, flags["nanogpt"])
@@ -116,6 +121,8 @@ def main(argv: list[str]) -> None:
     ref = results[0]["torch"]
     print(f"nanomax (jax {jax.__version__}) vs PyTorch {ref['torch']} ({ref['model']}, {ref['threads']} threads), "
           f"CPU x {os.cpu_count()}; float32, one step = fwd + bwd + clip + AdamW")
+    print(f"nanomax: {os.path.relpath(flags['base']) if flags['base'] else 'Config defaults'}"
+          f"{' ' + ' '.join(nanomax_argv) if nanomax_argv else ''}")
     print(f"{'shape':<8} {'L x D, T, B':<16} {'nanomax ms min/med':>19} {'PyTorch ms min/med':>19} "
           f"{'ratio med':>9} {'ratio min':>9} {'target':>7} {'load':>10}")
     for r in results:
