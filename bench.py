@@ -22,7 +22,6 @@ Other flags are train.py config keys.
 import dataclasses
 import datetime
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -69,6 +68,27 @@ class Options:
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "TPU v4": 1.2e12,
                   "TPU v5 lite": 819e9, "TPU v5e": 819e9, "TPU v5p": 2.765e12,
                   "TPU v6 lite": 1.64e12, "TPU v6e": 1.64e12}
+
+
+# Dense int8 / fp8 matmul rate over bf16's, from the datasheets: where quantization can pay.
+QUANTIZED_SPEEDUP = {"H100": {"int8": 2, "fp8": 2}, "H200": {"int8": 2, "fp8": 2}, "A100": {"int8": 2},
+                     "TPU v5 lite": {"int8": 2}, "TPU v5e": {"int8": 2}, "TPU v5p": {"int8": 2},
+                     "TPU v6 lite": {"int8": 2}, "TPU v6e": {"int8": 2}}
+
+
+def quantization_note(mode: str, device) -> str:
+    """What the hardware can give `mode`, said plainly (MFU is always against the bf16 peak)."""
+    if mode == "none":
+        return "none"
+    if device.platform == "cpu":
+        return (f"{mode}: XLA:CPU has no {mode} path faster than float32 (measured: as fast or slower, "
+                f"bench/NOTES.md); compare ms/step with --quantization=none")
+    for name, speedups in QUANTIZED_SPEEDUP.items():
+        if name.lower() in device.device_kind.lower():
+            if mode in speedups:
+                return f"{mode}: {name} has {speedups[mode]}x bf16's matmul rate for {mode}; MFU is still vs bf16"
+            return f"{mode}: {name} has no fast {mode} units; expect no speed-up (emulated)"
+    return f"{mode}: unknown {mode} support for '{device.device_kind}'"
 
 
 def measure_cpu_bandwidth() -> float:
@@ -168,6 +188,7 @@ class TrainBench:
             "mfu": flops * tokens_per_s / self.peak if self.peak else None,
             "peak_memory_bytes": memory, "memory_source": memory_source,
             "compile_s": self.compile_s, "final_loss": float(self.metrics["loss"]),
+            "quantization_note": quantization_note(self.config.quantization, self.devices[0]),
         }
 
 
@@ -194,6 +215,7 @@ def format_train(r: dict) -> str:
         ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "unknown (no peak for this device)"),
         ("peak memory per device", memory),
         ("compile", f"{r['compile_s']:.1f} s"),
+        ("quantized matmuls", r["quantization_note"]),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -274,8 +296,8 @@ def git_revision() -> str:
     return (rev + ("+dirty" if dirty else "")) if rev else "unknown"
 
 
-def run(argv: list[str], extra: dict | None = None) -> dict:
-    """Parse flags, benchmark, print the table, append the JSON record (with `extra` in it)."""
+def run(argv: list[str]) -> dict:
+    """Parse flags, benchmark, print the table, append the JSON record."""
     keys = {f.name for f in dataclasses.fields(Options)}
     ours = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in keys]
     options = configurator.load_config(ours, Options)
@@ -285,7 +307,7 @@ def run(argv: list[str], extra: dict | None = None) -> dict:
         result = bench_train(config, options, devices)
     else:
         result = bench_decode(config, options, devices)
-    mc = train.model_config(config, result["vocab_size"])
+    mc = train.model_config(config, result["vocab_size"], devices[0].platform)
     record = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git": git_revision(), "argv": argv, "mode": options.mode, "options": dataclasses.asdict(options),
@@ -294,9 +316,10 @@ def run(argv: list[str], extra: dict | None = None) -> dict:
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "config": {k: getattr(config, k) for k in (
             "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
-            "dtype", "remat_policy", "scan_layers", "pad_vocab_to_multiple", "dropout", "bias")},
+            "dtype", "remat_policy", "scan_layers", "pad_vocab_to_multiple", "dropout", "bias", "quantization")},
+        "attention": mc.attention,
         "padded_vocab_size": mc.padded_vocab_size,
-    } | (extra or {}) | result
+    } | result
     what = ("train step" if options.mode == "train" else "decode") + f" of {' '.join(argv) or 'defaults'}"
     print(f"bench: {what}")
     load = f", load average {record['load_average']:.2f}" if record["load_average"] is not None else ""
@@ -316,10 +339,11 @@ def run(argv: list[str], extra: dict | None = None) -> dict:
     return record
 
 
-def main(argv: list[str], extra: dict | None = None) -> None:
+def main(argv: list[str]) -> None:
     """The command line: a bad flag or config is one line, no traceback."""
+    train.keep_freed_host_memory()  # as train.py runs: before JAX starts its CPU backend
     try:
-        run(argv, extra)
+        run(argv)
     except configurator.ConfigError as e:
         sys.exit(f"config error: {e}")
     except (ValueError, sharding.MeshError, train.DataError) as e:

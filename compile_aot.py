@@ -505,7 +505,7 @@ def main(argv: list[str]) -> None:
         target = make_target(options.topology, options.topology_num_slices, options.hbm_gib)
         vocab_size = aot_vocab_size(config)
         result = compile_step(config, target, vocab_size)
-    except (AotError, sharding.MeshError, train.DataError) as e:
+    except (AotError, configurator.ConfigError, sharding.MeshError, train.DataError) as e:
         sys.exit(f"error: {e}")
     print(report(result))
     if options.save and result.compiled is not None:

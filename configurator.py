@@ -45,6 +45,9 @@ class Config:
     dtype: str = "float32"  # compute dtype: 'float32' | 'bfloat16'; params stay float32
     scan_layers: bool = True  # run the stacked layers with lax.scan: compile time flat in depth
     remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
+    attention: str = "auto"  # 'auto' (cuDNN's flash kernel on GPUs in bfloat16, else XLA) | 'xla' | 'cudnn'
+    quantization: str = "none"  # the blocks' matmuls: 'none' | 'int8' | 'fp8' (e4m3/e5m2; Hopper);
+    #                             a property of the step: a run may switch it at resume
     # architecture: the defaults are GPT-2; config/llama_style_small.py shows a Llama-style mix
     pos_embedding: str = "learned"  # 'learned' (GPT-2's position table) | 'rope' (rotary, rotate-half)
     rope_theta: float = 10000.0  # RoPE base; Llama 3 uses 500000
@@ -104,15 +107,20 @@ class Config:
         return self.batch_size * self.gradient_accumulation_steps * self.block_size
 
     def __post_init__(self):
-        _check_choice("dtype", self.dtype, ("float32", "bfloat16"))
-        _check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
-        _check_choice("pos_embedding", self.pos_embedding, ("learned", "rope"))
-        _check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
-        _check_choice("mlp", self.mlp, ("gelu", "swiglu"))
+        check_choice("dtype", self.dtype, ("float32", "bfloat16"))
+        check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
+        check_choice("attention", self.attention, ("auto", "xla", "cudnn"))
+        check_choice("quantization", self.quantization, ("none", "int8", "fp8"))
+        if self.attention == "cudnn" and self.dtype != "bfloat16":
+            raise ConfigError(f"attention='cudnn' needs dtype='bfloat16' (cuDNN's flash attention has no "
+                              f"float32 kernel); got dtype={self.dtype!r}. Use attention='auto' or 'xla'")
+        check_choice("pos_embedding", self.pos_embedding, ("learned", "rope"))
+        check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
+        check_choice("mlp", self.mlp, ("gelu", "swiglu"))
         if self.init_from not in ("scratch", "resume") and not os.path.isdir(self.init_from):
             raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume' or a Hugging Face "
                               f"GPT-2 directory (config.json + model.safetensors); got {self.init_from!r}")
-        _check_choice("nan_policy", self.nan_policy, ("stop", "skip_step"))
+        check_choice("nan_policy", self.nan_policy, ("stop", "skip_step"))
         for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
                     "gradient_accumulation_steps", "eval_interval", "eval_iters",
                     "log_interval", "max_to_keep", "pad_vocab_to_multiple",
@@ -141,7 +149,7 @@ class Config:
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
-def _check_choice(key: str, value, choices) -> None:
+def check_choice(key: str, value, choices) -> None:
     if value not in choices:
         raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, choices))}; got {value!r}")
 

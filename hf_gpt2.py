@@ -8,7 +8,6 @@ import json
 import math
 import os
 
-import jax.numpy as jnp
 import numpy as np
 
 from model import GPTConfig

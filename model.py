@@ -13,6 +13,8 @@ GPT-2 is the default. `pos_embedding='rope'`, `norm='rmsnorm'`, `mlp='swiglu'`, 
 query attention), `bias=False` and `tie_embeddings=False` give today's architectures. Each is a
 small function or module below, picked once by name (ROTATIONS, NORMS, MLPS), or a parameter that
 is there or not (wpe, lm_head_kernel, like the biases); the forward pass has no branches on them.
+Two more switches change how the step computes, not the weights: `attention` ('xla' or cuDNN's
+fused kernel) and `quantization` (int8/fp8 operands for the blocks' matmuls, quantization.py).
 
 For generation, `GPT.decode` runs new tokens against a KV cache (keys and values of the
 tokens seen before); the training forward `GPT.__call__` never touches it. hf_gpt2.py loads
@@ -27,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.core import spmd
+
+import quantization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,9 @@ class GPTConfig:
     mlp_hidden: int = 0  # 0: see mlp_hidden_size
     n_kv_head: int = 0  # key/value heads; 0 = n_head (multi-head), 1 = multi-query
     tie_embeddings: bool = True  # the output layer is wte (GPT-2), or its own lm_head_kernel
+    # how the step computes, not what it learns: a checkpoint works with any of these
+    attention: str = "xla"  # training attention: 'xla' | 'cudnn' (fused flash kernel, GPU, bf16)
+    quantization: str = "none"  # the blocks' dense matmuls: 'none' | 'int8' | 'fp8' (quantization.py)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -97,9 +104,10 @@ def dropout(x, rate: float, key):
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def linear(x_BTxI, kernel, bias):
-    """x @ kernel (+ bias), in the compute dtype of x."""
-    y_BTxO = x_BTxI @ kernel[...].astype(x_BTxI.dtype)
+def linear(x_BTxI, kernel_IxO, bias, quantize: str = "none"):
+    """x @ kernel (+ bias) in the compute dtype of x, from int8/fp8 operands if asked.
+    kernel and bias may be nnx.Params or arrays."""
+    y_BTxO = quantization.matmul(x_BTxI, kernel_IxO[...].astype(x_BTxI.dtype), quantize)
     return y_BTxO if bias is None else y_BTxO + bias[...].astype(x_BTxI.dtype)
 
 
@@ -219,13 +227,12 @@ class Attention(nnx.Module):
         self-attention over them (training: start_B = 0). With a layer's cache (B, S, K, H):
         their keys and values are written there and they attend to every cached position up
         to their own."""
-        config, dtype = self.config, x_BTxD.dtype
+        config = self.config
         D, (_, C, K, H) = x_BTxD.shape[-1], self.qkv_kernel.shape
         G, B, T = C - 2, batch_size, x_BTxD.shape[0] // batch_size
         N = G * K
-        qkv_BTxCKH = x_BTxD @ self.qkv_kernel[...].reshape(D, C * K * H).astype(dtype)
-        if self.qkv_bias is not None:
-            qkv_BTxCKH = qkv_BTxCKH + self.qkv_bias[...].reshape(C * K * H).astype(dtype)
+        qkv_bias = None if self.qkv_bias is None else self.qkv_bias.reshape(C * K * H)
+        qkv_BTxCKH = linear(x_BTxD, self.qkv_kernel.reshape(D, C * K * H), qkv_bias, config.quantization)
         qkv_BxTxCxKxH = constrain(qkv_BTxCKH.reshape(B, T, C, K, H), ("batch", "seq", None, "heads", None))
         q_BxTxNxH = qkv_BxTxCxKxH[:, :, :G].swapaxes(2, 3).reshape(B, T, N, H)  # head k·G + g
         k_BxTxKxH, v_BxTxKxH = qkv_BxTxCxKxH[:, :, G], qkv_BxTxCxKxH[:, :, G + 1]
@@ -234,15 +241,15 @@ class Attention(nnx.Module):
         q_BxTxNxH = rotate(q_BxTxNxH, position_BxT, config.rope_theta)
         k_BxTxKxH = rotate(k_BxTxKxH, position_BxT, config.rope_theta)
         if cache is None:
-            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True)
+            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
+                                                     implementation=config.attention)
         else:
             cache = cache.write(k_BxTxKxH, v_BxTxKxH, start_B)
             # is_causal aligns top-left, which is wrong once queries start past 0: explicit mask.
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, cache.k, cache.v,
                                                      mask=causal_mask(start_B, T, cache.k.shape[1]))
-        y_BTxD = y_BxTxNxH.reshape(B * T, N * H) @ self.out_kernel[...].reshape(N * H, D).astype(dtype)
-        if self.out_bias is not None:
-            y_BTxD = y_BTxD + self.out_bias[...].astype(dtype)
+        y_BTxD = linear(y_BxTxNxH.reshape(B * T, N * H), self.out_kernel.reshape(N * H, D), self.out_bias,
+                        config.quantization)
         return dropout(y_BTxD, config.dropout, dropout_key), cache
 
 
@@ -260,8 +267,9 @@ class MLP(nnx.Module):
         self.config = config
 
     def __call__(self, x_BTxD, dropout_key=None):
-        h_BTxF = jax.nn.gelu(linear(x_BTxD, self.fc_kernel, self.fc_bias), approximate=True)
-        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias)
+        q = self.config.quantization
+        h_BTxF = jax.nn.gelu(linear(x_BTxD, self.fc_kernel, self.fc_bias, q), approximate=True)
+        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias, q)
         return dropout(y_BTxD, self.config.dropout, dropout_key)
 
 
@@ -281,9 +289,10 @@ class SwiGLU(nnx.Module):
         self.config = config
 
     def __call__(self, x_BTxD, dropout_key=None):
-        gate_BTxF = jax.nn.silu(linear(x_BTxD, self.gate_kernel, self.gate_bias))
-        h_BTxF = gate_BTxF * linear(x_BTxD, self.fc_kernel, self.fc_bias)
-        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias)
+        q = self.config.quantization
+        gate_BTxF = jax.nn.silu(linear(x_BTxD, self.gate_kernel, self.gate_bias, q))
+        h_BTxF = gate_BTxF * linear(x_BTxD, self.fc_kernel, self.fc_bias, q)
+        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias, q)
         return dropout(y_BTxD, self.config.dropout, dropout_key)
 
 

@@ -49,6 +49,7 @@ class SampleConfig:
     kv_cache: bool = True  # False: recompute the whole forward pass for every token (slow; to compare)
     mesh_data: int = 1  # devices splitting the samples
     mesh_tensor: int = 1  # devices splitting the heads (and the KV cache)
+    quantization: str = "none"  # the matmuls of the blocks: 'none' | 'int8' | 'fp8', whatever trained it
 
     def __post_init__(self):
         for key in ("num_samples", "max_new_tokens", "mesh_data", "mesh_tensor"):
@@ -58,6 +59,7 @@ class SampleConfig:
             raise configurator.ConfigError("temperature and top_k must be >= 0")
         if not 0 < self.top_p <= 1:
             raise configurator.ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        configurator.check_choice("quantization", self.quantization, ("none", "int8", "fp8"))
 
 
 # ----------------------------------------------------------------------------- one token
@@ -109,7 +111,7 @@ def prefill(graphdef, params, prompt_BxP, prompt_len_B, key, stop_id, *, length:
     length at which each row stops, `done`, the KV cache (None without kv_cache), the key,
     the stop token (-1: none).
     """
-    gpt = nnx.merge(graphdef, params)
+    gpt = nnx.merge(graphdef, weights_in_compute_dtype(graphdef, params))
     B, P = prompt_BxP.shape
     rows_B = jnp.arange(B)
     tokens_BxS = jnp.zeros((B, length), jnp.int32).at[:, :P].set(prompt_BxP)
@@ -125,10 +127,22 @@ def prefill(graphdef, params, prompt_BxP, prompt_len_B, key, stop_id, *, length:
     return _add_token(state, logits_BxV[:, :gpt.config.vocab_size], sampling)[0]
 
 
+def weights_in_compute_dtype(graphdef, params):
+    """The matrices (embeddings included) cast to the compute dtype; norm scales and biases kept.
+
+    The model casts float32 weights where it uses them; inside the decode loop that would
+    read float32 weights for every token, twice the bytes of a bfloat16 model. Casting once
+    (prefill and decode alike) also rounds the embedding rows before the position table is
+    added, so bfloat16 samples can differ slightly from a forward pass on float32 weights.
+    """
+    dtype = jnp.dtype(nnx.merge(graphdef, params).config.dtype)
+    return jax.tree.map(lambda p: p.astype(dtype) if p.ndim >= 2 else p, params)
+
+
 def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, on_token=None) -> dict:
     """Generate until every row is done, in one lax.while_loop. on_token(token, added) is
     called on the host with row 0's token after every step (for streaming)."""
-    gpt = nnx.merge(graphdef, params)
+    gpt = nnx.merge(graphdef, weights_in_compute_dtype(graphdef, params))
     rows_B = jnp.arange(state["tokens"].shape[0])
 
     def one_token(state):
@@ -297,27 +311,29 @@ class StreamPrinter:
 
 # ----------------------------------------------------------------------------- loading
 
-def load_for_inference(out_dir: str, mesh=None):
-    """Setup and parameters of the latest checkpoint in out_dir (its config comes with it)."""
+def load_for_inference(out_dir: str, mesh=None, quantization: str = "none"):
+    """Setup and parameters of the latest checkpoint in out_dir (its config comes with it, but
+    for how the matmuls and the attention compute: those are chosen here, for these devices)."""
     mesh = mesh or sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     manager = train.checkpoint_manager(configurator.Config(out_dir=out_dir), read_only=True)
     meta = train.read_checkpoint_meta(manager, out_dir)
     # init_from may name a directory that is gone by now; it does not matter for sampling.
-    config = configurator.config_from_dict({**meta["config"], "init_from": "resume"})
+    config = configurator.config_from_dict({**meta["config"], "init_from": "resume", "attention": "auto",
+                                            "quantization": quantization})
     setup = train.make_setup(config, mesh, train.read_vocab_size(config))
     params = manager.restore(meta["step"], args=ocp.args.Composite(
         params=ocp.args.StandardRestore(setup.abstract_state["params"])))["params"]
     return setup, params, meta["step"]
 
 
-def load_hf(path: str, mesh):
+def load_hf(path: str, mesh, quantization: str = "none"):
     """Setup and parameters of a Hugging Face GPT-2 directory (config.json + model.safetensors)."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path} is not a Hugging Face GPT-2 directory: it has no config.json "
                          f"(expected config.json and model.safetensors)")
     fields = hf_gpt2.read_hf_gpt2_config(path)
     batch = mesh.shape["data"] * mesh.shape["fsdp"]
-    config = configurator.Config(init_from=path, batch_size=batch, **fields)
+    config = configurator.Config(init_from=path, batch_size=batch, quantization=quantization, **fields)
     setup = train.make_setup(config, mesh, fields["vocab_size"])
     return setup, train.load_pretrained(setup)
 
@@ -328,11 +344,11 @@ def main(argv):
         mesh = sharding.make_mesh(cfg.mesh_data, 1, cfg.mesh_tensor,
                                   devices=jax.devices()[:cfg.mesh_data * cfg.mesh_tensor])
         if cfg.init_from == "resume":
-            setup, params, step = load_for_inference(cfg.out_dir, mesh)
+            setup, params, step = load_for_inference(cfg.out_dir, mesh, cfg.quantization)
             tok = load_tokenizer(train.dataset_dir(setup.config))
             print(f"loaded step {step} from {cfg.out_dir}", file=sys.stderr)
         else:
-            setup, params = load_hf(cfg.init_from, mesh)
+            setup, params = load_hf(cfg.init_from, mesh, cfg.quantization)
             tok = gpt2_tokenizer()
             print(f"loaded {cfg.init_from}", file=sys.stderr)
         texts = [cfg.start]

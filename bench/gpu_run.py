@@ -1,19 +1,13 @@
 """GPU experiments around bench.py, for bench/gpu_check.sh (needs a GPU; not run by the tests).
 
     python bench/gpu_run.py --check_attention              # cuDNN flash attention works? how fast?
-    python bench/gpu_run.py --attention=cudnn config/gpt2_124m.py --batch_size=16 ...   # bench.py
     python bench/gpu_run.py --summary=bench-gpu/bench.jsonl    # one table of every record
     python bench/gpu_run.py --top_ops=bench-gpu/trace            # where a traced step's time went
 
---attention=cudnn makes jax.nn.dot_product_attention use cuDNN's fused (flash) kernel for
-calls that pass no explicit implementation and no mask (training and prefill; the decode
-step's masked attention stays on XLA), by wrapping the function for this process only:
-model.py is unchanged, so the measured difference tells whether model.py should ask for
-cuDNN itself. --decode_weights=compute does the same for sample.py: weights cast to the
-compute dtype once before the decode loop. Both choices are recorded in the JSON.
+The runs themselves are plain bench.py commands (`--attention=xla|cudnn`, `--quantization=...`
+are config keys); this file only adds what bench.py does not need on every machine.
 """
 
-import functools
 import json
 import os
 import statistics
@@ -26,38 +20,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-
-def use_cudnn_attention() -> None:
-    xla_attention = jax.nn.dot_product_attention
-
-    @functools.wraps(xla_attention)
-    def attention(query, key, value, bias=None, mask=None, *, implementation=None, **kwargs):
-        if implementation is None and mask is None and query.dtype in (jnp.bfloat16, jnp.float16):
-            implementation = "cudnn"
-        return xla_attention(query, key, value, bias, mask, implementation=implementation, **kwargs)
-
-    jax.nn.dot_product_attention = attention
-
-
-def cast_decode_weights() -> None:
-    """sample.decode with every weight matrix cast to the compute dtype once, before the loop.
-
-    model.py casts float32 parameters to the compute dtype where it uses them; inside the
-    decode loop that means reading float32 weights for every token (measured on CPU: the loop
-    carries f32[50304,768] etc.), twice the bytes of the bf16 roofline. This tries the fix
-    without editing sample.py.
-    """
-    import sample
-    from flax import nnx
-    original = sample.decode
-
-    def decode(graphdef, params, state, **kwargs):
-        dtype = jnp.dtype(nnx.merge(graphdef, params).config.dtype)
-        params = jax.tree.map(lambda p: p.astype(dtype) if p.ndim >= 2 else p, params)
-        return original(graphdef, params, state, **kwargs)
-
-    sample.decode = decode
 
 
 def top_ops(trace_dir: str, n: int = 40) -> None:
@@ -109,27 +71,27 @@ def check_attention(B=8, T=1024, N=12, H=64) -> None:
 
 def summary(path: str) -> None:
     records = [json.loads(line) for line in open(path)]
-    print(f"{'mode':<6} {'attention':<9} {'B':>3} {'remat':<32} {'xla_flags':<28} {'ms/step':>8} "
+    print(f"{'mode':<6} {'attention':<9} {'quant':<5} {'B':>3} {'remat':<32} {'xla_flags':<28} {'ms/step':>8} "
           f"{'tokens/s':>10} {'MFU':>6} {'peak mem':>9} {'compile':>7}")
     for r in records:
         c = r["config"]
         if r["mode"] == "train":
             mem = f"{r['peak_memory_bytes'] / 2**30:.1f}G" if r["peak_memory_bytes"] else "?"
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "?"
-            print(f"train  {r.get('attention', 'default'):<9} {c['batch_size']:>3} {c['remat_policy']:<32} "
+            print(f"train  {r['attention']:<9} {c['quantization']:<5} {c['batch_size']:>3} {c['remat_policy']:<32} "
                   f"{r['xla_flags'][:28]:<28} {r['median_s'] * 1e3:>8.1f} {r['tokens_per_s']:>10,.0f} "
                   f"{mfu:>6} {mem:>9} {r['compile_s']:>6.0f}s")
         else:
             for run in r["runs"]:
                 frac = f"{run['roofline_fraction']:.0%}" if run["roofline_fraction"] is not None else "?"
-                what = f"scan_layers={c['scan_layers']}, weights {r.get('decode_weights', 'float32')}"
-                print(f"decode {r.get('attention', 'default'):<9} {run['batch_size']:>3} "
+                what = f"scan_layers={c['scan_layers']}"
+                print(f"decode {r['attention']:<9} {c['quantization']:<5} {run['batch_size']:>3} "
                       f"{what:<32} {r['xla_flags'][:28]:<28} "
                       f"{run['step_s'] * 1e3:>8.3f} {run['tokens_per_s']:>10,.0f} {frac:>6} roofline")
 
 
 def main(argv: list[str]) -> None:
-    names = ("--attention", "--check_attention", "--summary", "--decode_weights", "--top_ops")
+    names = ("--check_attention", "--summary", "--top_ops")
     own = {a.partition("=")[0]: a.partition("=")[2] for a in argv if a.partition("=")[0] in names}
     rest = [a for a in argv if a.partition("=")[0] not in own]
     if "--summary" in own:
@@ -139,14 +101,8 @@ def main(argv: list[str]) -> None:
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind} x {jax.device_count()}")
     if "--check_attention" in own:
         return check_attention()
-    attention = own.get("--attention", "default")
-    if attention == "cudnn":
-        use_cudnn_attention()
-    decode_weights = own.get("--decode_weights", "float32")
-    if decode_weights == "compute":
-        cast_decode_weights()
     import bench
-    bench.main(rest, {"attention": attention, "decode_weights": decode_weights})
+    bench.main(rest)
 
 
 if __name__ == "__main__":

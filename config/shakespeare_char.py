@@ -9,6 +9,7 @@ n_head = 4
 n_embd = 128
 block_size = 128
 dropout = 0.0
+scan_layers = False  # at 4 layers, unrolled is ~16% faster on CPU and compiles as fast
 
 batch_size = 16
 gradient_accumulation_steps = 1

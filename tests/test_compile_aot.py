@@ -216,3 +216,19 @@ def test_tpu_topology_fits_and_too_big_does_not(compiled):
     oom = compile_aot.compile_step(big, target, 50257)
     assert oom.fits is False and oom.compiled is None and oom.memory["total"] > target.hbm_bytes
     assert "DOES NOT FIT" in compile_aot.report(oom) and "--mesh_fsdp=-1" in compile_aot.report(oom)
+
+
+@pytest.mark.parametrize("mode, operand", [("int8", "s8["), ("fp8", "f8e4m3fn[")])
+def test_quantized_step_compiles_ahead_of_time_with_8_bit_operands(compiled, mode, operand):
+    root, config, _, _ = compiled
+    config = dataclasses.replace(config, mesh_fsdp=2, quantization=mode)
+    r = compile_aot.compile_step(config, compile_aot.make_target("cpu:2"), 64)
+    assert not r.oom and operand in r.compiled.as_text()
+
+
+@needs_libtpu
+def test_quantized_step_compiles_for_a_tpu(compiled):
+    root, config, _, _ = compiled
+    r = compile_aot.compile_step(dataclasses.replace(config, quantization="int8"),
+                                 compile_aot.make_target("v5e-8"), 64)
+    assert r.fits and "s8[" in r.compiled.as_text()

@@ -168,6 +168,8 @@ def test_shipped_config_files_exist():
     ("--dtype=float16", ["dtype", "'float16'", "'float32'", "'bfloat16'"]),
     ("--remat_policy=bogus", ["remat_policy", "'bogus'", "'dots_saveable'"]),
     ("--init_from=foo", ["init_from", "'foo'", "'scratch'", "'resume'"]),
+    ("--quantization=int4", ["quantization", "'int4'", "'int8'", "'fp8'"]),
+    ("--attention=flash", ["attention", "'flash'", "'auto'", "'cudnn'"]),
 ])
 def test_choice_validation(flag, words):
     message = error_of([flag])
@@ -181,6 +183,7 @@ def test_choice_validation(flag, words):
     (["--dropout=1.0"], ["dropout", "[0, 1)", "1.0"]),
     (["--dropout=-0.1"], ["dropout", "-0.1"]),
     (["--n_embd=100", "--n_head=3"], ["n_embd", "100", "n_head", "3", "divisible"]),
+    (["--attention=cudnn"], ["attention='cudnn'", "dtype='bfloat16'", "float32"]),
 ])
 def test_range_checks(flags, words):
     message = error_of(flags)
@@ -252,8 +255,9 @@ def test_architecture_defaults_are_gpt2_and_every_model_field_is_a_config_key():
     import model
     gpt2 = model.GPTConfig()
     for field in dataclasses.fields(model.GPTConfig):  # train.model_config copies them by name
-        if field.name != "vocab_size":
+        if field.name not in ("vocab_size", "attention"):  # attention: 'auto' is resolved per device
             assert getattr(DEFAULTS, field.name) == getattr(gpt2, field.name), field.name
+    assert DEFAULTS.attention == "auto" and gpt2.attention == "xla"
     llama = load_config([str(ROOT / "config" / "llama_style_small.py")])
     assert (llama.pos_embedding, llama.norm, llama.mlp) == ("rope", "rmsnorm", "swiglu")
     assert 0 < llama.n_kv_head < llama.n_head

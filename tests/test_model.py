@@ -580,7 +580,7 @@ def test_grouped_query_attention_equals_multi_head_attention_with_shared_key_val
 
 
 def test_count_params_of_a_llama_style_model():
-    V, T, L, D, N, K, H = 65, 16, 2, 32, 4, 2, 8
+    V, L, D, N, K, H = 65, 2, 32, 4, 2, 8
     F = LLAMA.mlp_hidden_size
     assert F == 128  # 8/3 x 32 = 85.3, rounded up to a multiple of 64
     per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F + 2 * D  # no wpe, no biases, RMSNorm scales
@@ -642,3 +642,46 @@ def test_hf_gpt2_weights_need_the_gpt2_architecture(tmp_path):
                                          "kv_heads: GPT-2 4, config 2; tie_embeddings: GPT-2 True"):
         hf_gpt2.load_hf_gpt2(directory, dataclasses.replace(config, pos_embedding="rope", n_kv_head=2,
                                                           tie_embeddings=False))
+
+
+# --- quantized matmuls (quantization.py) --------------------------------------------------
+
+@pytest.mark.parametrize("base, mode, tolerance, grad_tolerance", [
+    (TINY, "int8", 0.03, 0.03), (LLAMA, "int8", 0.03, 0.03),
+    (TINY, "fp8", 0.1, 0.25)], ids=["gpt2-int8", "llama-int8", "gpt2-fp8"])  # e5m2 gradients: 2 mantissa bits
+def test_quantized_model_is_close_to_the_float_model(base, mode, tolerance, grad_tolerance):
+    """Same weights: logits and gradients within a few percent of the float model's, and not equal."""
+    idx, targets = tokens(seed=1), tokens(seed=3)
+    exact = randomize(make(base))
+    quantized = randomize(make(base, quantization=mode))
+    logits, logits_q = np.asarray(exact(idx)), np.asarray(quantized(idx))
+    error = np.abs(logits_q - logits).max() / np.abs(logits).max()
+    assert 0 < error < tolerance
+    for g, g_q in zip(jax.tree.leaves(grads_of(exact, idx, targets)),
+                      jax.tree.leaves(grads_of(quantized, idx, targets)), strict=True):
+        assert np.linalg.norm(g_q - g) <= grad_tolerance * np.linalg.norm(g) + 1e-6
+
+
+def test_quantized_layers_scanned_unrolled_and_rematerialized_agree():
+    idx, targets = tokens(seed=1), tokens(seed=3)
+    runs = [randomize(make(quantization="int8", scan_layers=scan, remat_policy=policy))
+            for scan, policy in ((True, "none"), (False, "none"), (True, "full"), (True, "dots_saveable"))]
+    logits = [np.asarray(gpt(idx)) for gpt in runs]
+    grads = [jax.tree.leaves(grads_of(gpt, idx, targets)) for gpt in runs]
+    for other_logits, other_grads in zip(logits[1:], grads[1:]):
+        np.testing.assert_allclose(other_logits, logits[0], rtol=0, atol=1e-5)
+        for a, b in zip(grads[0], other_grads, strict=True):
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+
+
+def test_quantized_decode_with_cache_matches_the_full_forward():
+    gpt = randomize(make(quantization="int8"))
+    idx = tokens((2, 12))
+    full = np.asarray(gpt(idx))
+    cache = model.init_cache(gpt.config, 2, 16)
+    logits, cache = gpt.decode(idx[:, :8], cache, jnp.zeros(2, jnp.int32))
+    np.testing.assert_allclose(logits, full[:, 7], rtol=0, atol=1e-4)
+    for t in range(8, 12):
+        logits, cache = gpt.decode(idx[:, t:t + 1], cache, jnp.full(2, t, jnp.int32))
+        # one token's quantization grid is its own (per-token scales), so it matches the batch's
+        np.testing.assert_allclose(logits, full[:, t], rtol=0, atol=1e-4)

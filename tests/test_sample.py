@@ -22,12 +22,12 @@ CHARS = "".join(chr(0x100 + i) for i in range(65))  # a 65-symbol character voca
 RAGGED = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9], list(range(10, 35))]  # 3, 9 and 25 tokens
 
 
-def tiny(devices=None, data=1, tensor=1):
+def tiny(devices=None, data=1, tensor=1, **changes):
     """Setup and random parameters of a small model (block 32, vocab 65 padded to 128), with
     weights scaled up so that greedy choices are clear-cut rather than near ties."""
     devices = devices or jax.devices()[:1]
     config = Config(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=65, pad_vocab_to_multiple=64,
-                    batch_size=data, seed=3, tensorboard=False)
+                    batch_size=data, seed=3, tensorboard=False, **changes)
     setup = train.make_setup(config, sharding.make_mesh(data, 1, tensor, devices=devices), 65)
     params = jax.tree.map(lambda a: a * 4, train.init_state(setup)["params"])
     return setup, params
@@ -64,6 +64,17 @@ def test_greedy_with_the_cache_equals_recomputing_everything(one_device):
     assert cached.hit_context == [False, False, True]
     assert len({tuple(t) for t in cached.tokens}) == 3  # not a degenerate model
     assert cached.prompt_tokens == 37 and cached.decode_tokens == 31 - 3
+
+
+@pytest.mark.parametrize("changes", [{"dtype": "bfloat16"}, {"quantization": "int8"}], ids=["bf16", "int8"])
+def test_greedy_with_the_cache_equals_recomputing_in_bfloat16_and_int8(changes):
+    """The decode loop casts the weights to bfloat16 once, before the loop (so the reference
+    does too); int8 scales are per token, so a new token quantizes as inside the sequence."""
+    setup, params = tiny(**changes)
+    cached = sample.generate(setup, params, RAGGED, 12, temperature=0)
+    weights = sample.weights_in_compute_dtype(setup.graphdef, params)
+    assert weights["wte"].dtype == jnp.dtype(setup.config.dtype)
+    assert cached.tokens == [greedy_by_recomputing(setup, weights, ids, 12) for ids in RAGGED]
 
 
 def test_prompts_that_leave_no_room_are_refused(one_device):
@@ -164,18 +175,19 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
     for split in ("train", "val"):
         rng.integers(0, 65, 2000).astype(np.uint16).tofile(data / f"{split}.bin")
     (data / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": 65, "chars": CHARS}))
-    config = Config(init_from=hf_dir, data_dir=str(tmp_path / "data"), dataset="chars",
+    config = Config(init_from=hf_dir, data_dir=str(tmp_path / "data"), dataset="chars", quantization="int8",
                     out_dir=str(tmp_path / "out"), n_layer=2, n_head=4, n_embd=32, block_size=16,
                     batch_size=2, max_iters=1, learning_rate=0.0, min_lr=0.0, warmup_iters=0,
                     eval_interval=1, eval_iters=1, tensorboard=False)
     train.train(config, jax.devices()[:1])
     setup, params, step = sample.load_for_inference(config.out_dir)
+    assert setup.model_config.quantization == "none"  # trained quantized or not: chosen when sampling
     loaded = hf_gpt2.load_hf_gpt2(hf_dir, setup.model_config)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(a, b)
     capsys.readouterr()
     sample.main(["--init_from=resume", f"--out_dir={config.out_dir}", f"--start={CHARS[:4]}",
-                 "--num_samples=1", "--max_new_tokens=20"])
+                 "--num_samples=1", "--max_new_tokens=20", "--quantization=int8"])
     out, err = capsys.readouterr()
     assert out.startswith(CHARS[:4]) and len(out.split("\n")[0]) == 16  # stopped at the context
     assert "stopped at the model's context length (16 tokens) after 12 new tokens" in err

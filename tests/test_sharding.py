@@ -209,3 +209,21 @@ def test_key_value_heads_that_tensor_cannot_split_are_one_clear_error(toy64):
     config = dataclasses.replace(sharded_config(root, 1, 2, 4), **LLAMA_STYLE)
     with pytest.raises(sharding.MeshError, match="n_kv_head=2 is not divisible by mesh_tensor=4"):
         train.make_setup(config, sharding.make_mesh(1, 2, 4), 64)
+
+
+@pytest.mark.parametrize("mode, layout", [("int8", "data=2 x fsdp=2 x tensor=2"), ("fp8", "tensor=2 x fsdp=4")])
+def test_quantized_step_sharded_equals_one_device(toy64, mode, layout):
+    """Scales of a sharded operand (e.g. the MLP's hidden units split over `tensor`) are
+    reduced across devices, so every layout quantizes as one device does: the first step's
+    loss agrees to float precision. After a few updates, float sums taken in another order
+    round a few values to the neighbouring 8-bit level, so later losses agree to 1e-4."""
+    root, _ = toy64
+
+    def losses(data, fsdp, tensor):
+        config = dataclasses.replace(sharded_config(root, data, fsdp, tensor), quantization=mode,
+                                     out_dir=str(root / f"out-{mode}-{data}-{fsdp}-{tensor}"))
+        return [loss for _, loss in train.train(config, jax.devices()[:data * fsdp * tensor])]
+
+    one_device, split = losses(1, 1, 1), losses(*LAYOUTS[layout])
+    np.testing.assert_allclose(split[0], one_device[0], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(split, one_device, rtol=1e-4)

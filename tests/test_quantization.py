@@ -1,0 +1,113 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import quantization
+
+
+def operands(scale, outlier=None, shape=((128, 96), (96, 64)), seed=0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = scale * jax.random.normal(kx, shape[0])
+    w = jax.random.normal(kw, shape[1]) / np.sqrt(shape[0][1])
+    if outlier is not None:  # one huge activation in token 3, as LLM activations have
+        x = x.at[3, 5].set(outlier * scale)
+    return x, w
+
+
+def product_error_bound(x, w, x_error, w_error):
+    """|(x + dx) @ (w + dw) - x @ w| <= |x| @ |dw| + |dx| @ |w| + |dx| @ |dw|, elementwise."""
+    ax, aw = jnp.abs(x), jnp.abs(w)
+    return ax @ w_error + x_error @ aw + x_error @ w_error
+
+
+def int8_rounding_error(a, axis):
+    """Rounding to the nearest multiple of scale = max|a| / 127 along `axis` errs by <= scale / 2."""
+    scale = jnp.max(jnp.abs(a), axis=axis, keepdims=True) / 127
+    return jnp.broadcast_to(scale / 2, a.shape)
+
+
+def fp8_rounding_error(a, dtype):
+    """e4m3 keeps 3 mantissa bits (half an ulp <= 2^-4 relative), e5m2 keeps 2 (2^-3);
+    below the smallest normal the spacing is fixed: half of it, in units of the scale."""
+    info = jnp.finfo(dtype)
+    scale = jnp.max(jnp.abs(a)) / float(info.max)
+    relative = 2.0 ** -(info.nmant + 1)
+    return jnp.abs(a) * relative + scale * float(info.smallest_subnormal) / 2
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("outlier", [None, 100.0])
+def test_int8_matmul_is_within_its_rounding_error_bound(scale, outlier):
+    x, w = operands(scale, outlier)
+    exact = x @ w
+    got = quantization.matmul(x, w, "int8")
+    bound = product_error_bound(x, w, int8_rounding_error(x, 1), int8_rounding_error(w, 0))
+    error = jnp.abs(got - exact)
+    assert bool(jnp.all(error <= bound * 1.001 + 1e-6 * jnp.abs(exact)))
+    assert float(jnp.max(error)) > 0  # it really did round
+    # relative to the output's size the error is small, whatever the input scale...
+    others = np.arange(x.shape[0]) != 3
+    relative = jnp.abs(got - exact)[others].max() / jnp.abs(exact)[others].max()
+    assert float(relative) < 0.02
+    # ...and an outlier coarsens only its own token's grid: the others match the no-outlier case
+    if outlier is not None:
+        clean = quantization.matmul(operands(scale)[0], w, "int8")
+        np.testing.assert_array_equal(np.asarray(got)[others], np.asarray(clean)[others])
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("outlier", [None, 100.0])
+def test_fp8_matmul_is_within_its_rounding_error_bound(scale, outlier):
+    x, w = operands(scale, outlier)
+    exact = x @ w
+    got = quantization.matmul(x, w, "fp8")
+    e4m3 = quantization.FORWARD_FP8
+    bound = product_error_bound(x, w, fp8_rounding_error(x, e4m3), fp8_rounding_error(w, e4m3))
+    error = jnp.abs(got - exact)
+    assert bool(jnp.all(error <= bound * 1.001 + 1e-6 * jnp.abs(exact)))
+    assert float(jnp.max(error)) > 0
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_gradients_are_straight_through(mode):
+    """With loss = sum(y * c), dL/dy = c whatever the forward rounded, so the weight gradient
+    (kept in float) is exactly x^T c and the input gradient is c @ w^T up to its own rounding."""
+    x, w = operands(1.0, outlier=20.0)
+    c = jax.random.normal(jax.random.key(7), (x.shape[0], w.shape[1]))
+    dx, dw = jax.grad(lambda x, w: jnp.sum(quantization.matmul(x, w, mode) * c), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(dw, x.T @ c, rtol=1e-5, atol=1e-5)
+    if mode == "int8":
+        bound = product_error_bound(c, w.T, int8_rounding_error(c, 1), int8_rounding_error(w.T, 0))
+    else:
+        bound = product_error_bound(c, w.T, fp8_rounding_error(c, quantization.GRADIENT_FP8),
+                                    fp8_rounding_error(w.T, quantization.FORWARD_FP8))
+    exact = c @ w.T
+    assert bool(jnp.all(jnp.abs(dx - exact) <= bound * 1.001 + 1e-6 * jnp.abs(exact)))
+    assert float(jnp.abs(dx - exact).max()) > 0  # quantized, not the float product
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_operands_really_are_8_bit(mode):
+    """The compiled forward multiplies 8-bit operands with a wide accumulator."""
+    x, w = operands(1.0)
+    hlo = jax.jit(lambda x, w: quantization.matmul(x, w, mode)).lower(x, w).as_text()
+    operand = {"int8": "i8", "fp8": "f8E4M3FN"}[mode]
+    accumulator = {"int8": "i32", "fp8": "f32"}[mode]
+    dots = [line for line in hlo.splitlines() if "dot_general" in line]
+    assert len(dots) == 1 and f"tensor<128x96x{operand}>" in dots[0] and f"x{accumulator}>" in dots[0]
+
+
+def test_none_is_the_plain_matmul_and_zeros_stay_zero():
+    x, w = operands(1.0)
+    np.testing.assert_array_equal(quantization.matmul(x, w, "none"), x @ w)
+    zeros = jnp.zeros_like(x)
+    for mode in ("int8", "fp8"):
+        assert not np.any(np.asarray(quantization.matmul(zeros, w, mode)))  # no 0/0 from a zero scale
+
+
+def test_bfloat16_inputs_give_bfloat16_outputs_and_gradients():
+    x, w = (a.astype(jnp.bfloat16) for a in operands(1.0))
+    for mode in ("int8", "fp8"):
+        y, grads = jax.value_and_grad(lambda x, w: quantization.matmul(x, w, mode).sum(), argnums=(0, 1))(x, w)
+        assert y.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
