@@ -12,7 +12,7 @@
 # Each run has its own process (a fresh peak-memory counter; an OOM ends only that run) and a
 # time limit; runs are in order of importance and those that would start after BUDGET seconds
 # are skipped (and said so). MODEL/EXTRA change the model for a dry run, e.g. on a CPU:
-#     ATTN=xla MODEL="config/shakespeare_char.py --vocab_size=65" EXTRA="--dtype=float32 --n_layer=2 --block_size=64" bash bench/gpu_check.sh
+#     ATTN=xla MODEL="config/shakespeare_char.py --vocab_size=65" EXTRA="--dtype=float32 --n_layer=2 --block_size=576" bash bench/gpu_check.sh
 set -u
 OUT=${OUT:-bench-gpu}
 PY=${PYTHON:-python3}
