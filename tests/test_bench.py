@@ -65,7 +65,9 @@ def test_quantized_run_says_plainly_what_this_hardware_gives(tmp_path, capsys):
     record = bench.run(TINY + ["--steps=2", "--quantization=int8", f"--json={tmp_path / 'b.jsonl'}"])
     assert record["config"]["quantization"] == "int8" and record["attention"] == "xla"
     assert "XLA:CPU has no int8 path faster than float32" in record["quantization_note"]
-    assert "quantized matmuls" in capsys.readouterr().out
+    assert math.isclose(record["speedup_vs_unquantized"], record["unquantized_median_s"] / record["median_s"])
+    table = capsys.readouterr().out
+    assert "quantized matmuls" in table and "speed-up vs --quantization=none" in table
     device = type("Device", (), {"platform": "gpu", "device_kind": "NVIDIA A100-SXM4-80GB"})
     assert "A100 has 2x" in bench.quantization_note("int8", device)
     assert "no fast fp8 units" in bench.quantization_note("fp8", device)
