@@ -10,7 +10,8 @@ its own token's or channel's grid, not the whole tensor's.
 
 fp8: the same with float8 e4m3 for the forward operands and e5m2 (more range, less precision)
 for the gradient, one scale per tensor (max|.| / the format's largest value), float32
-accumulation. On Hopper GPUs XLA runs a dot of fp8 operands on the fp8 tensor cores.
+accumulation. On Hopper GPUs XLA lowers a dot of fp8 operands to cuBLAS's fp8 matmul (not yet
+measured here: no GPU so far).
 
 Gradients are straight-through: the backward treats the rounding as the identity. Of the two
 backward matmuls, the input gradient (g @ wᵀ) is quantized like the forward, and the weight

@@ -30,6 +30,7 @@ import hf_gpt2
 import model
 import sharding
 import train
+from quantization import MODES as QUANTIZATION_MODES
 from tokenizer import EOT_TEXT, gpt2_tokenizer, load_tokenizer
 
 
@@ -59,7 +60,7 @@ class SampleConfig:
             raise configurator.ConfigError("temperature and top_k must be >= 0")
         if not 0 < self.top_p <= 1:
             raise configurator.ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        configurator.check_choice("quantization", self.quantization, ("none", "int8", "fp8"))
+        configurator.check_choice("quantization", self.quantization, QUANTIZATION_MODES)
 
 
 # ----------------------------------------------------------------------------- one token
