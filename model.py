@@ -348,7 +348,7 @@ class GPT(nnx.Module):
         B, T = idx_BxT.shape
         if T > config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {config.block_size}")
-        x_BxTxD = self.wte[...][idx_BxT]
+        x_BxTxD = self._embed_tokens(idx_BxT)
         if self.wpe is not None:
             x_BxTxD = x_BxTxD + self.wpe[...][:T]
         x_BxTxD = x_BxTxD.astype(config.dtype)
@@ -371,7 +371,7 @@ class GPT(nnx.Module):
         """
         config = self.config
         B, T = idx_BxT.shape
-        x_BxTxD = self.wte[...][idx_BxT]
+        x_BxTxD = self._embed_tokens(idx_BxT)
         if self.wpe is not None:
             x_BxTxD = x_BxTxD + self.wpe[...][start_B[:, None] + jnp.arange(T)]  # per row: any prompt length
         x_BTxD = constrain(x_BxTxD.astype(config.dtype).reshape(B * T, -1), ("batch", "embed_act"))
@@ -379,6 +379,11 @@ class GPT(nnx.Module):
         last_B = jnp.full((B,), T - 1) if last_B is None else last_B
         x_BxD = x_BTxD.reshape(B, T, -1)[jnp.arange(B), last_B]  # the vocab matmul for B rows only
         return self._mask_padding(self._unembed(self.ln_f(x_BxD))), cache
+
+    def _embed_tokens(self, idx_BxT):
+        """Rows of wte. The table is first gathered over `fsdp` (it stays split over `tensor` by
+        vocabulary): a lookup in a table split by width made XLA replicate it on every device."""
+        return constrain(self.wte[...], ("vocab", "embed_act"))[idx_BxT]
 
     def _unembed(self, x_NxD):
         """Float32 logits (N, padded vocab), through the tied embedding or lm_head_kernel."""
