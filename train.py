@@ -57,8 +57,6 @@ def keep_freed_host_memory() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, -1)  # -1: never
 
 
-
-
 class DataError(ValueError):
     """A missing or malformed dataset; the message names the file and the prepare script."""
 
