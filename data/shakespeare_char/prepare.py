@@ -14,10 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: tokenizer.py, data/
 from data.shakespeare_text import load_shakespeare_text  # noqa: E402
-from tokenizer import char_tokenizer, write_dataset  # noqa: E402
+from tokenizer import (PrepareError, char_tokenizer, check_out_dir, format_prepare_command,  # noqa: E402
+                       run_prepare_script, write_dataset)
 
 
-def prepare(text, out_dir, val_fraction=0.1, source=None):
+def prepare(text, out_dir, val_fraction=0.1, source=None, command=None):
     """Tokenizes text character by character into out_dir. Returns a summary dict."""
     chars = "".join(sorted(set(text)))
     ids = char_tokenizer(chars).encode(text)
@@ -25,9 +26,22 @@ def prepare(text, out_dir, val_fraction=0.1, source=None):
     meta = {"kind": "char", "vocab_size": len(chars), "chars": chars}
     if source:
         meta["source"] = source
+    if command:  # how to make it again, for "rerun ..." hints
+        meta["prepare"] = command
     write_dataset(out_dir, ids[:n_train], ids[n_train:], meta)
     return {"chars": len(text), "vocab_size": len(chars),
             "train_tokens": n_train, "val_tokens": len(ids) - n_train}
+
+
+def prepare_from_args(args):
+    check_out_dir(args.out_dir)  # before a download that may take a while
+    try:
+        text, source = load_shakespeare_text(args.input)
+    except (ValueError, RuntimeError) as e:  # --input not UTF-8; neither source reachable
+        raise PrepareError(str(e)) from None
+    input_path = Path(args.input) if args.input else None
+    command = format_prepare_command(__file__, input=input_path, out_dir=Path(args.out_dir))
+    return prepare(text, args.out_dir, source=source, command=command)
 
 
 def main(argv=None):
@@ -36,8 +50,7 @@ def main(argv=None):
     parser.add_argument("--out_dir", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args(argv)
     t0 = time.time()
-    text, source = load_shakespeare_text(args.input)
-    s = prepare(text, args.out_dir, source=source)
+    s = run_prepare_script(lambda: prepare_from_args(args), args.out_dir)
     print(f"{s['chars']:,} characters, vocab size {s['vocab_size']}")
     print(f"train: {s['train_tokens']:,} tokens, val: {s['val_tokens']:,} tokens -> {args.out_dir}")
     print(f"done in {time.time() - t0:.1f}s")

@@ -4,17 +4,22 @@
         [--val_fraction=0.0005] [--num_proc=N] [--text_key=text] [--seed=1337]
 
 Every .txt file under DIR (recursively) is one document, read whole; every non-blank
-line of a .jsonl file is one document, its text in the field --text_key. Each document
-is followed by <|endoftext|> (50256). A seeded random val_fraction of the documents
-(at least one) goes to val.bin, the rest to train.bin, in file order. Tokens are
-streamed to disk, so the corpus need not fit in memory.
+line of a .jsonl file is one document, its text in the field --text_key. Files are
+UTF-8, with or without a byte order mark. Each document is followed by <|endoftext|>
+(50256). A seeded random val_fraction of the documents (at least one) goes to val.bin,
+the rest to train.bin, in file order. Tokens are streamed to disk, so the corpus need
+not fit in memory.
 Then train with --dataset=mytext (the name of the out_dir folder under data/).
+
+An existing dataset in out_dir is replaced only when the new one is complete: after a bad
+input file, an error or Ctrl-C, the old train.bin, val.bin and meta.json are unchanged.
 """
 
 import argparse
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,34 +27,48 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: tokenizer.py
-from tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, TokenWriter, gpt2_encoding, write_meta  # noqa: E402
+from tokenizer import (GPT2_EOT, GPT2_VOCAB_SIZE, DatasetWriter, PrepareError,  # noqa: E402
+                       check_out_dir, format_prepare_command, gpt2_encoding, run_prepare_script)
+
+BOM = b"\xef\xbb\xbf"  # some editors start UTF-8 files with it; it is not text
 
 
-
-class InputError(Exception):
+class InputError(PrepareError):
     """Something wrong with the user's files; ends the script with a one-line message."""
 
 
 def find_files(input_dir):
     root = Path(input_dir)
-    if not root.is_dir():
+    if not root.exists():
         raise InputError(f"input directory {input_dir} does not exist")
+    if not root.is_dir():
+        raise InputError(f"--input_dir {input_dir} is a file, not a folder")
     files = sorted(p for p in root.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
     if not files:
         raise InputError(f"no .txt or .jsonl files under {input_dir}")
     return files
 
 
+def jsonl_lines(path):
+    """Yields (line number, bytes) for each non-blank line of a .jsonl file."""
+    with open(path, "rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if lineno == 1:
+                line = line.removeprefix(BOM)
+            if line.strip():
+                yield lineno, line
+
+
 def count_documents(files):
     # One cheap pass first, so the val documents can be drawn up front and the progress
-    # bar knows its total.
+    # bar knows its total. It opens every file, so an unreadable one fails before any work.
     n = 0
     for f in files:
         if f.suffix == ".txt":
+            open(f, "rb").close()
             n += 1
         else:
-            with open(f, "rb") as fh:
-                n += sum(1 for line in fh if line.strip())
+            n += sum(1 for _ in jsonl_lines(f))
     return n
 
 
@@ -57,12 +76,10 @@ def iter_documents(files, text_key):
     """Yields (where, raw bytes, text_key or None): parsing happens in the workers."""
     for f in files:
         if f.suffix == ".txt":
-            yield str(f), f.read_bytes(), None
+            yield str(f), f.read_bytes().removeprefix(BOM), None
         else:
-            with open(f, "rb") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if line.strip():
-                        yield f"{f}:{lineno}", line, text_key
+            for lineno, line in jsonl_lines(f):
+                yield f"{f}:{lineno}", line, text_key
 
 
 def batches(docs, max_docs=1024, max_bytes=64 << 20):
@@ -133,9 +150,17 @@ def _mmss(seconds):
     return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m:02d}:{s:02d}"
 
 
+def ignore_sigint():
+    """Pool workers leave Ctrl-C to the parent, which cleans up and says one line."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def prepare(input_dir, out_dir, val_fraction=0.0005, num_proc=1, text_key="text", seed=1337):
-    """Tokenizes input_dir into out_dir. Returns a summary dict. Raises InputError."""
+    """Tokenizes input_dir into out_dir. Returns a summary dict. Raises InputError.
+
+    out_dir's old dataset, if any, is replaced only once the new one is complete."""
     files = find_files(input_dir)
+    check_out_dir(out_dir)
     n_docs = count_documents(files)
     if n_docs < 2:
         raise InputError(f"found {n_docs} document under {input_dir}: need at least 2 for train and val")
@@ -143,31 +168,29 @@ def prepare(input_dir, out_dir, val_fraction=0.0005, num_proc=1, text_key="text"
     val_docs = set(np.random.default_rng(seed).choice(n_docs, size=n_val, replace=False).tolist())
 
     gpt2_encoding()  # build it once here: forked workers inherit it
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "meta.json").unlink(missing_ok=True)  # a stale one must not vouch for new bins
-    pool = multiprocessing.Pool(num_proc) if num_proc > 1 else None
-    progress = Progress(n_docs)
-    done = tokens = 0
-    try:
-        with TokenWriter(out_dir / "train.bin") as train, TokenWriter(out_dir / "val.bin") as val:
+    with DatasetWriter(out_dir) as ds:
+        pool = multiprocessing.Pool(num_proc, initializer=ignore_sigint) if num_proc > 1 else None
+        progress = Progress(n_docs)
+        done = tokens = 0
+        try:
             for batch in batches(iter_documents(files, text_key)):
                 encoded = pool.imap(encode_document, batch, chunksize=16) if pool else map(encode_document, batch)
                 for ids in encoded:
-                    (val if done in val_docs else train).write(ids)
+                    (ds.val if done in val_docs else ds.train).write(ids)
                     done += 1
                     tokens += len(ids)
                     progress.update(done, tokens)
-        progress.update(done, tokens, force=True)
-    finally:
-        progress.end()
-        if pool:
-            pool.terminate()
-    meta = {"kind": "gpt2", "vocab_size": GPT2_VOCAB_SIZE, "source": str(input_dir),
-            "documents": {"train": n_docs - n_val, "val": n_val}}
-    write_meta(out_dir, meta)
+            progress.update(done, tokens, force=True)
+        finally:
+            progress.end()
+            if pool:
+                pool.terminate()
+        rerun = format_prepare_command(__file__, input_dir=Path(input_dir), out_dir=Path(out_dir),
+                                       val_fraction=val_fraction, text_key=text_key, seed=seed)
+        ds.commit({"kind": "gpt2", "vocab_size": GPT2_VOCAB_SIZE, "source": str(input_dir),
+                   "documents": {"train": n_docs - n_val, "val": n_val}, "prepare": rerun})
     return {"files": len(files), "documents": n_docs, "val_documents": n_val,
-            "train_tokens": train.count, "val_tokens": val.count}
+            "train_tokens": ds.train.count, "val_tokens": ds.val.count}
 
 
 def main(argv=None):
@@ -182,11 +205,9 @@ def main(argv=None):
     if not 0 < args.val_fraction < 1:
         raise SystemExit(f"error: --val_fraction must be between 0 and 1, got {args.val_fraction}")
     t0 = time.time()
-    try:
-        s = prepare(args.input_dir, args.out_dir, args.val_fraction, max(1, args.num_proc),
-                    args.text_key, args.seed)
-    except InputError as e:
-        raise SystemExit(f"error: {e}") from None
+    s = run_prepare_script(lambda: prepare(args.input_dir, args.out_dir, args.val_fraction,
+                                           max(1, args.num_proc), args.text_key, args.seed),
+                           args.out_dir)
     print(f"{s['files']} files, {s['documents']:,} documents ({s['val_documents']:,} in val)")
     print(f"train: {s['train_tokens']:,} tokens, val: {s['val_tokens']:,} tokens -> {args.out_dir}")
     print(f"done in {time.time() - t0:.1f}s")
