@@ -306,10 +306,7 @@ def git_revision() -> str:
 
 def run(argv: list[str]) -> dict:
     """Parse flags, benchmark, print the table, append the JSON record."""
-    keys = {f.name for f in dataclasses.fields(Options)}
-    ours = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in keys]
-    options = configurator.load_config(ours, Options)
-    config = configurator.load_config([a for a in argv if a not in ours])
+    options, config = configurator.load_with_options_or_exit(argv, Options)
     devices = jax.devices()[:options.devices or None]
     if options.mode == "train":
         result = bench_train(config, options, devices)

@@ -84,15 +84,27 @@ def tpu_topology_name(name: str) -> str:
     return f"{generation}:{'x'.join(map(str, sorted(shape, key=lambda n: (n == 1, n))))}"
 
 
+def host_topology(topology: str) -> tuple[str, int | None]:
+    """'cpu:8' -> ('cpu', 8), 'gpu' -> ('gpu', None); a TPU name -> (name, None)."""
+    kind, sep, count = topology.partition(":")
+    if kind not in ("cpu", "gpu"):
+        return topology, None
+    if sep and not (count.isascii() and count.isdigit() and int(count) >= 1):
+        raise AotError(f"topology '{topology}': the count after '{kind}:' must be a whole number >= 1; "
+                       f"use cpu:N (N simulated CPU devices), gpu (this machine's GPUs) or gpu:N "
+                       f"(N mock GPU hosts), e.g. cpu:8")
+    return kind, int(count) if sep else None
+
+
 def configure_jax(topology: str) -> None:
     """Settings that must come before JAX first touches a device (command line only)."""
-    kind, _, count = topology.partition(":")
+    kind, count = host_topology(topology)
     if kind == "cpu":
         jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", int(count) if count.isdigit() else 1)
-    elif kind == "gpu" and count.isdigit():  # N mock hosts, each with this machine's GPUs
+        jax.config.update("jax_num_cpu_devices", count or 1)
+    elif kind == "gpu" and count:  # N mock hosts, each with this machine's GPUs
         try:
-            jax.config.update("mock_num_gpu_processes", int(count))
+            jax.config.update("mock_num_gpu_processes", count)
         except AttributeError:
             raise AotError(f"JAX {jax.__version__} can't mock GPU hosts: use --topology=gpu") from None
     elif kind != "gpu":  # TPU: abstract devices from libtpu; nothing runs on a TPU here
@@ -106,13 +118,13 @@ def configure_jax(topology: str) -> None:
 
 def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Target:
     """The devices to compile for, with their memory and peak FLOP/s."""
-    kind, _, count = topology.partition(":")
+    kind, count = host_topology(topology)
     if kind in ("cpu", "gpu"):
         try:
             devices = jax.devices(kind)
         except RuntimeError:  # no such backend in this process
             devices = []
-        wanted = int(count) if kind == "cpu" and count.isdigit() else max(1, len(devices))
+        wanted = count if kind == "cpu" and count else max(1, len(devices))
         if len(devices) < wanted or num_slices != 1:
             raise AotError(f"--topology={topology}: this process has {len(devices)} {kind} devices"
                            if num_slices == 1 else "--topology_num_slices is for TPU slices")
@@ -403,7 +415,7 @@ MAGIC = b"nanomax compiled train step v1\n"
 # the learning-rate schedule, optimizer settings and seed, which are baked into the program.
 NOT_IN_PROGRAM = (
     "dataset", "data_dir",  # the data; the vocabulary size it implies is checked instead
-    "out_dir", "init_from", "max_iters", "eval_interval", "eval_iters", "eval_only",
+    "out_dir", "init_from", "overwrite_out_dir", "max_iters", "eval_interval", "eval_iters", "eval_only",
     "log_interval", "always_save_checkpoint", "max_to_keep", "tensorboard", "sample_tokens",
     "overfit_batch",  # which batch is fed, not what the step does with it
     "mesh_data", "mesh_fsdp", "mesh_tensor",  # the resolved mesh and its devices are checked
@@ -441,6 +453,7 @@ def program_fingerprint(lowered) -> dict:
 def save(result: Result, path: str) -> None:
     payload, _, _ = serialize_executable.serialize(result.compiled)
     header = fingerprint(result.setup) | program_fingerprint(result.lowered)
+    header["payload_sha256"] = hashlib.sha256(payload).hexdigest()  # damage is caught before loading
     with open(path + ".tmp", "wb") as f:
         f.write(MAGIC + json.dumps(header).encode() + b"\n" + payload)
     os.replace(path + ".tmp", path)
@@ -472,15 +485,30 @@ def load_train_step(path: str, setup: train.Setup):
             magic, header, payload = f.readline(), f.readline(), f.read()
     except FileNotFoundError:
         raise AotError(f"{path} not found: make it with compile_aot.py --save={path}") from None
-    if magic != MAGIC:
+    if magic != MAGIC and not MAGIC.startswith(magic):
         raise AotError(f"{path} is not a train step saved by compile_aot.py")
-    compiled_for = json.loads(header)
+    try:
+        if magic != MAGIC or not header.endswith(b"\n"):
+            raise ValueError("it ends before its header does")
+        compiled_for = json.loads(header)
+        if not isinstance(compiled_for, dict):
+            raise ValueError("its header is not a JSON object")
+    except ValueError as e:  # json's errors, bytes that are not UTF-8, and the above
+        raise damaged(path, str(e)) from None
+    digest = hashlib.sha256(payload).hexdigest()
+    if compiled_for.get("payload_sha256", digest) != digest:  # older files carry no checksum
+        raise damaged(path, "its executable does not match the checksum in its header")
     check(path, compiled_for, fingerprint(setup))
     lowered = lower(setup)  # seconds, not the minutes of a compile
     check(path, compiled_for, program_fingerprint(lowered))
     devices = setup.mesh.devices.flatten().tolist()  # in the mesh's order, as when it was compiled
     return serialize_executable.deserialize_and_load(payload, lowered.in_tree, lowered.out_tree,
                                                      devices[0].client, execution_devices=devices)
+
+
+def damaged(path: str, why: str) -> AotError:
+    return AotError(f"{path} is damaged or incomplete ({why}): rebuild it with compile_aot.py "
+                    f"<this run's config and flags> --save={path}")
 
 
 # ----------------------------------------------------------------------------- command line
@@ -494,10 +522,7 @@ def aot_vocab_size(config: configurator.Config) -> int:
 
 
 def main(argv: list[str]) -> None:
-    keys = {f.name for f in dataclasses.fields(Options)}
-    ours = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in keys]
-    options = configurator.load_config_or_exit(ours, Options)
-    config = configurator.load_config_or_exit([a for a in argv if a not in ours])
+    options, config = configurator.load_with_options_or_exit(argv, Options)
     if not options.topology:
         sys.exit("error: --topology is required: cpu:8, gpu, gpu:2, v5e-256, v5e:16x16, v4-8, ...")
     try:

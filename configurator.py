@@ -12,11 +12,16 @@ Needs only the standard library, so it can be copied into another project as is.
 import ast
 import dataclasses
 import difflib
+import inspect
+import io
 import json
+import math
 import os
 import re
 import runpy
 import sys
+import textwrap
+import tokenize
 import types
 import typing
 
@@ -32,6 +37,8 @@ class Config:
     data_dir: str = "data"
     out_dir: str = "out"  # checkpoints, TensorBoard events, the effective config
     init_from: str = "scratch"  # 'scratch' | 'resume' (latest checkpoint in out_dir) | a HF GPT-2 dir
+    overwrite_out_dir: bool = False  # a fresh run into an out_dir that holds checkpoints: delete
+    #                                  them first (else it is refused)
     seed: int = 1337  # the batch and the dropout mask of step s depend only on (seed, s)
     # model (GPT-2 small by default, as in the paper)
     n_layer: int = 12
@@ -107,6 +114,10 @@ class Config:
         return self.batch_size * self.gradient_accumulation_steps * self.block_size
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # nan and inf would slip through every check below
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"config key '{f.name}' must be a finite number, got {value}")
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
         check_choice("attention", self.attention, ("auto", "xla", "cudnn"))
@@ -117,6 +128,9 @@ class Config:
         check_choice("pos_embedding", self.pos_embedding, ("learned", "rope"))
         check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
         check_choice("mlp", self.mlp, ("gelu", "swiglu"))
+        if self.overwrite_out_dir and self.init_from == "resume":
+            raise ConfigError("overwrite_out_dir=True would delete the checkpoints that init_from='resume' "
+                              "continues: drop one of the two")
         if self.init_from not in ("scratch", "resume") and not os.path.isdir(self.init_from):
             raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume' or a Hugging Face "
                               f"GPT-2 directory (config.json + model.safetensors); got {self.init_from!r}")
@@ -144,6 +158,36 @@ class Config:
                               f"{self.n_embd // self.n_head}: RoPE turns pairs of dimensions")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError(f"rope_theta ({self.rope_theta}) and norm_eps ({self.norm_eps}) must be > 0")
+        for key in ("vocab_size", "seed", "max_iters", "warmup_iters", "lr_decay_iters", "learning_rate",
+                    "weight_decay", "grad_clip", "keep_best", "sample_tokens", "stack_dump_interval"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(self, key)}")
+        for key in ("beta1", "beta2"):  # AdamW's moving averages; at 1 its bias correction divides by 0
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"config key '{key}' must be in [0, 1), got {getattr(self, key)} "
+                                  f"(GPT-2 used beta1=0.9, beta2=0.95)")
+        if self.decay_lr and not 0.0 <= self.min_lr <= self.learning_rate:
+            raise ConfigError(f"min_lr ({self.min_lr}) must be in [0, learning_rate = {self.learning_rate}]: "
+                              f"the schedule decays from learning_rate down to min_lr (set min_lr, often "
+                              f"learning_rate / 10, or decay_lr=False)")
+        if self.profile_steps:
+            start, stop = map(int, self.profile_steps.split(":"))
+            if stop <= start:
+                raise ConfigError(f"profile_steps={self.profile_steps!r} traces no step: STOP must be "
+                                  f"greater than START ('10:13' traces steps 10, 11 and 12)")
+            if stop > self.max_iters:
+                raise ConfigError(f"profile_steps={self.profile_steps!r} runs past the last step "
+                                  f"({self.max_iters - 1}, as max_iters={self.max_iters}): the trace "
+                                  f"would never be written; choose STOP <= max_iters")
+        for key, example in (("out_dir", "out"), ("data_dir", "data"), ("dataset", "shakespeare_char")):
+            if not getattr(self, key).strip():
+                raise ConfigError(f"{key} must name a directory, e.g. --{key}={example}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ConfigError(f"process_id ({self.process_id}) must be in 0 .. num_processes - 1 "
+                              f"({self.num_processes - 1}): processes count from 0")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ConfigError(f"num_processes={self.num_processes} needs coordinator_address (host:port "
+                              f"of process 0); under SLURM or on a TPU pod leave both unset")
 
 
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
@@ -187,26 +231,46 @@ def _parse_flag_value(text: str):
         return text  # a bare word such as --dataset=openwebtext
 
 
+HELP_FLAGS = ("--help", "-h")
+
+
 def load_config(argv: list[str], cls=Config):
     """Build a frozen `cls` from config files and --key=value flags (in that order)."""
     field_types = typing.get_type_hints(cls)
     overrides: dict = {}
     for arg in argv:
-        if arg.startswith("--"):
-            key, sep, text = arg[2:].partition("=")
-            if not sep:
-                raise ConfigError(f"flag '{arg}' has no value: write --{key}=VALUE")
-            if key not in field_types:
-                raise _unknown_key(key, field_types)
-            value = text if field_types[key] is str else _parse_flag_value(text)
-            overrides[key] = _check_type(key, value, field_types[key])
+        if arg in HELP_FLAGS:  # only load_config_or_exit answers it: this is a library call
+            raise _unknown_key("help", field_types)
+        if arg.startswith("-"):
+            key, value = _parse_flag(arg, field_types)
+            overrides[key] = value
         else:
             overrides.update(_read_config_file(arg, field_types))
     return cls(**overrides)
 
 
+def _parse_flag(arg: str, field_types: dict):
+    """'--key=value' -> (key, value as the field's type); a mistake says how to write it."""
+    dashes = len(arg) - len(arg.lstrip("-"))
+    key, sep, text = arg[dashes:].partition("=")
+    if not key:
+        raise ConfigError(f"'{arg}' is not a flag: write --KEY=VALUE")
+    if dashes != 2:
+        raise ConfigError(f"flag '{arg}' has {'one dash' if dashes == 1 else f'{dashes} dashes'}: "
+                          f"write --{arg[dashes:]}")
+    if not sep:
+        raise ConfigError(f"flag '{arg}' has no value: write --{key}=VALUE")
+    if key not in field_types:
+        raise _unknown_key(key, field_types)
+    value = text if field_types[key] is str else _parse_flag_value(text)
+    return key, _check_type(key, value, field_types[key])
+
+
 def _read_config_file(path: str, field_types: dict) -> dict:
     if not os.path.isfile(path):
+        key = path.partition("=")[0]
+        if key in field_types:  # 'batch_size=8': a flag without its dashes
+            raise ConfigError(f"'{path}' is neither a config file nor a flag: write --{path}")
         raise ConfigError(f"config file '{path}' does not exist (config files live in config/)")
     try:
         namespace = runpy.run_path(path)
@@ -243,8 +307,95 @@ def print_config(config) -> None:
 
 
 def load_config_or_exit(argv: list[str], cls=Config):
-    """For scripts: a bad config prints one line and exits with status 1, no traceback."""
+    """For scripts: --help prints the keys and exits; a bad config prints one line and exits
+    with status 1, no traceback."""
+    if any(arg in HELP_FLAGS for arg in argv):
+        print(help_text(cls))
+        sys.exit(0)
     try:
         return load_config(argv, cls)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+
+
+def load_with_options_or_exit(argv: list[str], options_cls, cls=Config) -> tuple:
+    """For scripts with options of their own beside the config (compile_aot.py, bench.py):
+    --KEY=VALUE flags naming a field of options_cls go there, the rest build cls."""
+    if any(arg in HELP_FLAGS for arg in argv):
+        print(help_text(options_cls, cls))
+        sys.exit(0)
+    keys = {f.name for f in dataclasses.fields(options_cls)}
+    ours = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in keys]
+    return load_config_or_exit(ours, options_cls), load_config_or_exit([a for a in argv if a not in ours], cls)
+
+
+def help_text(*classes) -> str:
+    """How to run the script, then each class's fields: type, default and the comment that
+    follows it in the source, under the source's section comments."""
+    lines = [f"usage: python {os.path.basename(sys.argv[0])} [CONFIG_FILE.py ...] [--KEY=VALUE ...]",
+             "Every key starts at its default below; config files (Python assignments, KEY = VALUE)",
+             "and --KEY=VALUE flags then set keys, in the order given: the last one wins."]
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        defaults = {f.name: _default_text(f) for f in dataclasses.fields(cls)}
+        doc, fields = _documented_fields(cls)
+        if doc:
+            lines += ["", doc]
+        section = None
+        for heading, name, note in fields:
+            if heading != section:
+                lines += ["", heading] if heading else [""]
+                section = heading
+            lines.append(f"  --{name} ({_type_name(hints[name])}, default {defaults[name]})")
+            lines += [f"        {text}" for text in note]
+    return "\n".join(lines)
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return repr(f.default_factory())
+    return "none: required"
+
+
+def _documented_fields(cls) -> tuple[str, list]:
+    """(docstring, [(section heading, field name, note lines)]) read from the source of cls.
+
+    A comment after a field is its note, and comment lines right under it whose text is
+    indented ('#      more') go on with the note; any other comment on a line of its own
+    heads the fields below it. Read from the source, so it works for any dataclass.
+    """
+    names = [f.name for f in dataclasses.fields(cls)]
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+        classdef = ast.parse(source).body[0]
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError):  # no source (made at run time)
+        return "", [("", name, []) for name in names]
+    comments = {tok.start[0]: (tok.string[1:], not tok.line[:tok.start[1]].strip())  # (text, alone)
+                for tok in tokens if tok.type == tokenize.COMMENT}
+    nodes = {node.lineno: node for node in classdef.body
+             if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) in names}
+
+    def continues_note(line) -> bool:  # a comment on a line of its own, its text indented
+        return line in comments and comments[line][1] and comments[line][0].startswith("  ")
+
+    found, section, heading, continued = [], "", [], set()
+    for line in sorted(comments.keys() | nodes.keys()):
+        if line in nodes:
+            end, note = nodes[line].end_lineno, []
+            if end in comments and not comments[end][1]:
+                note.append(comments[end][0].strip())
+                while continues_note(end + 1):
+                    end += 1
+                    note.append(comments[end][0].strip())
+                    continued.add(end)
+            if heading:
+                section, heading = " ".join(heading), []
+            found.append((section, nodes[line].target.id, note))
+        elif comments[line][1] and line not in continued:
+            heading.append(comments[line][0].strip())
+    seen = {name for _, name, _ in found}
+    found += [("", name, []) for name in names if name not in seen]  # e.g. from a base class
+    return ast.get_docstring(classdef) or "", found

@@ -51,8 +51,13 @@ def read_safetensors(path) -> dict:
 def read_hf_gpt2_config(path) -> dict:
     """GPTConfig fields (vocab_size, block_size, n_layer, n_head, n_embd, bias) of path/config.json."""
     file = os.path.join(path, "config.json")
-    with open(file) as f:
-        hf = json.load(f)
+    with open(file, encoding="utf-8-sig") as f:  # -sig: a byte-order mark from an editor is fine
+        try:
+            hf = json.load(f)
+        except ValueError as e:  # json's errors, and UnicodeDecodeError for bytes that are not UTF-8
+            raise ValueError(f"{file} is not valid JSON ({e}): download or save it again") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{file} holds a JSON {type(hf).__name__}, not an object: is it a GPT-2 config?")
     if "n_positions" not in hf and "n_ctx" in hf:
         hf["n_positions"] = hf["n_ctx"]
     missing = [k for k in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd") if k not in hf]

@@ -168,7 +168,8 @@ def test_keys_left_out_of_the_fingerprint_do_not_change_the_program(compiled):
     changed = {}  # the resolved mesh is checked instead of the mesh keys
     for key in set(compile_aot.NOT_IN_PROGRAM) - mesh_keys:
         value = getattr(config, key)
-        changed[key] = ("resume" if key == "init_from" else not value if isinstance(value, bool)
+        # init_from: a directory (as a Hugging Face one is), since 'resume' contradicts overwrite_out_dir
+        changed[key] = (str(root) if key == "init_from" else not value if isinstance(value, bool)
                         else value * 2 + 1 if isinstance(value, (int, float)) else value + "x")
     other = dataclasses.replace(config, **changed)
     mesh = train.make_mesh(config)
@@ -232,3 +233,59 @@ def test_quantized_step_compiles_for_a_tpu(compiled):
     r = compile_aot.compile_step(dataclasses.replace(config, quantization="int8"),
                                  compile_aot.make_target("v5e-8"), 64)
     assert r.fits and "s8[" in r.compiled.as_text()
+
+
+@pytest.mark.parametrize("topology", ["cpu:abc", "cpu:0", "cpu:-2", "cpu:", "gpu:x"])
+def test_a_bad_device_count_is_one_line_naming_the_accepted_forms(topology):
+    with pytest.raises(SystemExit) as excinfo:  # refused before JAX is configured
+        compile_aot.main([f"--topology={topology}"])
+    message = excinfo.value.code
+    assert message.startswith(f"error: topology '{topology}': the count after '{topology[:3]}:' must be "
+                               f"a whole number >= 1; use cpu:N") and "gpu:N" in message and "\n" not in message
+    with pytest.raises(compile_aot.AotError, match="must be a whole number >= 1"):
+        compile_aot.make_target(topology)
+
+
+def spoiled(data: bytes, how: str) -> bytes:
+    magic = compile_aot.MAGIC
+    header_end = data.index(b"\n", len(magic)) + 1
+    return {"empty": b"",
+            "cut in the first line": data[:10],
+            "cut in the header": data[:header_end - 20],
+            "header not JSON": magic + b"{garbage" + data[header_end - 1:],
+            "header not UTF-8": magic + b'{"jax": "\xff"}\n' + data[header_end:],
+            "header not an object": magic + b"[1, 2]\n" + data[header_end:],
+            "executable cut short": data[:-100],
+            "executable corrupted": data[:-100] + bytes(100)}[how]
+
+
+@pytest.mark.parametrize("how, why", [
+    ("empty", "it ends before its header does"),
+    ("cut in the first line", "it ends before its header does"),
+    ("cut in the header", "it ends before its header does"),
+    ("header not JSON", "Expecting property name"),
+    ("header not UTF-8", "can't decode byte 0xff"),
+    ("header not an object", "its header is not a JSON object"),
+    ("executable cut short", "its executable does not match the checksum in its header"),
+    ("executable corrupted", "its executable does not match the checksum in its header"),
+])
+def test_a_damaged_or_truncated_step_file_says_rebuild_it(compiled, tmp_path, how, why):
+    root, config, path, _ = compiled
+    bad = tmp_path / "bad.bin"
+    bad.write_bytes(spoiled(open(path, "rb").read(), how))
+    setup = train.make_setup(config, train.make_mesh(config), 64)
+    with pytest.raises(compile_aot.AotError) as excinfo:
+        compile_aot.load_train_step(str(bad), setup)
+    message = str(excinfo.value)
+    assert message.startswith(f"{bad} is damaged or incomplete (") and why in message
+    assert message.endswith(f"): rebuild it with compile_aot.py <this run's config and flags> --save={bad}")
+    assert "\n" not in message
+
+
+def test_help_lists_the_options_and_the_config_keys(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        compile_aot.main(["--topology=cpu:8", "--help"])
+    text = capsys.readouterr().out
+    assert excinfo.value.code == 0
+    assert "compile_aot.py's own flags" in text and "  --topology (str, default '')\n        cpu:8 | gpu" in text
+    assert "  --batch_size (int, default 12)" in text

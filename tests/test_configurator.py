@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -261,3 +262,138 @@ def test_architecture_defaults_are_gpt2_and_every_model_field_is_a_config_key():
     llama = load_config([str(ROOT / "config" / "llama_style_small.py")])
     assert (llama.pos_embedding, llama.norm, llama.mlp) == ("rope", "rmsnorm", "swiglu")
     assert 0 < llama.n_kv_head < llama.n_head
+
+
+# --- values a user could get wrong (issue 14) ---------------------------------------------
+
+def exit_line(argv, cls=Config) -> str:
+    """What a script says for argv: one line through SystemExit, never a traceback."""
+    with pytest.raises(SystemExit) as excinfo:
+        configurator.load_config_or_exit(argv, cls)
+    message = excinfo.value.code
+    assert isinstance(message, str) and message.startswith("config error: ") and "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--learning_rate=-0.001"], ["'learning_rate'", ">= 0", "-0.001"]),
+    (["--beta1=1.0"], ["'beta1'", "[0, 1)", "1.0"]),
+    (["--beta2=-0.5"], ["'beta2'", "[0, 1)", "-0.5"]),
+    (["--min_lr=0.001"], ["min_lr (0.001)", "learning_rate = 0.0006", "decay_lr=False"]),
+    (["--min_lr=-1e-5"], ["min_lr (-1e-05)", "[0, learning_rate"]),
+    (["--weight_decay=-0.1"], ["'weight_decay'", ">= 0"]),
+    (["--grad_clip=-1"], ["'grad_clip'", ">= 0"]),
+    (["--warmup_iters=-1"], ["'warmup_iters'", ">= 0"]),
+    (["--lr_decay_iters=-5"], ["'lr_decay_iters'", ">= 0"]),
+    (["--keep_best=-1"], ["'keep_best'", ">= 0"]),
+    (["--max_iters=-1"], ["'max_iters'", ">= 0"]),
+    (["--sample_tokens=-3"], ["'sample_tokens'", ">= 0"]),
+    (["--stack_dump_interval=-60"], ["'stack_dump_interval'", ">= 0"]),
+    (["--vocab_size=-1"], ["'vocab_size'", ">= 0"]),
+    (["--seed=-1"], ["'seed'", ">= 0"]),
+    (["--profile_steps=13:10"], ["profile_steps='13:10'", "traces no step", "STOP must be greater"]),
+    (["--profile_steps=5:5"], ["profile_steps='5:5'", "traces no step"]),
+    (["--max_iters=8", "--profile_steps=6:10"], ["profile_steps='6:10'", "last step (7", "STOP <= max_iters"]),
+    (["--out_dir="], ["out_dir must name a directory, e.g. --out_dir=out"]),
+    (["--out_dir=   "], ["out_dir must name a directory, e.g. --out_dir=out"]),
+    (["--dataset="], ["dataset must name a directory"]),
+    (["--process_id=1"], ["process_id (1)", "num_processes - 1 (0)"]),
+    (["--num_processes=2"], ["num_processes=2 needs coordinator_address"]),
+])
+def test_out_of_range_values_are_one_line_errors_naming_key_and_range(flags, words):
+    message = exit_line(flags)
+    for word in words:
+        assert word in message
+
+
+def test_infinite_or_nan_float_in_a_config_file_is_refused(tmp_path):
+    assert "'learning_rate' must be a finite number, got inf" in exit_line(
+        [write(tmp_path, "learning_rate = float('inf')\n")])
+    assert "'dropout' must be a finite number, got nan" in exit_line(
+        [write(tmp_path, "dropout = float('nan')\n")])
+
+
+def test_valid_edges_of_the_new_checks_are_accepted():
+    config = load_config(["--learning_rate=0", "--min_lr=0", "--beta1=0", "--beta2=0.999", "--grad_clip=0",
+                          "--weight_decay=0", "--warmup_iters=0", "--max_iters=13", "--profile_steps=10:13"])
+    assert config.profile_steps == "10:13"  # steps 10, 11, 12: the last step of the run is 12
+    assert load_config(["--decay_lr=False", "--min_lr=1.0"]).min_lr == 1.0  # unused without decay
+    assert load_config(["--num_processes=2", "--process_id=1", "--coordinator_address=h:1"]).process_id == 1
+    # test_train.py's small runs
+    Config(max_iters=8, profile_steps="2:4", eval_interval=4, lr_decay_iters=8, min_lr=3e-4,
+           learning_rate=3e-3, warmup_iters=2)
+
+
+def test_overwrite_out_dir_is_off_by_default_and_contradicts_resume():
+    assert DEFAULTS.overwrite_out_dir is False
+    assert load_config(["--overwrite_out_dir=True"]).overwrite_out_dir is True
+    assert "would delete the checkpoints that init_from='resume' continues" in error_of(
+        ["--overwrite_out_dir=True", "--init_from=resume"])
+
+
+# --- how a flag is written ----------------------------------------------------------------
+
+@pytest.mark.parametrize("arg, message", [
+    ("-batch_size=8", "flag '-batch_size=8' has one dash: write --batch_size=8"),
+    ("---batch_size=8", "flag '---batch_size=8' has 3 dashes: write --batch_size=8"),
+    ("--", "'--' is not a flag: write --KEY=VALUE"),
+    ("--=3", "'--=3' is not a flag: write --KEY=VALUE"),
+    ("-", "'-' is not a flag: write --KEY=VALUE"),
+    ("batch_size=8", "'batch_size=8' is neither a config file nor a flag: write --batch_size=8"),
+])
+def test_misspelt_flags_say_how_to_write_them(arg, message):
+    assert exit_line([arg]) == f"config error: {message}"
+
+
+# --- --help -------------------------------------------------------------------------------
+
+def test_help_lists_every_key_with_type_default_and_comment_by_section(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        configurator.load_config_or_exit(["--batch_size=4", "-h"])  # anywhere in argv
+    assert excinfo.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python ")
+    for f in dataclasses.fields(Config):
+        assert f"  --{f.name} (" in text, f.name
+    assert "  --dataset (str, default 'shakespeare_char')\n" \
+           "        reads data/<dataset>/{train,val}.bin and meta.json\n" in text
+    assert "  --learning_rate (float, default 0.0006)\n" in text
+    # the comment line under quantization's goes on with its note; it is not a section heading
+    assert "  --quantization (str, default 'none')\n" \
+           "        the blocks' matmuls: 'none' | 'int8' | 'fp8' (e4m3/e5m2; Hopper);\n" \
+           "        a property of the step: a run may switch it at resume\n\n" \
+           "architecture: the defaults are GPT-2;" in text
+    headings = ["\ndata and I/O\n", "\nmodel (GPT-2 small", "\noptimizer: AdamW", "\nreliability\n"]
+    assert sorted(headings, key=text.index) == headings
+    assert text.index("\nreliability\n") < text.index("--nan_policy") < text.index("--overfit_batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolOptions:
+    """A tool's own flags."""
+    # inputs
+    path: str = "in.txt"  # what to read; '#' in a string is not a comment
+    count: int = 3
+    # output
+    verbose: bool = False  # print more
+    #                        (and slower)
+
+
+def test_help_works_for_any_dataclass(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        configurator.load_config_or_exit(["--help"], ToolOptions)
+    assert excinfo.value.code == 0
+    text = capsys.readouterr().out
+    assert "\nA tool's own flags.\n" in text
+    assert "\ninputs\n  --path (str, default 'in.txt')\n        what to read; '#' in a string is not a " \
+           "comment\n  --count (int, default 3)\n\noutput\n  --verbose (bool, default False)\n" \
+           "        print more\n        (and slower)" in text
+    assert "--dataset" not in text
+
+
+def test_help_works_in_a_copy_of_configurator_alone(tmp_path):
+    (tmp_path / "configurator.py").write_text((ROOT / "configurator.py").read_text())
+    run = subprocess.run([sys.executable, "-c", "import configurator; configurator.load_config_or_exit(['--help'])"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and not run.stderr
+    assert "  --compiled_train_step (str, default '')\n        it is used only if" in run.stdout

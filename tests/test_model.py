@@ -515,6 +515,21 @@ def test_hf_gpt2_problems_are_named(tmp_path):
         hf_gpt2.load_hf_gpt2(bad_shape, config)
 
 
+@pytest.mark.parametrize("content, words", [
+    (b'{"n_layer": 2,', ["is not valid JSON (Expecting", "download or save it again"]),
+    (b'{"n_layer": "\xff"}', ["is not valid JSON (", "can't decode byte 0xff"]),
+    (b"[1, 2]", ["holds a JSON list, not an object"]),
+])
+def test_hf_config_that_is_not_a_json_object_names_the_file(tmp_path, content, words):
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ValueError) as excinfo:
+        hf_gpt2.read_hf_gpt2_config(tmp_path)
+    message = str(excinfo.value)
+    assert message.startswith(str(tmp_path / "config.json") + " ")
+    for word in words:
+        assert word in message
+
+
 # --- architecture options: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output ------
 
 VARIANTS = {  # between them, each switch both ways
