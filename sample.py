@@ -22,16 +22,21 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
+import checkpoint
 import configurator
 import hf_gpt2
 import model
 import sharding
 import train
 from quantization import MODES as QUANTIZATION_MODES
-from tokenizer import EOT_TEXT, gpt2_tokenizer, load_tokenizer
+from tokenizer import EOT_TEXT, gpt2_tokenizer, load_tokenizer, tokenizer_from_description
+
+
+# What rebuilds a checkpoint's model: the model's fields, and where an older checkpoint's
+# vocabulary is (newer ones carry it).
+MODEL_KEYS = {f.name for f in dataclasses.fields(model.GPTConfig)} | {"data_dir", "dataset"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,18 +318,36 @@ class StreamPrinter:
 # ----------------------------------------------------------------------------- loading
 
 def load_for_inference(out_dir: str, mesh=None, quantization: str = "none"):
-    """Setup and parameters of the latest checkpoint in out_dir (its config comes with it, but
-    for how the matmuls and the attention compute: those are chosen here, for these devices)."""
+    """Setup, parameters, step and tokenizer of the newest intact checkpoint in out_dir. Its
+    config and vocabulary come with it, but for how the matmuls and the attention compute:
+    those are chosen here, for these devices."""
     mesh = mesh or sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    manager = train.checkpoint_manager(configurator.Config(out_dir=out_dir), read_only=True)
-    meta = train.read_checkpoint_meta(manager, out_dir)
-    # init_from may name a directory that is gone by now; it does not matter for sampling.
-    config = configurator.config_from_dict({**meta["config"], "init_from": "resume", "attention": "auto",
-                                            "quantization": quantization})
-    setup = train.make_setup(config, mesh, train.read_vocab_size(config))
-    params = manager.restore(meta["step"], args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(setup.abstract_state["params"])))["params"]
-    return setup, params, meta["step"]
+    setups = []
+
+    def abstract_for(meta):
+        # Only the keys that describe the model: the rest (init_from may name a directory that is
+        # gone by now, a learning rate that a later version checks more strictly) doesn't matter here.
+        kept = {k: v for k, v in meta["config"].items() if k in MODEL_KEYS}
+        config = configurator.config_from_dict({**kept, "attention": "auto", "quantization": quantization,
+                                                "batch_size": mesh.shape["data"] * mesh.shape["fsdp"]})
+        setups.append(train.make_setup(config, mesh, meta.get("vocab_size") or train.read_vocab_size(config)))
+        return {"params": setups[-1].abstract_state["params"]}
+
+    manager = checkpoint.checkpoint_manager(configurator.Config(out_dir=out_dir), read_only=True)
+    try:
+        restored = checkpoint.restore_latest(manager, out_dir, abstract_for, move_damaged=False,
+                                             log=lambda line: print(line, file=sys.stderr))
+    finally:
+        manager.close()
+    setup = setups[-1]
+    if restored.meta.get("tokenizer"):
+        tok = tokenizer_from_description(restored.meta["tokenizer"])
+    else:  # checkpoints written before the vocabulary was stored with them
+        tok = load_tokenizer(train.dataset_dir(setup.config))
+        print(f"note: this checkpoint does not carry its vocabulary; using "
+              f"{train.dataset_dir(setup.config)}/meta.json, which must be the one it was trained on",
+              file=sys.stderr)
+    return setup, restored.items["params"], restored.step, tok
 
 
 def load_hf(path: str, mesh, quantization: str = "none"):
@@ -342,11 +365,13 @@ def load_hf(path: str, mesh, quantization: str = "none"):
 def main(argv):
     cfg = configurator.load_config_or_exit(argv, SampleConfig)
     try:
+        if cfg.mesh_data * cfg.mesh_tensor > jax.device_count():
+            raise ValueError(f"mesh_data x mesh_tensor = {cfg.mesh_data} x {cfg.mesh_tensor} devices, "
+                             f"but there are {jax.device_count()}: lower them")
         mesh = sharding.make_mesh(cfg.mesh_data, 1, cfg.mesh_tensor,
                                   devices=jax.devices()[:cfg.mesh_data * cfg.mesh_tensor])
         if cfg.init_from == "resume":
-            setup, params, step = load_for_inference(cfg.out_dir, mesh, cfg.quantization)
-            tok = load_tokenizer(train.dataset_dir(setup.config))
+            setup, params, step, tok = load_for_inference(cfg.out_dir, mesh, cfg.quantization)
             print(f"loaded step {step} from {cfg.out_dir}", file=sys.stderr)
         else:
             setup, params = load_hf(cfg.init_from, mesh, cfg.quantization)
@@ -364,7 +389,7 @@ def main(argv):
         out = generate(setup, params, prompts, cfg.max_new_tokens, seed=cfg.seed,
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_id=stop_id,
                        kv_cache=cfg.kv_cache, on_token=stream)
-    except (OSError, ValueError) as e:  # also train.CheckpointError, sharding.MeshError
+    except (OSError, ValueError) as e:  # also CheckpointError, sharding.MeshError
         sys.exit(f"error: {e}")
     for i, (ids, new) in enumerate(zip(prompts, out.tokens)):
         if i == 0 and stream is not None:

@@ -9,11 +9,9 @@ built by `make_train_step` / `make_eval_step` and jitted once with explicit shar
 compile_aot.py and bench.py build and run exactly these functions.
 """
 
-import contextlib
 import ctypes
 import dataclasses
 import faulthandler
-import json
 import math
 import os
 import signal
@@ -24,12 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
+import checkpoint
 import configurator
 import sharding
+import tokenizer
+from checkpoint import CheckpointError
 from configurator import Config
 from hf_gpt2 import load_hf_gpt2
 from model import GPT, GPTConfig, count_params, flops_per_token
@@ -61,10 +61,6 @@ class DataError(ValueError):
     """A missing or malformed dataset; the message names the file and the prepare script."""
 
 
-class CheckpointError(ValueError):
-    """A missing or incompatible checkpoint; the message says what differs."""
-
-
 class TrainingError(RuntimeError):
     """Training can't go on (e.g. the loss became NaN); the message says what was kept."""
 
@@ -76,25 +72,27 @@ def dataset_dir(config: Config) -> str:
 
 
 def _prepare_hint(config: Config) -> str:
-    return f"run `python data/{config.dataset}/prepare.py` first"
+    return f"run `{tokenizer.prepare_command(dataset_dir(config))}`"
+
+
+def dataset_tokenizer(config: Config) -> tokenizer.Tokenizer | None:
+    """The tokenizer in the dataset's meta.json; None where there is none and the config
+    gives vocab_size itself."""
+    if config.vocab_size and not os.path.exists(os.path.join(dataset_dir(config), "meta.json")):
+        return None
+    try:
+        return tokenizer.load_tokenizer(dataset_dir(config))
+    except (OSError, ValueError) as e:
+        raise DataError(str(e)) from None
 
 
 def read_vocab_size(config: Config) -> int:
     """vocab_size from the config, or else from the dataset's meta.json."""
-    if config.vocab_size:
-        return config.vocab_size
-    path = os.path.join(dataset_dir(config), "meta.json")
-    try:
-        with open(path) as f:
-            return int(json.load(f)["vocab_size"])
-    except FileNotFoundError:
-        raise DataError(f"{path} not found: {_prepare_hint(config)}") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{path} is malformed ({e}): {_prepare_hint(config)} again") from None
+    return config.vocab_size or dataset_tokenizer(config).vocab_size
 
 
 def open_split(config: Config, split: str, vocab_size: int) -> np.ndarray:
-    """Memory-map data/<dataset>/<split>.bin (uint16 tokens) after checking it is usable."""
+    """Memory-map data/<dataset>/<split>.bin (uint16 tokens) after checking every token."""
     path = os.path.join(dataset_dir(config), f"{split}.bin")
     if not os.path.isfile(path):
         raise DataError(f"{path} not found: {_prepare_hint(config)}")
@@ -106,11 +104,22 @@ def open_split(config: Config, split: str, vocab_size: int) -> np.ndarray:
     if len(tokens) < config.block_size + 2:
         raise DataError(f"{path} holds {len(tokens)} tokens, fewer than block_size+2 = "
                         f"{config.block_size + 2}: lower --block_size or add data")
-    probe = tokens[:: max(1, len(tokens) // 1_000_000)]  # a spread-out sample, cheap to scan
-    if probe.max() >= vocab_size:
-        raise DataError(f"{path} holds token id {probe.max()} >= vocab_size {vocab_size}: the data "
-                        f"was made with another tokenizer; {_prepare_hint(config)} again")
+    bad = first_token_at_least(tokens, vocab_size)
+    if bad is not None:
+        raise DataError(f"{path} holds token id {tokens[bad]} >= vocab_size {vocab_size} (at token "
+                        f"{bad:,}): the file does not match meta.json (another tokenizer, or "
+                        f"damaged); {_prepare_hint(config)} again")
     return tokens
+
+
+def first_token_at_least(tokens: np.ndarray, limit: int, chunk: int = 1 << 26) -> int | None:
+    """Index of the first token >= limit, or None. Every token is read, a chunk at a time
+    (~0.1 s per GB from the page cache), so one bad id can't become a NaN at some step."""
+    for start in range(0, len(tokens), chunk):
+        part = tokens[start:start + chunk]
+        if part.max() >= limit:
+            return start + int(np.argmax(part >= limit))
+    return None
 
 
 SPLIT_STREAMS = {"train": 0, "val": 1}  # separate random streams per split
@@ -336,75 +345,52 @@ def peak_flops(devices) -> tuple[float | None, str]:
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def checkpoint_manager(config: Config, read_only=False) -> ocp.CheckpointManager:
-    """Keeps the latest max_to_keep checkpoints plus the keep_best ones by val loss."""
-    policies = ocp.checkpoint_managers
-    keep = policies.AnyPreservationPolicy([
-        policies.LatestN(n=config.max_to_keep),
-        policies.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=config.keep_best,
-                       keep_checkpoints_without_metrics=False)])
-    options = ocp.CheckpointManagerOptions(preservation_policy=keep, read_only=read_only,
-                                           create=False, cleanup_tmp_directories=not read_only)
-    directory = os.path.abspath(os.path.join(config.out_dir, "checkpoints"))
-    return ocp.CheckpointManager(directory, options=options)
+def start_state(setup: Setup, tok, log) -> tuple:
+    """(checkpoint manager, train state): resumed from out_dir, or fresh (from scratch or from
+    pretrained weights) in an out_dir that holds no other run. The out_dir lock is held."""
+    config = setup.config
+    if config.init_from != "resume":
+        checkpoint.start_fresh(config, log)
+        manager = checkpoint.checkpoint_manager(config)
+        state = init_state(setup)
+        if config.init_from != "scratch":  # a Hugging Face GPT-2 directory: fine-tune it
+            state["params"] = load_pretrained(setup)
+        return manager, state
+    def abstract_for(meta):
+        check_resumable(meta, config, tok)
+        return {k: setup.abstract_state[k] for k in ("params", "opt_state")}
 
-
-def save_checkpoint(manager, state: dict, config: Config, val_loss: float | None) -> None:
-    """Async and atomic: Orbax writes to a temporary directory and renames it when complete."""
-    step = int(state["step"])
-    meta = {"step": step, "val_loss": val_loss, "config": dataclasses.asdict(config)}
-    with checkpoint_write_errors(manager):  # also reports a failure of the previous async save
-        manager.save(step, metrics=None if val_loss is None else {"val_loss": val_loss},
-                     args=ocp.args.Composite(params=ocp.args.StandardSave(state["params"]),
-                                             opt_state=ocp.args.StandardSave(state["opt_state"]),
-                                             meta=ocp.args.JsonSave(meta)))
-
-
-def wait_for_checkpoints(manager) -> None:
-    with checkpoint_write_errors(manager):
-        manager.wait_until_finished()
-
-
-@contextlib.contextmanager
-def checkpoint_write_errors(manager):
-    """A failed write (e.g. a full disk) becomes one message. Orbax renames a checkpoint
-    into place only once it is complete, so the earlier ones are untouched."""
+    manager = checkpoint.checkpoint_manager(config)
     try:
-        yield
-    except (OSError, ValueError) as e:
-        reason = "No space left on device" if "No space left" in str(e) else str(e).split("\n")[0][:300]
-        manager.reload()  # forget the step that failed
-        raise TrainingError(f"writing a checkpoint failed ({reason}); the latest complete "
-                            f"checkpoint (step {manager.latest_step()}) is intact") from e
+        restored = checkpoint.restore_latest(manager, config.out_dir, abstract_for, log=log)
+    except BaseException:
+        manager.close()
+        raise
+    step = checkpoint.step_array(restored.step, setup.state_shardings["step"])
+    return manager, {**restored.items, "step": step}
 
 
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "pad_vocab_to_multiple",
-              "pos_embedding", "norm", "mlp", "mlp_hidden", "n_kv_head", "tie_embeddings")
+def check_resumable(meta: dict, config: Config, tok) -> None:
+    """The checkpoint's model and vocabulary are this run's, and it has steps left to train."""
+    checkpoint.check_model_shape(meta["config"], config)
+    saved = meta.get("tokenizer")  # absent in checkpoints older than the check
+    if saved and tok and saved != tok.describe():
+        raise CheckpointError(
+            f"the checkpoint in {config.out_dir} was trained on a vocabulary of "
+            f"{tokenizer.tokenizer_from_description(saved).summary()}, but "
+            f"{dataset_dir(config)}/meta.json describes {tok.summary()}: resume with the dataset "
+            f"it was trained on, or train this one from the start in another --out_dir")
+    if meta["step"] >= config.max_iters and not config.eval_only:
+        raise CheckpointError(
+            f"the checkpoint in {config.out_dir} is at step {meta['step']} and max_iters is "
+            f"{config.max_iters}: nothing left to train. Raise --max_iters (and --lr_decay_iters) "
+            f"to train on, or evaluate it with --eval_only=True")
 
 
-def read_checkpoint_meta(manager, out_dir: str) -> dict:
-    step = manager.latest_step()
-    if step is None:
-        raise CheckpointError(f"no checkpoint in {out_dir}/checkpoints: train first, "
-                              f"or use --init_from=scratch")
-    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-
-
-def restore_state(manager, setup: Setup) -> dict:
-    """The latest checkpoint, loaded straight into this run's shardings (any mesh shape)."""
-    meta = read_checkpoint_meta(manager, setup.config.out_dir)
-    saved = meta["config"]
-    saved = {k: saved.get(k, getattr(Config, k)) for k in MODEL_KEYS}  # older checkpoints: defaults
-    differ = [f"{k}: checkpoint {saved[k]!r}, config {getattr(setup.config, k)!r}"
-              for k in MODEL_KEYS if saved[k] != getattr(setup.config, k)]
-    if differ:
-        raise CheckpointError("checkpoint model shape differs from the config ("
-                              + "; ".join(differ) + "): use the checkpoint's values")
-    restored = manager.restore(meta["step"], args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(setup.abstract_state["params"]),
-        opt_state=ocp.args.StandardRestore(setup.abstract_state["opt_state"])))
-    step = jax.device_put(jnp.asarray(meta["step"], jnp.int32), setup.state_shardings["step"])
-    return {"params": restored["params"], "opt_state": restored["opt_state"], "step": step}
+def checkpoint_meta(setup: Setup, tok) -> dict:
+    """Stored with every checkpoint: enough to sample from it without the dataset."""
+    return {"config": dataclasses.asdict(setup.config), "vocab_size": setup.model_config.vocab_size,
+            "tokenizer": tok.describe() if tok else None}
 
 
 def load_pretrained(setup: Setup) -> dict:
@@ -413,9 +399,7 @@ def load_pretrained(setup: Setup) -> dict:
         params = load_hf_gpt2(setup.config.init_from, setup.model_config)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"init_from={setup.config.init_from}: {e}") from None
-    # Every process reads the files and keeps only the pieces its devices hold.
-    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
-                        params, setup.state_shardings["params"])
+    return checkpoint.place(params, setup.state_shardings["params"])
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -537,29 +521,34 @@ def start_stack_dumps(config: Config):
 def train(config: Config, devices=None) -> list[tuple[int, float]]:
     """Run training as configured (on `devices`, default all); returns (step, loss) per logged step."""
     # Everything that can be wrong with the input is checked before anything is written.
-    vocab_size = read_vocab_size(config)
+    tok = dataset_tokenizer(config)
+    vocab_size = config.vocab_size or tok.vocab_size
     splits = {s: open_split(config, s, vocab_size) for s in ("train", "val")}
     mesh = make_mesh(config, devices)
     setup = make_setup(config, mesh, vocab_size)
-    manager = checkpoint_manager(config)
-    if config.init_from == "resume":
-        state = restore_state(manager, setup)
-    else:
-        state = init_state(setup)
-    if config.init_from not in ("scratch", "resume"):  # a Hugging Face GPT-2 directory: fine-tune it
-        state["params"] = load_pretrained(setup)
     train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
     if config.compiled_train_step:  # built by compile_aot.py; refused unless made for this run
         import compile_aot
         train_step = compile_aot.load_train_step(config.compiled_train_step, setup)
+    if config.init_from == "resume" and not os.path.isdir(checkpoint.checkpoint_dir(config.out_dir)):
+        raise CheckpointError(checkpoint.no_checkpoint_message(config.out_dir))
+    lock = checkpoint.OutDirLock(config.out_dir)  # the one run writing to out_dir, or an error
+    try:
+        return train_loop(setup, splits, tok, lock, train_step, eval_step)
+    finally:
+        lock.release()
 
+
+def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step) -> list[tuple[int, float]]:
+    config, mesh = setup.config, setup.mesh
+    manager, state = start_state(setup, tok, print if jax.process_index() == 0 else lambda *a: None)
+    lock.claim()
     log = Logger(config)
     peak, peak_source = peak_flops(mesh.devices.flatten().tolist())
     print_summary(log, config, setup, splits, f"{peak / 1e12:.2f} TFLOP/s ({peak_source})"
                   if peak else peak_source)
     flops_token = flops_per_token(setup.model_config)
     if jax.process_index() == 0:
-        os.makedirs(config.out_dir, exist_ok=True)
         _write_atomically(os.path.join(config.out_dir, "config.json"),
                           configurator.config_to_json(config))
     stack_dump_file = start_stack_dumps(config)
@@ -573,6 +562,16 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     start_step = step = int(state["step"])
     clock = StepClock(step, config.max_iters)
     profile_start, profile_stop = parse_profile_steps(config.profile_steps)
+
+    meta = checkpoint_meta(setup, tok)
+
+    def save(val_loss: float | None) -> None:
+        if n_skipped == step - start_step:  # the parameters never changed: nothing worth keeping
+            raise TrainingError(
+                f"every step since step {start_step} was non-finite and skipped "
+                f"(nan_policy=skip_step), so no checkpoint was saved. Check the data and lower "
+                f"learning_rate")
+        checkpoint.save(manager, state, meta | {"val_loss": val_loss}, val_loss)
 
     def check_finite():
         nonlocal n_skipped
@@ -599,14 +598,14 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
                     losses = estimate_losses(eval_step, state["params"], splits, setup, rows)
                     log.print(f"step {step} | train loss {losses['train']:.4f} | val loss {losses['val']:.4f}")
                     log.scalars(step, {"eval/train_loss": losses["train"], "eval/val_loss": losses["val"]})
-                    if config.sample_tokens and jax.process_count() == 1:
-                        log.text(step, "samples", sample_for_log(setup, state["params"], splits))
+                    if config.sample_tokens and tok and jax.process_count() == 1:
+                        log.text(step, "samples", sample_for_log(setup, state["params"], splits, tok))
                     if config.eval_only:
                         break
                     if (losses["val"] < best_val or config.always_save_checkpoint or last) and step > start_step:
                         best_val = min(best_val, losses["val"])
                         log.print(f"saving checkpoint at step {step}")
-                        save_checkpoint(manager, state, config, losses["val"])
+                        save(losses["val"])
                     clock.restart(step)  # evaluation and saving are not billed to training steps
                 if last:
                     break
@@ -650,12 +649,12 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
                     history.append((step - 1, loss))
                 if preemption.requested():
                     check_finite()
-                    save_checkpoint(manager, state, config, None)
-                    wait_for_checkpoints(manager)
+                    save(None)
+                    checkpoint.wait(manager)
                     log.print(f"{preemption.signal_name}: saved a checkpoint at step {step}; "
                               f"continue with --init_from=resume")
                     break
-        wait_for_checkpoints(manager)
+        checkpoint.wait(manager)
     finally:
         preemption.close()
         manager.close()
@@ -663,15 +662,13 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
         if stack_dump_file:
             faulthandler.cancel_dump_traceback_later()
             stack_dump_file.close()
-    if config.sample_tokens and jax.process_count() == 1 and not preemption.signal_name:
-        print("sample:\n" + sample_for_log(setup, state["params"], splits))
+    if config.sample_tokens and tok and jax.process_count() == 1 and not preemption.signal_name:
+        print("sample:\n" + sample_for_log(setup, state["params"], splits, tok))
     return history
 
 
-def sample_for_log(setup: Setup, params, splits: dict) -> str:
+def sample_for_log(setup: Setup, params, splits: dict, tok) -> str:
     import sample  # sample.py imports this file: import it only when needed
-    from tokenizer import load_tokenizer
-    tok = load_tokenizer(dataset_dir(setup.config))
     prompt = tok.decode(splits["val"][:1])  # one token, which every vocabulary can encode
     return sample.sample_text(setup, params, setup.config.sample_tokens, prompt, tokenizer=tok)[0]
 

@@ -180,7 +180,7 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
                     batch_size=2, max_iters=1, learning_rate=0.0, min_lr=0.0, warmup_iters=0,
                     eval_interval=1, eval_iters=1, tensorboard=False)
     train.train(config, jax.devices()[:1])
-    setup, params, step = sample.load_for_inference(config.out_dir)
+    setup, params, step, tok = sample.load_for_inference(config.out_dir)
     assert setup.model_config.quantization == "none"  # trained quantized or not: chosen when sampling
     loaded = hf_gpt2.load_hf_gpt2(hf_dir, setup.model_config)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):

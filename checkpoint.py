@@ -1,0 +1,334 @@
+"""What a run keeps in out_dir: Orbax checkpoints of the train state, and the lock that makes
+one run at a time its only writer.
+
+    out_dir/lock                   held (flock) by the run writing here; the OS releases it when
+                                   that process ends, however it ends (kill -9 included)
+    out_dir/checkpoints/<step>/    params, opt_state and meta (step, val loss, config, vocabulary):
+                                   Orbax writes a temporary folder and renames it when complete
+    out_dir/checkpoints-damaged/   steps found unreadable at resume, moved aside, never deleted
+
+The rules: a fresh run never writes into an out_dir that holds another run's checkpoints unless
+told to (overwrite_out_dir); a save that Orbax skips is an error, not a message; a damaged
+checkpoint is named, and the newest intact one is used instead.
+"""
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from configurator import Config
+
+
+class CheckpointError(ValueError):
+    """A missing, damaged or incompatible checkpoint, or an out_dir that can't be used; the
+    message says what is wrong and what to do."""
+
+
+# Config keys that decide the shapes of the saved arrays.
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "pad_vocab_to_multiple",
+              "pos_embedding", "norm", "mlp", "mlp_hidden", "n_kv_head", "tie_embeddings")
+
+
+def checkpoint_dir(out_dir: str) -> str:
+    return os.path.abspath(os.path.join(out_dir, "checkpoints"))
+
+
+# ----------------------------------------------------------------------------- the out_dir
+
+class OutDirLock:
+    """An exclusive flock on out_dir/lock, taken before anything in out_dir is written.
+
+    The lock file is created empty and then left in place: its holder writes who it is into it
+    (for the message another run shows), and the kernel drops the lock when the holder exits.
+    """
+
+    def __init__(self, out_dir: str):
+        self.path = os.path.join(out_dir, "lock")
+        self.fd = None
+        if jax.process_index() != 0:  # one writer per run: process 0 speaks for it
+            return
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise CheckpointError(f"out_dir {out_dir} is a file, not a directory: choose another --out_dir")
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise CheckpointError(f"can't write to out_dir {out_dir} ({e.strerror}): choose another "
+                                  f"--out_dir, or fix its permissions") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self.fd)
+            self.fd = None
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise CheckpointError(f"can't lock {self.path} ({e.strerror})") from None
+            raise CheckpointError(f"out_dir {out_dir} is in use by another training run "
+                                  f"({self.holder() or 'it holds ' + self.path}): wait for it to "
+                                  f"end, stop it, or choose another --out_dir") from None
+
+    def holder(self) -> str:
+        try:
+            with open(self.path) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    def claim(self) -> None:
+        """Say who holds the lock (once every check has passed and the run really starts)."""
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}, started "
+                               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+
+def start_fresh(config: Config, log=print) -> None:
+    """A run from scratch (or from pretrained weights) into out_dir: refuse to mix it with the
+    checkpoints of an earlier run unless overwrite_out_dir says to delete them."""
+    directory = checkpoint_dir(config.out_dir)
+    steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit()) \
+        if os.path.isdir(directory) else []
+    if not steps:
+        return
+    if not config.overwrite_out_dir:
+        raise CheckpointError(
+            f"out_dir {config.out_dir} holds checkpoints of an earlier run (steps "
+            f"{', '.join(map(str, steps))}): continue it with --init_from=resume, choose another "
+            f"--out_dir, or pass --overwrite_out_dir=True to delete them and start again")
+    if jax.process_index() == 0:
+        for name in ("checkpoints", "checkpoints-damaged", "tensorboard"):
+            shutil.rmtree(os.path.join(config.out_dir, name), ignore_errors=True)
+        log(f"overwrite_out_dir: deleted the earlier run's checkpoints (steps "
+            f"{', '.join(map(str, steps))}) and TensorBoard events in {config.out_dir}")
+    sync("start_fresh")
+
+
+def sync(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+# ----------------------------------------------------------------------------- Orbax
+
+def hide_orbax_echoes() -> None:
+    """Orbax reports a failed read or write once to the caller, which turns it into one message,
+    and again from its worker threads and event loops (absl errors, "Event loop is closed",
+    coroutines never awaited), while training goes on or the interpreter shuts down. Those
+    echoes are dropped; everything else still reaches the terminal. Idempotent."""
+    if getattr(sys.unraisablehook, "hides_orbax", False):
+        return
+    previous_unraisable, previous_thread = sys.unraisablehook, threading.excepthook
+
+    def unraisable(info):
+        if not _is_orbax_echo(info.exc_value):
+            previous_unraisable(info)
+
+    def thread_exception(args):
+        if not _is_orbax_echo(args.exc_value):
+            previous_thread(args)
+
+    unraisable.hides_orbax = True
+    sys.unraisablehook, threading.excepthook = unraisable, thread_exception
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_not_from_orbax)
+
+
+def _is_orbax_echo(exc) -> bool:
+    if isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc):
+        return True
+    tb = exc.__traceback__ if exc is not None else None
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _not_from_orbax(record: logging.LogRecord) -> bool:
+    return "orbax" not in record.pathname and record.name != "asyncio"
+
+
+def checkpoint_manager(config: Config, read_only=False) -> ocp.CheckpointManager:
+    """Keeps the latest max_to_keep checkpoints plus the keep_best ones by val loss.
+
+    A writer must hold the out_dir lock first: creating one deletes unfinished saves."""
+    policies = ocp.checkpoint_managers
+    keep = policies.AnyPreservationPolicy([
+        policies.LatestN(n=config.max_to_keep),
+        policies.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=config.keep_best,
+                       keep_checkpoints_without_metrics=False)])
+    options = ocp.CheckpointManagerOptions(preservation_policy=keep, read_only=read_only,
+                                           save_interval_steps=0 if read_only else 1, create=False,
+                                           cleanup_tmp_directories=not read_only)
+    hide_orbax_echoes()  # also read_only's two absl warnings about options it sets itself
+    return ocp.CheckpointManager(checkpoint_dir(config.out_dir), options=options)
+
+
+def save(manager, state: dict, meta: dict, val_loss: float | None) -> None:
+    """Starts an asynchronous, atomic save of state at its step; an error if Orbax declines."""
+    step = int(state["step"])
+    with write_errors(manager):  # also reports a failure of the previous async save
+        saved = manager.save(step, metrics=None if val_loss is None else {"val_loss": val_loss},
+                             args=ocp.args.Composite(params=ocp.args.StandardSave(state["params"]),
+                                                     opt_state=ocp.args.StandardSave(state["opt_state"]),
+                                                     meta=ocp.args.JsonSave({**meta, "step": step})))
+    if not saved:  # Orbax skips a step that is not past the latest one in the directory
+        raise CheckpointError(f"the checkpoint of step {step} was not saved: {manager.directory} "
+                              f"already holds step {manager.latest_step()}")
+
+
+def wait(manager) -> None:
+    with write_errors(manager):
+        manager.wait_until_finished()
+
+
+@contextlib.contextmanager
+def write_errors(manager):
+    """A failed write (e.g. a full disk) becomes one message. Orbax renames a checkpoint
+    into place only once it is complete, so the earlier ones are untouched."""
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        reason = "No space left on device" if "No space left" in str(e) else str(e).split("\n")[0][:300]
+        manager.reload()  # forget the step that failed
+        raise CheckpointError(f"writing a checkpoint failed ({reason}); the latest complete "
+                              f"checkpoint (step {manager.latest_step()}) is intact") from e
+
+
+# ----------------------------------------------------------------------------- restoring
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    meta: dict  # step, val_loss, config, vocab_size, tokenizer (None before they were stored)
+    items: dict  # 'params' (and 'opt_state') as arrays in the requested shardings
+
+
+def restore_latest(manager, out_dir: str, abstract_for, log=print, move_damaged=True) -> Restored:
+    """The newest checkpoint that reads back whole.
+
+    abstract_for(meta) is called with a checkpoint's meta before any of its arrays is read: it
+    checks the checkpoint suits the run (its CheckpointError is final) and returns the dict of
+    ShapeDtypeStruct trees to restore into, with their shardings ('params' and, to resume
+    training, 'opt_state'). An unreadable step is named and skipped for the next older one;
+    when training (move_damaged) it is moved to out_dir/checkpoints-damaged, so that the
+    resumed run's saves are not refused for lying behind it.
+    """
+    steps = sorted(manager.all_steps(), reverse=True)
+    if not steps:
+        raise CheckpointError(no_checkpoint_message(out_dir))
+    damaged = []
+    for step in steps:
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta, dict) or "config" not in meta:
+                raise ValueError("its meta item has no config")
+        except Exception as e:  # Orbax and TensorStore raise many types for one unreadable file
+            damaged.append((step, describe_damage(e)))
+            continue
+        abstract = abstract_for(meta)
+        reason = "unreadable on another process"
+        try:
+            items = manager.restore(step, args=ocp.args.Composite(
+                **{name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}))
+            items = {name: items[name] for name in abstract}
+            readable = True
+        except Exception as e:
+            if "is not compatible with the stored shape" in str(e):  # not damage: another model
+                raise CheckpointError(f"step {step} in {manager.directory} holds arrays of other "
+                                      f"shapes than this run's model ({str(e).split('. ')[0]}): "
+                                      f"the vocabulary or the model config differs") from None
+            readable, reason = False, describe_damage(e)
+        if not agree(readable):  # a collective: every process must come here for every step
+            damaged.append((step, reason))
+            continue
+        if damaged:
+            report_damage(manager, out_dir, damaged, step, log, move_damaged)
+        return Restored(step, meta, items)
+    listed = "; ".join(f"step {s}: {why}" for s, why in damaged)
+    raise CheckpointError(f"every checkpoint in {manager.directory} is damaged ({listed}): "
+                          f"start again without --init_from=resume in another --out_dir")
+
+
+def no_checkpoint_message(out_dir: str) -> str:
+    return (f"no checkpoint in {checkpoint_dir(out_dir)}: train one first, or point --out_dir at "
+            f"a run that has one")
+
+
+def agree(ok: bool) -> bool:
+    """True only if every process read its part of a checkpoint (each reads only its own)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+def describe_damage(e: Exception) -> str:
+    if isinstance(e, KeyError) and "not found in the checkpoint" in str(e):
+        return str(e).strip("'\"").split(". Available")[0].replace('Item "', 'item "')
+    if isinstance(e, json.JSONDecodeError):
+        return f"a truncated or invalid JSON file ({e.msg})"
+    text = str(e).split("\n")[0]
+    for marker in ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "Truncated"):
+        if marker in text:
+            return text[text.index(marker):][:160]
+    return f"{type(e).__name__}: {text[:160]}"
+
+
+def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: bool) -> None:
+    names = ", ".join(f"step {s} ({why})" for s, why in damaged)
+    if not move:
+        log(f"warning: damaged checkpoint {names}; using step {intact_step}, the newest intact one")
+        return
+    aside = os.path.join(out_dir, "checkpoints-damaged")
+    if jax.process_index() == 0:
+        os.makedirs(aside, exist_ok=True)
+        for step, _ in damaged:
+            target = os.path.join(aside, str(step))
+            if os.path.exists(target):
+                target += f".{int(time.time())}"
+            os.replace(os.path.join(str(manager.directory), str(step)), target)
+    sync("report_damage")
+    manager.reload()
+    log(f"warning: damaged checkpoint {names}: moved to {aside}; resuming from step "
+        f"{intact_step}, the newest intact one")
+
+
+def check_model_shape(saved_config: dict, config: Config) -> None:
+    saved = {k: saved_config.get(k, getattr(Config, k)) for k in MODEL_KEYS}  # older: defaults
+    differ = [f"{k}: checkpoint {saved[k]!r}, config {getattr(config, k)!r}"
+              for k in MODEL_KEYS if saved[k] != getattr(config, k)]
+    if differ:
+        raise CheckpointError("checkpoint model shape differs from the config ("
+                              + "; ".join(differ) + "): use the checkpoint's values")
+
+
+def place(params: dict, shardings: dict) -> dict:
+    """Host arrays (e.g. pretrained weights) into shardings: every process keeps only the
+    pieces its devices hold, so the whole model is never on one device."""
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
+                        params, shardings)
+
+
+def step_array(step: int, sharding) -> jax.Array:
+    return jax.device_put(jnp.asarray(step, jnp.int32), sharding)
