@@ -1,4 +1,4 @@
-"""Honest throughput and MFU of train.py's train step, or of sample.py's decode loop.
+"""Honest throughput and MFU of train.py's train step, or of generate.py's decode loop.
 
     python bench.py config/gpt2_124m.py --batch_size=16 --gradient_accumulation_steps=1
     python bench.py config/shakespeare_char.py --block_size=64 --batch_size=12 --steps=50
@@ -7,10 +7,10 @@
 Train mode builds the state and the step with train.py's own functions (make_setup,
 init_state, jit_train_step), compiles it apart (timed), warms up, then times each step to
 `block_until_ready` of the new state and metrics. Random tokens: no dataset needed. MFU is
-model FLOPs (model.flops_per_token: 6N + 12·L·T·d) x tokens/s over train.peak_flops: the
+model FLOPs (model.flops_per_token: 6N + 12·L·T·d) x tokens/s over hardware.peak_flops: the
 datasheet dense bf16 peak of the GPU/TPU in use, or on CPU a float32 matmul measured now.
 
-Decode mode runs sample.generate (prefill, then the compiled lax.while_loop over tokens)
+Decode mode runs generate.generate (prefill, then the compiled lax.while_loop over tokens)
 with greedy sampling and random weights, at each --decode_batch, and compares the time
 per token step with the memory-bandwidth roofline: every step must read the weights (in the
 compute dtype) and each row's KV cache up to its position.
@@ -33,6 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import configurator
+import dataset
+import generate
+import hardware
 import sharding
 import train
 from model import count_params, flops_per_token
@@ -64,60 +67,25 @@ class Options:
                                            f"commas (e.g. 1,8), got {self.decode_batch!r}")
 
 
-# HBM bandwidth per chip, bytes/s, from the vendors' datasheets (for the decode roofline).
-PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "TPU v4": 1.2e12,
-                  "TPU v5 lite": 819e9, "TPU v5e": 819e9, "TPU v5p": 2.765e12,
-                  "TPU v6 lite": 1.64e12, "TPU v6e": 1.64e12}
-
-
-# Dense int8 / fp8 matmul rate over bf16's, from the datasheets: where quantization can pay.
-QUANTIZED_SPEEDUP = {"H100": {"int8": 2, "fp8": 2}, "H200": {"int8": 2, "fp8": 2}, "A100": {"int8": 2},
-                     "TPU v5 lite": {"int8": 2}, "TPU v5e": {"int8": 2}, "TPU v5p": {"int8": 2},
-                     "TPU v6 lite": {"int8": 2}, "TPU v6e": {"int8": 2}}
-
-
 def quantization_note(mode: str, device) -> str:
     """What the hardware can give `mode`, said plainly (MFU is always against the bf16 peak)."""
     if mode == "none":
         return "none"
     if device.platform == "cpu":
         return f"{mode}: XLA:CPU has no {mode} path faster than float32: expect no speed-up (bench/NOTES.md)"
-    for name, speedups in QUANTIZED_SPEEDUP.items():
-        if name.lower() in device.device_kind.lower():
-            if mode in speedups:
-                return f"{mode}: {name} has {speedups[mode]}x bf16's matmul rate for {mode}; MFU is still vs bf16"
-            return f"{mode}: {name} has no fast {mode} units; expect no speed-up (emulated)"
-    return f"{mode}: unknown {mode} support for '{device.device_kind}'"
-
-
-def measure_cpu_bandwidth() -> float:
-    """Bytes/s of a streaming pass (read 256 MiB, write 256 MiB) on this host: the CPU's roofline."""
-    # In place (donated): a fresh 256 MiB output per call would time the kernel's page faults.
-    scale = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
-    x = scale(jnp.ones((64 << 20,), jnp.float32)).block_until_ready()
-    nbytes, best = x.nbytes, float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        x = scale(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
-
-
-def peak_bandwidth(devices) -> tuple[float | None, str]:
-    """Memory bandwidth of all `devices` together, and where the number comes from."""
-    if devices[0].platform == "cpu":  # simulated CPU devices share the host's memory
-        return measure_cpu_bandwidth(), "measured streaming copy on this host"
-    kind = devices[0].device_kind
-    for name, bandwidth in PEAK_BANDWIDTH.items():
-        if name.lower() in kind.lower():
-            return bandwidth * len(devices), f"{name} datasheet x {len(devices)}"
-    return None, f"unknown bandwidth for '{kind}'"
+    chip = hardware.chip_of(device.device_kind)
+    if chip is None:
+        return f"{mode}: unknown {mode} support for '{device.device_kind}'"
+    if mode in chip.quantized_speedup:
+        return (f"{mode}: {chip.kinds[0]} has {chip.quantized_speedup[mode]}x bf16's matmul rate for "
+                f"{mode}; MFU is still vs bf16")
+    return f"{mode}: {chip.kinds[0]} has no fast {mode} units; expect no speed-up (emulated)"
 
 
 def bench_vocab_size(config) -> int:
     """The config's or dataset's vocabulary; GPT-2's 50257 when there is neither."""
-    if config.vocab_size or os.path.exists(os.path.join(train.dataset_dir(config), "meta.json")):
-        return train.read_vocab_size(config)
+    if config.vocab_size or os.path.exists(os.path.join(dataset.dataset_dir(config), "meta.json")):
+        return dataset.read_vocab_size(config)
     return 50257
 
 
@@ -147,7 +115,7 @@ class TrainBench:
         self.vocab_size = bench_vocab_size(config)
         self.mesh = train.make_mesh(config, devices)
         self.setup = train.make_setup(config, self.mesh, self.vocab_size)
-        self.peak, self.peak_source = train.peak_flops(devices)  # before anything else runs on a CPU
+        self.peak, self.peak_source = hardware.peak_flops(devices)  # before anything else runs on a CPU
         self.state = train.init_state(self.setup)
         self.batch = random_batch(self.setup, self.vocab_size)
         with sharding.activate(self.mesh):
@@ -232,12 +200,11 @@ def format_train(r: dict) -> str:
 # ----------------------------------------------------------------------------- decode
 
 def bench_decode(config, options: Options, devices) -> dict:
-    import sample  # only decode mode needs it
 
     vocab_size = bench_vocab_size(config)
     mesh = train.make_mesh(config, devices)
     setup = train.make_setup(config, mesh, vocab_size)
-    bandwidth, bandwidth_source = peak_bandwidth(devices)
+    bandwidth, bandwidth_source = hardware.peak_bandwidth(devices)
     params = train.init_state(setup)["params"]
     mc = setup.model_config
     # The fewest bytes a token step can read: every weight once, in the compute dtype (the
@@ -253,9 +220,9 @@ def bench_decode(config, options: Options, devices) -> dict:
             raise ValueError(f"--prompt_len + --new_tokens = {P + options.new_tokens} exceeds block_size "
                              f"{mc.block_size}: lower them")
         prompts = rng.integers(0, vocab_size, (batch_size, P)).tolist()
-        generate = lambda: sample.generate(setup, params, prompts, options.new_tokens, temperature=0.0)
-        first = generate()  # compiles
-        out = [generate() for _ in range(max(1, min(options.steps, 5)))]
+        run = lambda: generate.generate(setup, params, prompts, options.new_tokens, temperature=0.0)
+        first = run()  # compiles
+        out = [run() for _ in range(max(1, min(options.steps, 5)))]
         decode_s = [g.decode_s for g in out]
         steps = options.new_tokens - 1  # the prefill samples each row's first new token
         step_s = statistics.median(decode_s) / steps
@@ -346,12 +313,12 @@ def run(argv: list[str]) -> dict:
 
 def main(argv: list[str]) -> None:
     """The command line: a bad flag or config is one line, no traceback."""
-    train.keep_freed_host_memory()  # as train.py runs: before JAX starts its CPU backend
+    hardware.keep_freed_host_memory()  # as train.py runs: before JAX starts its CPU backend
     try:
         run(argv)
     except configurator.ConfigError as e:
         sys.exit(f"config error: {e}")
-    except (ValueError, sharding.MeshError, train.DataError) as e:
+    except (ValueError, sharding.MeshError, dataset.DataError) as e:
         sys.exit(f"error: {e}")
 
 

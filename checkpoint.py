@@ -32,6 +32,9 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from configurator import Config
+from dataset import dataset_dir
+from hf_gpt2 import load_hf_gpt2
+from tokenizer import tokenizer_from_description
 
 
 class CheckpointError(ValueError):
@@ -314,6 +317,29 @@ def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: 
         f"{intact_step}, the newest intact one")
 
 
+def check_resumable(meta: dict, config: Config, tok) -> None:
+    """The checkpoint's model and vocabulary are this run's, and it has steps left to train."""
+    check_model_shape(meta["config"], config)
+    saved = meta.get("tokenizer")  # absent in checkpoints older than the check
+    if saved and tok and saved != tok.describe():
+        raise CheckpointError(
+            f"the checkpoint in {config.out_dir} was trained on a vocabulary of "
+            f"{tokenizer_from_description(saved).summary()}, but "
+            f"{dataset_dir(config)}/meta.json describes {tok.summary()}: resume with the dataset "
+            f"it was trained on, or train this one from the start in another --out_dir")
+    if meta["step"] >= config.max_iters and not config.eval_only:
+        raise CheckpointError(
+            f"the checkpoint in {config.out_dir} is at step {meta['step']} and max_iters is "
+            f"{config.max_iters}: nothing left to train. Raise --max_iters (and --lr_decay_iters) "
+            f"to train on, or evaluate it with --eval_only=True")
+
+
+def checkpoint_meta(setup, tok) -> dict:
+    """Stored with every checkpoint: enough to sample from it without the dataset."""
+    return {"config": dataclasses.asdict(setup.config), "vocab_size": setup.model_config.vocab_size,
+            "tokenizer": tok.describe() if tok else None}
+
+
 def check_model_shape(saved_config: dict, config: Config) -> None:
     saved = {k: saved_config.get(k, getattr(Config, k)) for k in MODEL_KEYS}  # older: defaults
     differ = [f"{k}: checkpoint {saved[k]!r}, config {getattr(config, k)!r}"
@@ -323,11 +349,16 @@ def check_model_shape(saved_config: dict, config: Config) -> None:
                               + "; ".join(differ) + "): use the checkpoint's values")
 
 
-def place(params: dict, shardings: dict) -> dict:
-    """Host arrays (e.g. pretrained weights) into shardings: every process keeps only the
-    pieces its devices hold, so the whole model is never on one device."""
+def load_pretrained(setup) -> dict:
+    """Parameters from the Hugging Face GPT-2 directory setup.config.init_from, in the run's
+    shardings: every process reads the files and keeps only the pieces its devices hold, so
+    the whole model is never on one device."""
+    try:
+        params = load_hf_gpt2(setup.config.init_from, setup.model_config)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"init_from={setup.config.init_from}: {e}") from None
     return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
-                        params, shardings)
+                        params, setup.state_shardings["params"])
 
 
 def step_array(step: int, sharding) -> jax.Array:

@@ -13,9 +13,7 @@ loads it only into a run that matches.
 """
 
 import dataclasses
-import hashlib
 import importlib.util
-import json
 import math
 import os
 import re
@@ -24,18 +22,16 @@ import time
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import serialize_executable
 
+import compiled_step
 import configurator
+import dataset
+import hardware
 import sharding
 import train
+from compiled_step import AotError
+from hardware import GiB
 from model import count_params, flops_per_token
-
-GiB = 1 << 30
-
-
-class AotError(ValueError):
-    """A topology or compiled step that can't be used; the message names the field and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +45,6 @@ class Options:
 
 # ----------------------------------------------------------------------------- targets
 
-# TPU generation -> (torus dimensions, TensorCores per chip as Cloud names count them,
-# HBM bytes per chip, dense bf16 FLOP/s per chip from the datasheet)
-TPU_CHIPS = {"v4": (3, 2, 32 * GiB, 275e12), "v5e": (2, 1, 16 * GiB, 197e12),
-             "v5p": (3, 2, 95 * GiB, 459e12), "v6e": (2, 1, 32 * GiB, 918e12)}
-
-
 @dataclasses.dataclass(frozen=True)
 class Target:
     name: str  # as the user wrote it, and what it resolved to
@@ -67,10 +57,11 @@ class Target:
 def tpu_topology_name(name: str) -> str:
     """'v5e-256' -> 'v5e:16x16', 'v4-8' -> 'v4:2x2x1' (4 chips of 2 cores); 'v5e:4x4' as is."""
     generation, sep, size = name.partition(":") if ":" in name else name.partition("-")
-    if generation not in TPU_CHIPS:
+    if generation not in hardware.TPU_GENERATIONS:
         raise AotError(f"unknown topology '{name}': use cpu:N, gpu, gpu:N, or a TPU slice of "
-                       f"{', '.join(TPU_CHIPS)}, e.g. v5e-256 or v5e:16x16")
-    dims, cores_per_chip, _, _ = TPU_CHIPS[generation]
+                       f"{', '.join(hardware.TPU_GENERATIONS)}, e.g. v5e-256 or v5e:16x16")
+    chip = hardware.TPU_GENERATIONS[generation]
+    dims, cores_per_chip = chip.torus_dims, chip.cores_per_chip
     if sep == ":":
         return name
     chips = int(size) // cores_per_chip if size.isdigit() else 0
@@ -130,7 +121,7 @@ def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Tar
                            if num_slices == 1 else "--topology_num_slices is for TPU slices")
         devices = devices[:wanted]
         hbm = devices[0].memory_stats().get("bytes_limit") if kind == "gpu" else None
-        peak, source = train.peak_flops(devices)
+        peak, source = hardware.peak_flops(devices)
         name = f"{topology} = {len(devices)} x {devices[0].device_kind}"
     else:
         topology_name = tpu_topology_name(topology)
@@ -138,7 +129,8 @@ def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Tar
             raise AotError(f'--topology={topology} needs libtpu to describe TPU devices: pip install '
                            f'"jax[tpu]=={jax.__version__}" (README: "Compile ahead of time")')
         from jax.experimental import topologies
-        _, _, hbm, chip_flops = TPU_CHIPS[topology_name.partition(":")[0]]
+        chip = hardware.TPU_GENERATIONS[topology_name.partition(":")[0]]
+        hbm, chip_flops = chip.hbm_bytes, chip.bf16_flops
         extra = {"chip_config_name": "megacore"} if topology_name.startswith("v4") else {}
         devices = topologies.get_topology_desc(platform="tpu", topology_name=topology_name,
                                                num_slices=num_slices, **extra).devices
@@ -151,19 +143,6 @@ def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Tar
 
 # ----------------------------------------------------------------------------- compile
 
-def batch_struct(setup: train.Setup) -> tuple:
-    """The (x, y) micro-batches that train.py feeds the step, as abstract arrays."""
-    c = setup.config
-    shape = (c.gradient_accumulation_steps, c.batch_size, c.block_size)
-    x = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.micro_batch_sharding)
-    return x, x
-
-
-def lower(setup: train.Setup):
-    with sharding.activate(setup.mesh):  # the model's activation constraints need the rules
-        return train.jit_train_step(setup).lower(setup.abstract_state, batch_struct(setup))
-
-
 def compile_step(config: configurator.Config, target: Target, vocab_size: int) -> "Result":
     """Lower and compile train.py's step for the target; running out of memory is a result too."""
     n_slices = len({getattr(d, "slice_index", 0) or 0 for d in target.devices})
@@ -173,7 +152,7 @@ def compile_step(config: configurator.Config, target: Target, vocab_size: int) -
     setup = train.make_setup(config, train.make_mesh(config, target.devices), vocab_size)
     estimate = estimate_memory(setup)
     start = time.perf_counter()
-    lowered = lower(setup)
+    lowered = train.lower(setup)
     try:
         compiled, oom = lowered.compile(), ""
         memory = compiler_memory(compiled, target.devices[0].platform)
@@ -254,7 +233,7 @@ def estimate_memory(setup: train.Setup) -> dict:
     return {
         "parameters": params,
         "AdamW moments": per_device_bytes(setup.abstract_state) - params,  # 8 B per parameter
-        "batch": per_device_bytes(batch_struct(setup)),
+        "batch": per_device_bytes(train.batch_struct(setup)),
         "gradients": params * (2 if c.gradient_accumulation_steps > 1 else 1),  # + the running sum
         "activations": int(c.n_layer * activation_bytes(c.remat_policy, **widths) * tokens),
         # live at different times: the loss's backward, then one remat'd layer's re-run
@@ -286,7 +265,7 @@ def xla_flops_per_step(setup: train.Setup) -> float | None:
         mesh = train.make_mesh(config, jax.devices("cpu")[:1])
     except RuntimeError:  # JAX_PLATFORMS without cpu
         return None
-    cost = lower(train.make_setup(config, mesh, setup.model_config.vocab_size)).cost_analysis()
+    cost = train.lower(train.make_setup(config, mesh, setup.model_config.vocab_size)).cost_analysis()
     if isinstance(cost, list):  # older JAX: one dict per program
         cost = cost[0] if cost else None
     if not cost or "flops" not in cost:
@@ -407,116 +386,12 @@ def suggestions(r: Result) -> list[str]:
     return [tip for _, tip in sorted(tips, key=lambda t: -t[0])]
 
 
-# ----------------------------------------------------------------------------- save and load
-
-MAGIC = b"nanomax compiled train step v1\n"
-
-# Config keys the compiled step does not depend on. Every other key is checked, including
-# the learning-rate schedule, optimizer settings and seed, which are baked into the program.
-NOT_IN_PROGRAM = (
-    "dataset", "data_dir",  # the data; the vocabulary size it implies is checked instead
-    "out_dir", "init_from", "overwrite_out_dir", "max_iters", "eval_interval", "eval_iters", "eval_only",
-    "log_interval", "always_save_checkpoint", "max_to_keep", "tensorboard", "sample_tokens",
-    "overfit_batch",  # which batch is fed, not what the step does with it
-    "mesh_data", "mesh_fsdp", "mesh_tensor",  # the resolved mesh and its devices are checked
-    "dcn_data", "dcn_fsdp", "dcn_tensor",
-    "keep_best", "stack_dump_interval",
-    "coordinator_address", "num_processes", "process_id", "compiled_train_step",
-)
-
-
-def fingerprint(setup: train.Setup) -> dict:
-    """What the program was built for, from the run's setup alone (cheap: nothing lowered)."""
-    import jaxlib
-    devices = setup.mesh.devices.flatten().tolist()
-    config = {k: v for k, v in dataclasses.asdict(setup.config).items() if k not in NOT_IN_PROGRAM}
-    return json.loads(json.dumps(config | {
-        "vocab_size": setup.model_config.vocab_size,
-        "mesh": " x ".join(f"{axis}={n}" for axis, n in setup.mesh.shape.items()),
-        "device_kind": devices[0].device_kind,
-        "device_count": len(devices),
-        "mesh_device_ids": [d.id for d in devices],
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-    }))
-
-
-def program_fingerprint(lowered) -> dict:
-    """The step's inputs, outputs and a hash of its program (catches edits to the code)."""
-    def describe(tree):
-        return [f"{jax.tree_util.keystr(path)} {leaf.dtype}{list(leaf.shape)}"
-                for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
-    return {"inputs": describe(lowered.in_avals), "outputs": describe(lowered.out_info),
-            "program_sha256": hashlib.sha256(lowered.as_text().encode()).hexdigest()}
-
-
-def save(result: Result, path: str) -> None:
-    payload, _, _ = serialize_executable.serialize(result.compiled)
-    header = fingerprint(result.setup) | program_fingerprint(result.lowered)
-    header["payload_sha256"] = hashlib.sha256(payload).hexdigest()  # damage is caught before loading
-    with open(path + ".tmp", "wb") as f:
-        f.write(MAGIC + json.dumps(header).encode() + b"\n" + payload)
-    os.replace(path + ".tmp", path)
-
-
-def check(path: str, compiled_for: dict, given: dict) -> None:
-    differ = []
-    for key, value in given.items():
-        was = compiled_for.get(key)
-        if was == value:
-            continue
-        if isinstance(value, list) and isinstance(was, list):  # name the first difference
-            i = next((i for i, (a, b) in enumerate(zip(was, value)) if a != b),
-                     min(len(was), len(value)))
-            key, was, value = f"{key}[{i}]", *(x[i] if i < len(x) else "nothing" for x in (was, value))
-        if key == "program_sha256":
-            differ.append("the program differs (train.py or model.py changed since it was compiled)")
-        else:
-            differ.append(f"{key} compiled {was}, given {value}")
-    if differ:
-        raise AotError(f"{path} was compiled for another run: {'; '.join(differ)}. Compile it again "
-                       f"with this config (compile_aot.py --save={path}) or drop --compiled_train_step")
-
-
-def load_train_step(path: str, setup: train.Setup):
-    """The saved executable as train_step(state, batch) -> (state, metrics), if it fits this run."""
-    try:
-        with open(path, "rb") as f:
-            magic, header, payload = f.readline(), f.readline(), f.read()
-    except FileNotFoundError:
-        raise AotError(f"{path} not found: make it with compile_aot.py --save={path}") from None
-    if magic != MAGIC and not MAGIC.startswith(magic):
-        raise AotError(f"{path} is not a train step saved by compile_aot.py")
-    try:
-        if magic != MAGIC or not header.endswith(b"\n"):
-            raise ValueError("it ends before its header does")
-        compiled_for = json.loads(header)
-        if not isinstance(compiled_for, dict):
-            raise ValueError("its header is not a JSON object")
-    except ValueError as e:  # json's errors, bytes that are not UTF-8, and the above
-        raise damaged(path, str(e)) from None
-    digest = hashlib.sha256(payload).hexdigest()
-    if compiled_for.get("payload_sha256", digest) != digest:  # older files carry no checksum
-        raise damaged(path, "its executable does not match the checksum in its header")
-    check(path, compiled_for, fingerprint(setup))
-    lowered = lower(setup)  # seconds, not the minutes of a compile
-    check(path, compiled_for, program_fingerprint(lowered))
-    devices = setup.mesh.devices.flatten().tolist()  # in the mesh's order, as when it was compiled
-    return serialize_executable.deserialize_and_load(payload, lowered.in_tree, lowered.out_tree,
-                                                     devices[0].client, execution_devices=devices)
-
-
-def damaged(path: str, why: str) -> AotError:
-    return AotError(f"{path} is damaged or incomplete ({why}): rebuild it with compile_aot.py "
-                    f"<this run's config and flags> --save={path}")
-
-
 # ----------------------------------------------------------------------------- command line
 
 def aot_vocab_size(config: configurator.Config) -> int:
-    if config.vocab_size or os.path.exists(os.path.join(train.dataset_dir(config), "meta.json")):
-        return train.read_vocab_size(config)
-    print(f"note: {train.dataset_dir(config)}/meta.json not found; compiling for GPT-2's "
+    if config.vocab_size or os.path.exists(os.path.join(dataset.dataset_dir(config), "meta.json")):
+        return dataset.read_vocab_size(config)
+    print(f"note: {dataset.dataset_dir(config)}/meta.json not found; compiling for GPT-2's "
           f"vocab_size 50257 (set --vocab_size to choose)")
     return 50257
 
@@ -530,11 +405,11 @@ def main(argv: list[str]) -> None:
         target = make_target(options.topology, options.topology_num_slices, options.hbm_gib)
         vocab_size = aot_vocab_size(config)
         result = compile_step(config, target, vocab_size)
-    except (AotError, configurator.ConfigError, sharding.MeshError, train.DataError) as e:
+    except (AotError, configurator.ConfigError, sharding.MeshError, dataset.DataError) as e:
         sys.exit(f"error: {e}")
     print(report(result))
     if options.save and result.compiled is not None:
-        save(result, options.save)
+        compiled_step.save(result.compiled, result.lowered, result.setup, options.save)
         print(f"\nsaved {options.save} ({size(os.path.getsize(options.save))}); train with it: "
               f"python train.py <same config and flags> --compiled_train_step={options.save}")
     elif options.save:

@@ -107,7 +107,7 @@ def compare(name: str, flags: dict, nanomax_argv: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    bench.train.keep_freed_host_memory()  # as train.py runs: before JAX starts its CPU backend
+    bench.hardware.keep_freed_host_memory()  # as train.py runs: before JAX starts its CPU backend
     flags, nanomax_argv = dict(OWN_FLAGS), []
     for arg in argv:
         key, _, value = arg.removeprefix("--").partition("=")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import checkpoint
+import plot
 import sample
 import train
 from checkpoint import CheckpointError
@@ -82,6 +83,28 @@ def test_reusing_an_out_dir_a_save_orbax_skips_is_an_error_not_a_message(copy_of
         checkpoint.save(manager, state, {}, None)
     manager.close()
     assert checkpoint.checkpoint_manager(config, read_only=True).all_steps() == [4, 8]
+
+
+def test_retention_keeps_the_latest_and_the_best_and_saves_only_improvements(toy):
+    """max_to_keep newest plus keep_best lowest val loss; always_save_checkpoint=False saves
+    exactly the evaluations that improved the val loss (and the last one)."""
+    config = small_config(toy, max_iters=12, lr_decay_iters=12, eval_interval=2, max_to_keep=2, keep_best=1,
+                          learning_rate=3e-2, tensorboard=True)  # a high rate: val loss goes up and down
+    train.train(config, ONE_DEVICE)
+    val = dict(plot.read_scalars(config.out_dir)["eval/val_loss"])
+    best = min(val, key=val.get)
+    assert checkpoint.checkpoint_manager(config, read_only=True).all_steps() == sorted({10, 12, best})
+
+    improving = small_config(toy, out_dir=str(toy / "improving"), max_iters=12, lr_decay_iters=12,
+                             eval_interval=2, max_to_keep=10, learning_rate=3e-2, always_save_checkpoint=False)
+    train.train(improving, ONE_DEVICE)
+    saved = checkpoint.checkpoint_manager(improving, read_only=True).all_steps()
+    record, expected = float("inf"), []
+    for step in sorted(val):  # the same run (same seed and data) as above: the same losses
+        if val[step] < record or step == 12:
+            expected.append(step)
+        record = min(record, val[step])
+    assert saved == expected
 
 
 # ----------------------------------------------------------------------------- 2: the vocabulary

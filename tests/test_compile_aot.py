@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import compile_aot
+import compiled_step
 import sharding
 import train
 from configurator import Config
@@ -64,18 +65,18 @@ def test_command_line_reports_and_saves(compiled):
 def test_loaded_step_gives_the_losses_of_the_jitted_step(compiled, monkeypatch):
     root, config, path, _ = compiled
     jitted = train.train(dataclasses.replace(config, out_dir=str(root / "jit")))
-    loads, load = [], compile_aot.load_train_step
-    monkeypatch.setattr(compile_aot, "load_train_step", lambda *args: loads.append(1) or load(*args))
+    loads, load = [], compiled_step.load
+    monkeypatch.setattr(compiled_step, "load", lambda *args: loads.append(1) or load(*args))
     loaded = train.train(dataclasses.replace(config, out_dir=str(root / "aot"), compiled_train_step=path))
     assert loads == [1] and [s for s, _ in loaded] == [0, 1, 2, 3]
     np.testing.assert_allclose([l for _, l in loaded], [l for _, l in jitted], rtol=0, atol=1e-6)
 
 
 def test_step_saved_and_loaded_in_process_on_two_of_the_devices(result, tmp_path):
-    compile_aot.save(result, str(tmp_path / "two.bin"))
+    compiled_step.save(result.compiled, result.lowered, result.setup, str(tmp_path / "two.bin"))
     config = result.setup.config
     setup = train.make_setup(config, train.make_mesh(config, jax.devices()[:2]), 64)
-    loaded = compile_aot.load_train_step(str(tmp_path / "two.bin"), setup)
+    loaded = compiled_step.load(str(tmp_path / "two.bin"), setup, lambda: train.lower(setup))
     assert isinstance(loaded, jax.stages.Compiled)  # not compiled again
     x = jax.device_put(np.arange(2 * 8 * 16).reshape(2, 8, 16) % 64, setup.micro_batch_sharding)
     with sharding.activate(setup.mesh):
@@ -138,7 +139,8 @@ def test_a_different_run_is_refused_naming_the_field(compiled, change, message):
     root, config, path, _ = compiled
     config = dataclasses.replace(config, **change)
     with pytest.raises(compile_aot.AotError, match=message):
-        compile_aot.load_train_step(path, train.make_setup(config, train.make_mesh(config), 64))
+        setup = train.make_setup(config, train.make_mesh(config), 64)
+        compiled_step.load(path, setup, lambda: train.lower(setup))
 
 
 def test_another_jax_version_is_refused(compiled, tmp_path):
@@ -149,7 +151,7 @@ def test_another_jax_version_is_refused(compiled, tmp_path):
     (tmp_path / "old.bin").write_bytes(magic + json.dumps(header).encode() + b"\n" + payload)
     setup = train.make_setup(config, train.make_mesh(config), 64)
     with pytest.raises(compile_aot.AotError, match=f"jax compiled 0.4.1, given {jax.__version__}"):
-        compile_aot.load_train_step(str(tmp_path / "old.bin"), setup)
+        compiled_step.load(str(tmp_path / "old.bin"), setup, lambda: train.lower(setup))
 
 
 def test_changed_code_is_refused(compiled, monkeypatch):
@@ -157,23 +159,24 @@ def test_changed_code_is_refused(compiled, monkeypatch):
     original = train.cross_entropy
     monkeypatch.setattr(train, "cross_entropy", lambda *args: 2 * original(*args))
     with pytest.raises(compile_aot.AotError, match="the program differs"):
-        compile_aot.load_train_step(path, train.make_setup(config, train.make_mesh(config), 64))
+        setup = train.make_setup(config, train.make_mesh(config), 64)
+        compiled_step.load(path, setup, lambda: train.lower(setup))
 
 
 def test_keys_left_out_of_the_fingerprint_do_not_change_the_program(compiled):
     root, config, _, _ = compiled
     fields = {f.name: f.type for f in dataclasses.fields(config)}
-    assert set(compile_aot.NOT_IN_PROGRAM) <= set(fields)
+    assert set(compiled_step.NOT_IN_PROGRAM) <= set(fields)
     mesh_keys = {"mesh_data", "mesh_fsdp", "mesh_tensor", "dcn_data", "dcn_fsdp", "dcn_tensor"}
     changed = {}  # the resolved mesh is checked instead of the mesh keys
-    for key in set(compile_aot.NOT_IN_PROGRAM) - mesh_keys:
+    for key in set(compiled_step.NOT_IN_PROGRAM) - mesh_keys:
         value = getattr(config, key)
         # init_from: a directory (as a Hugging Face one is), since 'resume' contradicts overwrite_out_dir
         changed[key] = (str(root) if key == "init_from" else not value if isinstance(value, bool)
                         else value * 2 + 1 if isinstance(value, (int, float)) else value + "x")
     other = dataclasses.replace(config, **changed)
     mesh = train.make_mesh(config)
-    fingerprints = [compile_aot.program_fingerprint(compile_aot.lower(train.make_setup(c, mesh, 64)))
+    fingerprints = [compiled_step.program_fingerprint(train.lower(train.make_setup(c, mesh, 64)))
                     for c in (config, other)]
     assert fingerprints[0] == fingerprints[1], f"one of {sorted(changed)} changes the program"
 
@@ -247,7 +250,7 @@ def test_a_bad_device_count_is_one_line_naming_the_accepted_forms(topology):
 
 
 def spoiled(data: bytes, how: str) -> bytes:
-    magic = compile_aot.MAGIC
+    magic = compiled_step.MAGIC
     header_end = data.index(b"\n", len(magic)) + 1
     return {"empty": b"",
             "cut in the first line": data[:10],
@@ -275,7 +278,7 @@ def test_a_damaged_or_truncated_step_file_says_rebuild_it(compiled, tmp_path, ho
     bad.write_bytes(spoiled(open(path, "rb").read(), how))
     setup = train.make_setup(config, train.make_mesh(config), 64)
     with pytest.raises(compile_aot.AotError) as excinfo:
-        compile_aot.load_train_step(str(bad), setup)
+        compiled_step.load(str(bad), setup, lambda: train.lower(setup))
     message = str(excinfo.value)
     assert message.startswith(f"{bad} is damaged or incomplete (") and why in message
     assert message.endswith(f"): rebuild it with compile_aot.py <this run's config and flags> --save={bad}")

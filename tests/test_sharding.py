@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from tensorboard.util import tensor_util
 
+import dataset
 import sharding
 import train
 from test_train import make_dataset, small_config
@@ -184,10 +185,10 @@ def test_llama_style_model_sharded_equals_one_device(toy64):
         mesh = sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[:data * fsdp * tensor])
         setup = train.make_setup(config, mesh, 64)
         state, train_step = train.init_state(setup), train.jit_train_step(setup)
-        tokens, losses = train.open_split(config, "train", 64), []
+        tokens, losses = dataset.open_split(config, "train", 64), []
         with sharding.activate(mesh):
             for step in range(4):
-                batch = train.batch_for_step(tokens, config, step, "train", np.arange(config.batch_size), 1)
+                batch = dataset.batch_for_step(tokens, config, step, "train", np.arange(config.batch_size), 1)
                 state, metrics = train_step(state, tuple(jax.device_put(a, setup.micro_batch_sharding)
                                                          for a in batch))
                 losses.append(float(metrics["loss"]))

@@ -18,6 +18,7 @@ from tensorboard.util import tensor_util
 
 import checkpoint
 import configurator
+import dataset
 import plot
 import sharding
 import train
@@ -98,21 +99,6 @@ def test_tensorboard_events_profile_and_saved_config(toy):
     assert saved["n_layer"] == 2 and saved["dataset"] == "toy"
 
 
-def test_batch_is_a_pure_function_of_seed_and_step(toy):
-    config = small_config(toy)
-    tokens = train.open_split(config, "train", 65)
-    all_rows = np.arange(config.batch_size)
-    x1, y1 = train.batch_for_step(tokens, config, 5, "train", all_rows, n_micro=2)
-    x2, _ = train.batch_for_step(tokens, config, 5, "train", all_rows, n_micro=2)
-    x3, _ = train.batch_for_step(tokens, config, 6, "train", all_rows, n_micro=2)
-    half, _ = train.batch_for_step(tokens, config, 5, "train", all_rows[4:], n_micro=2)
-    assert x1.shape == (2, 8, 16)
-    np.testing.assert_array_equal(x1, x2)
-    np.testing.assert_array_equal(x1[:, 4:], half)  # a process's rows are a slice of the batch
-    np.testing.assert_array_equal(x1[..., 1:], y1[..., :-1])  # targets are inputs shifted by one
-    assert not np.array_equal(x1, x3)
-
-
 def test_learning_rate_schedule():
     config = Config(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
     lr = lambda step: float(train.learning_rate(config, step))
@@ -130,41 +116,6 @@ def test_weight_decay_only_on_matrices_and_embeddings(toy):
     assert flat["['blocks']['attn']['qkv_kernel']"] and flat["['wpe']"]
     assert not flat["['blocks']['mlp']['fc_bias']"] and not flat["['ln_f']['scale']"]
     assert not flat["['blocks']['ln_1']['bias']"]
-
-
-@pytest.mark.parametrize("problem, message", [
-    ("missing", "not found: run `python data/text/prepare.py --input_dir=YOUR_TEXT --out_dir="),
-    ("odd_bytes", "not a whole number of uint16 tokens"),
-    ("too_short", "fewer than block_size+2"),
-    ("bad_ids", "token id 70 >= vocab_size 65"),
-])
-def test_bad_data_is_one_clear_error(toy, problem, message):
-    path = toy / "data" / "toy" / "train.bin"
-    if problem == "missing":
-        path.unlink()
-    elif problem == "odd_bytes":
-        path.write_bytes(path.read_bytes() + b"x")
-    elif problem == "too_short":
-        np.arange(10, dtype=np.uint16).tofile(path)
-    else:
-        np.full(100, 70, dtype=np.uint16).tofile(path)
-    with pytest.raises(train.DataError, match=re.escape(message)):
-        train.train(small_config(toy), ONE_DEVICE)
-
-
-def test_a_bad_token_id_anywhere_in_the_data_is_found_before_training(tmp_path):
-    """Every token is checked, not a sample: in 3M tokens, one bad id at an index that a
-    1-in-3 sample would skip."""
-    make_dataset(tmp_path / "data", n_train=3_000_000)
-    path = tmp_path / "data" / "toy" / "train.bin"
-    tokens = np.fromfile(path, np.uint16)
-    tokens[2_000_001] = 70
-    tokens.tofile(path)
-    with pytest.raises(train.DataError, match=r"train.bin holds token id 70 >= vocab_size 65 \(at "
-                                              r"token 2,000,001\)"):
-        train.open_split(small_config(tmp_path), "train", 65)
-    assert train.first_token_at_least(tokens, 65, chunk=1000) == 2_000_001  # found in a later chunk
-    assert train.first_token_at_least(tokens[:2_000_001], 65, chunk=1000) is None
 
 
 def test_resume_errors_name_the_problem(toy):
@@ -279,7 +230,7 @@ def test_second_ctrl_c_exits_at_once_and_keeps_checkpoints(toy):
 def poison_step(monkeypatch, poisoned_step: int):
     """Make the loss of one step NaN: that step's batch is all zeros, and such a batch's
     loss is multiplied by NaN inside the compiled step."""
-    batch_for_step, cross_entropy = train.batch_for_step, train.cross_entropy
+    batch_for_step, cross_entropy = dataset.batch_for_step, train.cross_entropy
 
     def poisoned_batch(tokens, config, step, split, *args, **kwargs):
         x, y = batch_for_step(tokens, config, step, split, *args, **kwargs)
@@ -288,7 +239,7 @@ def poison_step(monkeypatch, poisoned_step: int):
     def poisoned_loss(setup, params, x, y, key=None):
         return cross_entropy(setup, params, x, y, key) * jnp.where(jnp.all(x == 0), jnp.nan, 1.0)
 
-    monkeypatch.setattr(train, "batch_for_step", poisoned_batch)
+    monkeypatch.setattr(dataset, "batch_for_step", poisoned_batch)
     monkeypatch.setattr(train, "cross_entropy", poisoned_loss)
 
 

@@ -1,0 +1,91 @@
+"""The training data: data/<dataset>/{train,val}.bin (uint16 token ids) and meta.json, checked
+once at start-up, and the batch of every step as a pure function of (seed, step).
+
+Every process reads only its own rows of each batch from the memory-mapped file, so a dataset
+never has to fit in memory and a resumed or re-sharded run sees exactly the batches of an
+uninterrupted one.
+"""
+
+import os
+
+import numpy as np
+
+import tokenizer
+from configurator import Config
+
+
+class DataError(ValueError):
+    """A missing or malformed dataset; the message names the file and the prepare script."""
+
+
+def dataset_dir(config: Config) -> str:
+    return os.path.join(config.data_dir, config.dataset)
+
+
+def _prepare_hint(config: Config) -> str:
+    return f"run `{tokenizer.prepare_command(dataset_dir(config))}`"
+
+
+def dataset_tokenizer(config: Config) -> tokenizer.Tokenizer | None:
+    """The tokenizer in the dataset's meta.json; None where there is none and the config
+    gives vocab_size itself."""
+    if config.vocab_size and not os.path.exists(os.path.join(dataset_dir(config), "meta.json")):
+        return None
+    try:
+        return tokenizer.load_tokenizer(dataset_dir(config))
+    except (OSError, ValueError) as e:
+        raise DataError(str(e)) from None
+
+
+def read_vocab_size(config: Config) -> int:
+    """vocab_size from the config, or else from the dataset's meta.json."""
+    return config.vocab_size or dataset_tokenizer(config).vocab_size
+
+
+def open_split(config: Config, split: str, vocab_size: int) -> np.ndarray:
+    """Memory-map data/<dataset>/<split>.bin (uint16 tokens) after checking every token."""
+    path = os.path.join(dataset_dir(config), f"{split}.bin")
+    if not os.path.isfile(path):
+        raise DataError(f"{path} not found: {_prepare_hint(config)}")
+    n_bytes = os.path.getsize(path)
+    if n_bytes == 0 or n_bytes % 2:
+        raise DataError(f"{path} has {n_bytes} bytes, not a whole number of uint16 tokens: "
+                        f"{_prepare_hint(config)} again")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    if len(tokens) < config.block_size + 2:
+        raise DataError(f"{path} holds {len(tokens)} tokens, fewer than block_size+2 = "
+                        f"{config.block_size + 2}: lower --block_size or add data")
+    bad = first_token_at_least(tokens, vocab_size)
+    if bad is not None:
+        raise DataError(f"{path} holds token id {tokens[bad]} >= vocab_size {vocab_size} (at token "
+                        f"{bad:,}): the file does not match meta.json (another tokenizer, or "
+                        f"damaged); {_prepare_hint(config)} again")
+    return tokens
+
+
+def first_token_at_least(tokens: np.ndarray, limit: int, chunk: int = 1 << 26) -> int | None:
+    """Index of the first token >= limit, or None. Every token is read, a chunk at a time
+    (~0.1 s per GB from the page cache), so one bad id can't become a NaN at some step."""
+    for start in range(0, len(tokens), chunk):
+        part = tokens[start:start + chunk]
+        if part.max() >= limit:
+            return start + int(np.argmax(part >= limit))
+    return None
+
+
+SPLIT_STREAMS = {"train": 0, "val": 1}  # separate random streams per split
+
+
+def batch_for_step(tokens: np.ndarray, config: Config, step: int, split: str, rows: np.ndarray,
+                   n_micro: int, stream: int = 0):
+    """Inputs and targets (n_micro, len(rows), T) for one step: a pure function of (seed, step).
+
+    Every process draws the same global offsets and keeps only its own `rows`, so a
+    resumed or re-sharded run sees exactly the batches of an uninterrupted one.
+    """
+    rng = np.random.default_rng((config.seed, SPLIT_STREAMS[split], stream, step))
+    T = config.block_size
+    starts = rng.integers(0, len(tokens) - T - 1, size=(n_micro, config.batch_size))[:, rows]
+    window = starts[..., None] + np.arange(T + 1)
+    seq = tokens[window].astype(np.int32)
+    return seq[..., :-1], seq[..., 1:]

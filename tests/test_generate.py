@@ -1,0 +1,168 @@
+"""generate.py: the KV-cache sampler against recomputation, sampling rules, seeds, stop tokens,
+sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import generate
+import sharding
+import train
+from configurator import Config
+
+CHARS = "".join(chr(0x100 + i) for i in range(65))  # a 65-symbol character vocabulary
+RAGGED = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9], list(range(10, 35))]  # 3, 9 and 25 tokens
+
+
+def tiny(devices=None, data=1, tensor=1, **changes):
+    """Setup and random parameters of a small model (block 32, vocab 65 padded to 128), with
+    weights scaled up so that greedy choices are clear-cut rather than near ties."""
+    devices = devices or jax.devices()[:1]
+    config = Config(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=65, pad_vocab_to_multiple=64,
+                    batch_size=data, seed=3, tensorboard=False, **changes)
+    setup = train.make_setup(config, sharding.make_mesh(data, 1, tensor, devices=devices), 65)
+    params = jax.tree.map(lambda a: a * 4, train.init_state(setup)["params"])
+    return setup, params
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return tiny()
+
+
+def greedy_by_recomputing(setup, params, ids, max_new_tokens):
+    """The obviously right answer: one row, the full forward pass again for every token."""
+    forward = jax.jit(lambda p, x: nnx.merge(setup.graphdef, p)(x))
+    block_size = setup.model_config.block_size
+    buffer = np.zeros((1, block_size), np.int32)
+    buffer[0, :len(ids)] = ids
+    n, new = len(ids), []
+    while len(new) < max_new_tokens and n < block_size:
+        token = int(np.argmax(forward(params, buffer)[0, n - 1, :65]))
+        buffer[0, n] = token
+        new.append(token)
+        n += 1
+    return new
+
+
+def test_greedy_with_the_cache_equals_recomputing_everything(one_device):
+    setup, params = one_device
+    cached = generate.generate(setup, params, RAGGED, 12, temperature=0)
+    recomputed = generate.generate(setup, params, RAGGED, 12, temperature=0, kv_cache=False)
+    expected = [greedy_by_recomputing(setup, params, ids, 12) for ids in RAGGED]
+    assert cached.tokens == recomputed.tokens == expected
+    # The 25-token prompt reaches the context (32) after 7 new tokens, and says so.
+    assert [len(t) for t in cached.tokens] == [12, 12, 7]
+    assert cached.hit_context == [False, False, True]
+    assert len({tuple(t) for t in cached.tokens}) == 3  # not a degenerate model
+    assert cached.prompt_tokens == 37 and cached.decode_tokens == 31 - 3
+
+
+@pytest.mark.parametrize("changes", [{"dtype": "bfloat16"}, {"quantization": "int8"}], ids=["bf16", "int8"])
+def test_greedy_with_the_cache_equals_recomputing_in_bfloat16_and_int8(changes):
+    """The decode loop casts the weights to bfloat16 once, before the loop (so the reference
+    does too); int8 scales are per token, so a new token quantizes as inside the sequence."""
+    setup, params = tiny(**changes)
+    cached = generate.generate(setup, params, RAGGED, 12, temperature=0)
+    weights = generate.weights_in_compute_dtype(setup.graphdef, params)
+    assert weights["wte"].dtype == jnp.dtype(setup.config.dtype)
+    assert cached.tokens == [greedy_by_recomputing(setup, weights, ids, 12) for ids in RAGGED]
+
+
+def test_prompts_that_leave_no_room_are_refused(one_device):
+    setup, params = one_device
+    with pytest.raises(ValueError, match="prompt 1 is 32 tokens; the model's context is 32 tokens"):
+        generate.generate(setup, params, [[1, 2], list(range(32))], 4)
+
+
+def test_top_k_1_is_greedy(one_device):
+    setup, params = one_device
+    greedy = generate.generate(setup, params, RAGGED, 8, temperature=0)
+    top1 = generate.generate(setup, params, RAGGED, 8, temperature=1.5, top_k=1, seed=5)
+    assert top1.tokens == greedy.tokens
+
+
+@pytest.mark.parametrize("top_p, top_k, kept", [
+    (0.3, 0, {3}), (0.5, 0, {3, 0}), (0.7, 0, {3, 0, 4}), (0.9, 0, {3, 0, 4, 2}), (1.0, 0, {0, 1, 2, 3, 4}),
+    (0.9, 2, {3, 0}),  # top-k first, then top-p among those
+])
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p(top_p, top_k, kept):
+    probs = np.array([0.25, 0.05, 0.1, 0.4, 0.2])  # sorted: 3 (0.4), 0, 4, 2, 1; mass 0.4, .65, .85, .95, 1
+    n = 4000
+    logits_BxV = jnp.tile(jnp.log(jnp.asarray(probs, jnp.float32)), (n, 1))
+    keys_B = jax.random.split(jax.random.key(0), n)
+    drawn = np.asarray(generate.sample_logits(logits_BxV, keys_B, 1.0, top_k, top_p))
+    assert set(drawn.tolist()) == kept
+    kept_probs = probs[sorted(kept)] / probs[sorted(kept)].sum()  # renormalized over the kept set
+    frequencies = np.bincount(drawn, minlength=5)[sorted(kept)] / n
+    np.testing.assert_allclose(frequencies, kept_probs, atol=0.03)
+
+
+def test_the_seed_decides_the_text(one_device):
+    setup, params = one_device
+    run = lambda prompts, seed: generate.generate(setup, params, prompts, 10, temperature=1.0, top_k=20,
+                                                seed=seed).tokens
+    first = run(RAGGED, 7)
+    assert run(RAGGED, 7) == first
+    assert run(RAGGED, 8) != first
+    # A row's draws depend on (seed, row, step) only: the other rows don't change its text.
+    assert run([RAGGED[0], RAGGED[2], RAGGED[2]], 7)[0] == first[0]
+
+
+def test_each_row_stops_at_the_stop_token(one_device):
+    setup, params = one_device
+    free = generate.generate(setup, params, RAGGED[:2], 12, temperature=0).tokens
+    stop = free[0][3]  # the 4th new token of row 0
+    stopped = generate.generate(setup, params, RAGGED[:2], 12, temperature=0, stop_id=stop).tokens
+    cut = lambda row: row[:row.index(stop)] if stop in row else row  # the stop token is not returned
+    assert stopped == [cut(row) for row in free]
+    assert len(stopped[0]) <= 3
+
+
+def test_sharded_sampling_matches_one_device_and_splits_the_cache(one_device):
+    setup, params = tiny(jax.devices()[:4], data=2, tensor=2)
+    np.testing.assert_array_equal(params["wte"], one_device[1]["wte"])  # the same model, split
+    prompts = RAGGED  # 3 rows: padded to 4 for data=2
+    sharded = generate.generate(setup, params, prompts, 8, temperature=0)
+    assert sharded.tokens == generate.generate(*one_device, prompts, 8, temperature=0).tokens
+    # The cache is split over heads on `tensor` and rows on the batch axes.
+    prefill = jax.jit(lambda p, x, n: generate.prefill(setup.graphdef, p, x, n, jax.random.key(0), -1,
+                                                     length=16, max_new_tokens=4, sampling=(0, 0, 1.0),
+                                                     kv_cache=True))
+    with sharding.activate(setup.mesh):
+        state = prefill(params, jnp.ones((4, 5), jnp.int32), jnp.full(4, 5, jnp.int32))
+    expected = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(
+        None, ("data", "fsdp"), None, "tensor", None))
+    assert state["cache"].k.shape == (2, 4, 16, 4, 8)
+    assert state["cache"].k.sharding.is_equivalent_to(expected, 5)
+    assert state["cache"].v.sharding.is_equivalent_to(expected, 5)
+
+
+def test_llama_style_sampling_sharded_with_a_grouped_query_cache():
+    """RoPE + grouped-query attention: the cache holds the 2 key/value heads (not 4), split over
+    tensor; greedy tokens with it equal recomputing the whole forward pass, on 1 device and on
+    data=2 x tensor=2."""
+    def llama_style(devices, data, tensor):
+        config = Config(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=65, pad_vocab_to_multiple=64,
+                        batch_size=data, seed=3, tensorboard=False, pos_embedding="rope", norm="rmsnorm",
+                        mlp="swiglu", n_kv_head=2, bias=False, tie_embeddings=False)
+        setup = train.make_setup(config, sharding.make_mesh(data, 1, tensor, devices=devices), 65)
+        return setup, jax.tree.map(lambda a: a * 4, train.init_state(setup)["params"])
+
+    setup, params = llama_style(jax.devices()[:1], 1, 1)
+    cached = generate.generate(setup, params, RAGGED, 8, temperature=0).tokens
+    assert cached == [greedy_by_recomputing(setup, params, ids, 8) for ids in RAGGED]
+    assert len({tuple(t) for t in cached}) == 3
+    setup, params = llama_style(jax.devices()[:4], 2, 2)
+    assert generate.generate(setup, params, RAGGED, 8, temperature=0).tokens == cached
+    with sharding.activate(setup.mesh):
+        state = jax.jit(lambda p, x, n: generate.prefill(setup.graphdef, p, x, n, jax.random.key(0), -1,
+                                                       length=16, max_new_tokens=4, sampling=(0, 0, 1.0),
+                                                       kv_cache=True))(params, jnp.ones((4, 5), jnp.int32),
+                                                                       jnp.full(4, 5, jnp.int32))
+    assert state["cache"].k.shape == (2, 4, 16, 2, 8)  # (L, B, S, n_kv_head, H)
+    expected = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(
+        None, ("data", "fsdp"), None, "tensor", None))
+    assert state["cache"].k.sharding.is_equivalent_to(expected, 5)
