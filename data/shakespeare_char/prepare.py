@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: tokenizer.py, data/
-from data.shakespeare_text import load_shakespeare_text  # noqa: E402
-from tokenizer import (PrepareError, char_tokenizer, check_out_dir, format_prepare_command,  # noqa: E402
-                       run_prepare_script, write_dataset)
+from data.shakespeare_text import text_to_prepare  # noqa: E402
+from tokenizer import char_tokenizer, run_prepare_script, write_dataset  # noqa: E402
 
 
 def prepare(text, out_dir, val_fraction=0.1, source=None, command=None):
@@ -33,24 +32,17 @@ def prepare(text, out_dir, val_fraction=0.1, source=None, command=None):
             "train_tokens": n_train, "val_tokens": len(ids) - n_train}
 
 
-def prepare_from_args(args):
-    check_out_dir(args.out_dir)  # before a download that may take a while
-    try:
-        text, source = load_shakespeare_text(args.input)
-    except (ValueError, RuntimeError) as e:  # --input not UTF-8; neither source reachable
-        raise PrepareError(str(e)) from None
-    input_path = Path(args.input) if args.input else None
-    command = format_prepare_command(__file__, input=input_path, out_dir=Path(args.out_dir))
-    return prepare(text, args.out_dir, source=source, command=command)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", help="a local text file to use instead of Shakespeare")
     parser.add_argument("--out_dir", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args(argv)
     t0 = time.time()
-    s = run_prepare_script(lambda: prepare_from_args(args), args.out_dir)
+    def run():
+        text, source, command = text_to_prepare(__file__, args.input, args.out_dir)
+        return prepare(text, args.out_dir, source=source, command=command)
+
+    s = run_prepare_script(run, args.out_dir)
     print(f"{s['chars']:,} characters, vocab size {s['vocab_size']}")
     print(f"train: {s['train_tokens']:,} tokens, val: {s['val_tokens']:,} tokens -> {args.out_dir}")
     print(f"done in {time.time() - t0:.1f}s")
