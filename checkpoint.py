@@ -63,8 +63,16 @@ class OutDirLock:
     def __init__(self, out_dir: str):
         self.path = os.path.join(out_dir, "lock")
         self.fd = None
-        if jax.process_index() != 0:  # one writer per run: process 0 speaks for it
-            return
+        error = None
+        if jax.process_index() == 0:  # one writer per run: process 0 speaks for it
+            try:
+                self._take(out_dir)
+            except CheckpointError as e:
+                error = e
+        if not agree(error is None):  # the other processes stop too, instead of waiting for it
+            raise error or CheckpointError(f"process 0 could not use out_dir {out_dir}: see its message")
+
+    def _take(self, out_dir: str) -> None:
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise CheckpointError(f"out_dir {out_dir} is a file, not a directory: choose another --out_dir")
         try:
@@ -280,7 +288,7 @@ def no_checkpoint_message(out_dir: str) -> str:
 
 
 def agree(ok: bool) -> bool:
-    """True only if every process read its part of a checkpoint (each reads only its own)."""
+    """True only if `ok` holds on every process (e.g. each read its own part of a checkpoint)."""
     if jax.process_count() == 1:
         return ok
     return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
