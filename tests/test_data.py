@@ -1,4 +1,6 @@
-"""Tokenizers and the data/*/prepare.py scripts, on small texts made here (no network)."""
+"""Tokenizers, dataset_writer.py and the data/*/prepare.py scripts, on small texts made here (no network).
+
+Hugging Face tokenizers, and data/text/prepare.py with one: tests/test_tokenizer.py."""
 
 import importlib.util
 import io
@@ -13,8 +15,9 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tokenizer.py and data/ live at the repo root
+sys.path.insert(0, str(ROOT))  # tokenizer.py, dataset_writer.py and data/ live at the repo root
 
+import dataset_writer  # noqa: E402
 import tokenizer  # noqa: E402
 from data import shakespeare_text  # noqa: E402
 
@@ -76,6 +79,8 @@ def test_gpt2_encoding():
     assert (tok.vocab_size, tok.eot_token) == (50257, 50256)
     assert tok.encode("<|endoftext|>hello world") == [50256, 31373, 995]
     assert tok.decode(np.array([31373, 995], dtype=np.uint16)) == "hello world"
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 50257\): \[50257\]"):
+        tok.decode([31373, 50257])
 
 
 def test_bpe_prepare_round_trip(tmp_path):
@@ -180,16 +185,16 @@ def test_text_prepare_errors(tmp_path):
 
 def test_atomic_writes(tmp_path):
     path = tmp_path / "train.bin"
-    assert tokenizer.write_tokens(path, [1, 2, 65535]) == 3
+    assert dataset_writer.write_tokens(path, [1, 2, 65535]) == 3
     assert read_bin(path).tolist() == [1, 2, 65535]
     with pytest.raises(ValueError, match="uint16"):
-        tokenizer.write_tokens(path, [1, 65536])
+        dataset_writer.write_tokens(path, [1, 65536])
     with pytest.raises(ValueError, match="uint16"):  # fails mid-stream, after a flush
-        with tokenizer.TokenWriter(path) as w:
+        with dataset_writer.TokenWriter(path) as w:
             w.write(np.arange(10))
             w.write([70000])
     assert read_bin(path).tolist() == [1, 2, 65535]  # the old file is untouched
-    tokenizer.write_meta(tmp_path, {"kind": "gpt2", "vocab_size": 50257})
+    dataset_writer.write_meta(tmp_path, {"kind": "gpt2", "vocab_size": 50257})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "train.bin"]
 
 
@@ -263,14 +268,14 @@ def test_failed_write_dataset_leaves_the_old_dataset_intact(tmp_path, monkeypatc
     before = dataset_bytes(tmp_path)
     meta = {"kind": "gpt2", "vocab_size": 50257}
     with pytest.raises(ValueError, match="uint16"):
-        tokenizer.write_dataset(tmp_path, [1, 2], [70000], meta)
+        dataset_writer.write_dataset(tmp_path, [1, 2], [70000], meta)
 
     def ctrl_c(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tokenizer, "_write_json_synced", ctrl_c)  # the bins are written by then
+    monkeypatch.setattr(dataset_writer, "_write_json_synced", ctrl_c)  # the bins are written by then
     with pytest.raises(KeyboardInterrupt):
-        tokenizer.write_dataset(tmp_path, [1, 2], [3], meta)
+        dataset_writer.write_dataset(tmp_path, [1, 2], [3], meta)
     assert dataset_bytes(tmp_path) == before
     assert_only_dataset_files(tmp_path)
 

@@ -1,15 +1,20 @@
-"""Your own text in GPT-2 BPE tokens: writes train.bin, val.bin (uint16) and meta.json.
+"""Your own text in tokens: writes train.bin, val.bin (uint16) and meta.json.
 
-    python data/text/prepare.py --input_dir=DIR --out_dir=data/mytext \\
+    python data/text/prepare.py --input_dir=DIR --out_dir=data/mytext [--tokenizer=gpt2|TOKENIZER_DIR] \\
         [--val_fraction=0.0005] [--num_proc=N] [--text_key=text] [--seed=1337]
 
 Every .txt file under DIR (recursively) is one document, read whole; every non-blank
 line of a .jsonl file is one document, its text in the field --text_key. Files are
-UTF-8, with or without a byte order mark. Each document is followed by <|endoftext|>
-(50256). A seeded random val_fraction of the documents (at least one) goes to val.bin,
-the rest to train.bin, in file order. Tokens are streamed to disk, so the corpus need
-not fit in memory.
+UTF-8, with or without a byte order mark. A seeded random val_fraction of the documents
+(at least one) goes to val.bin, the rest to train.bin, in file order. Tokens are streamed
+to disk, so the corpus need not fit in memory.
 Then train with --dataset=mytext (the name of the out_dir folder under data/).
+
+--tokenizer=gpt2 (the default): GPT-2 BPE, each document followed by <|endoftext|> (50256).
+--tokenizer=DIR: the Hugging Face tokenizer in DIR (tokenizer.json, tokenizer_config.json,
+...), each document followed by its end-of-sequence token and, if the tokenizer adds one
+itself, started with its beginning-of-sequence token. Its files are copied into out_dir, so
+the dataset needs nothing outside it. Token files are uint16: at most 65536 tokens for now.
 
 An existing dataset in out_dir is replaced only when the new one is complete: after a bad
 input file, an error or Ctrl-C, the old train.bin, val.bin and meta.json are unchanged.
@@ -26,15 +31,35 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: tokenizer.py
-from tokenizer import (GPT2_EOT, GPT2_VOCAB_SIZE, DatasetWriter, PrepareError,  # noqa: E402
-                       check_out_dir, format_prepare_command, gpt2_encoding, run_prepare_script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: tokenizer.py, dataset_writer.py
+from dataset_writer import (UINT16_IDS, DatasetWriter, PrepareError, check_out_dir,  # noqa: E402
+                            format_prepare_command, run_prepare_script)
+from tokenizer import command_path, gpt2_tokenizer, hf_tokenizer  # noqa: E402
 
 BOM = b"\xef\xbb\xbf"  # some editors start UTF-8 files with it; it is not text
 
 
 class InputError(PrepareError):
     """Something wrong with the user's files; ends the script with a one-line message."""
+
+
+def load_tokenizer_option(option):
+    """The tokenizer --tokenizer names ("gpt2" or a Hugging Face tokenizer folder), checked to
+    fit this script before any input is read."""
+    if option == "gpt2":
+        return gpt2_tokenizer()
+    try:
+        tok = hf_tokenizer(option)
+    except ValueError as e:
+        raise InputError(f"--tokenizer: {e}") from None
+    if tok.vocab_size > UINT16_IDS:
+        raise InputError(f"--tokenizer {option} has {tok.vocab_size} tokens; token files are uint16 "
+                         f"(ids < {UINT16_IDS}) for now: choose a tokenizer with at most {UINT16_IDS}")
+    if tok.eot_token is None:
+        raise InputError(f"--tokenizer {option} has no end-of-sequence token to separate documents: "
+                         "give one in its generation_config.json or config.json (eos_token_id) or "
+                         "tokenizer_config.json (eos_token)")
+    return tok
 
 
 def find_files(input_dir):
@@ -96,8 +121,19 @@ def batches(docs, max_docs=1024, max_bytes=64 << 20):
         yield batch
 
 
+_tok = None  # the tokenizer encode_document uses: set by prepare(), and in pool workers by start_worker
+
+
+def start_worker(tok):
+    """Pool workers leave Ctrl-C to the parent, which cleans up and says one line. The
+    tokenizer comes as an argument because a spawned (not forked) worker starts empty."""
+    global _tok
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _tok = tok
+
+
 def encode_document(job):
-    """GPT-2 ids of one document, followed by <|endoftext|>."""
+    """The ids of one document: [bos] text eot (GPT-2: text <|endoftext|>)."""
     where, raw, text_key = job
     try:
         text = raw.decode("utf-8")
@@ -113,9 +149,9 @@ def encode_document(job):
         text = record[text_key]
         if not isinstance(text, str):
             raise InputError(f"{where}: field {text_key!r} is {type(text).__name__}, not a string")
-    ids = gpt2_encoding().encode_ordinary(text)
-    ids.append(GPT2_EOT)
-    return ids
+    ids = _tok.encode_ordinary(text)  # a document that quotes a special token is still text
+    ids.append(_tok.eot_token)
+    return ids if _tok.bos_token is None else [_tok.bos_token, *ids]
 
 
 class Progress:
@@ -150,15 +186,13 @@ def _mmss(seconds):
     return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m:02d}:{s:02d}"
 
 
-def ignore_sigint():
-    """Pool workers leave Ctrl-C to the parent, which cleans up and says one line."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def prepare(input_dir, out_dir, val_fraction=0.0005, num_proc=1, text_key="text", seed=1337):
+def prepare(input_dir, out_dir, val_fraction=0.0005, num_proc=1, text_key="text", seed=1337,
+            tokenizer="gpt2"):
     """Tokenizes input_dir into out_dir. Returns a summary dict. Raises InputError.
 
     out_dir's old dataset, if any, is replaced only once the new one is complete."""
+    global _tok
+    _tok = load_tokenizer_option(str(tokenizer))
     files = find_files(input_dir)
     check_out_dir(out_dir)
     n_docs = count_documents(files)
@@ -167,9 +201,8 @@ def prepare(input_dir, out_dir, val_fraction=0.0005, num_proc=1, text_key="text"
     n_val = min(n_docs - 1, max(1, round(n_docs * val_fraction)))
     val_docs = set(np.random.default_rng(seed).choice(n_docs, size=n_val, replace=False).tolist())
 
-    gpt2_encoding()  # build it once here: forked workers inherit it
     with DatasetWriter(out_dir) as ds:
-        pool = multiprocessing.Pool(num_proc, initializer=ignore_sigint) if num_proc > 1 else None
+        pool = multiprocessing.Pool(num_proc, start_worker, (_tok,)) if num_proc > 1 else None
         progress = Progress(n_docs)
         done = tokens = 0
         try:
@@ -185,10 +218,16 @@ def prepare(input_dir, out_dir, val_fraction=0.0005, num_proc=1, text_key="text"
             progress.end()
             if pool:
                 pool.terminate()
+        hf = _tok.kind == "huggingface"
         rerun = format_prepare_command(__file__, input_dir=Path(input_dir), out_dir=Path(out_dir),
+                                       # "./" so that a folder named gpt2 is not read as GPT-2
+                                       tokenizer=os.path.join(".", command_path(_tok.dir)) if hf else None,
                                        val_fraction=val_fraction, text_key=text_key, seed=seed)
-        ds.commit({"kind": "gpt2", "vocab_size": GPT2_VOCAB_SIZE, "source": str(input_dir),
-                   "documents": {"train": n_docs - n_val, "val": n_val}, "prepare": rerun})
+        meta = {"kind": _tok.kind, "vocab_size": _tok.vocab_size}
+        if hf:  # its files are copied in with the tokens; the sha256 says they still match
+            meta.update(sha256=_tok.sha256, tokenizer="tokenizer.json")
+        ds.commit({**meta, "source": str(input_dir), "documents": {"train": n_docs - n_val, "val": n_val},
+                   "prepare": rerun}, files=_tok.files if hf else ())
     return {"files": len(files), "documents": n_docs, "val_documents": n_val,
             "train_tokens": ds.train.count, "val_tokens": ds.val.count}
 
@@ -197,6 +236,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input_dir", required=True, help="folder of .txt / .jsonl files")
     parser.add_argument("--out_dir", required=True, help="where train.bin, val.bin, meta.json go, e.g. data/mytext")
+    parser.add_argument("--tokenizer", default="gpt2",
+                        help="gpt2, or a Hugging Face tokenizer folder (tokenizer.json, ...); ./gpt2 names a folder")
     parser.add_argument("--val_fraction", type=float, default=0.0005)
     parser.add_argument("--num_proc", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--text_key", default="text", help="the text field of each .jsonl record")
@@ -206,7 +247,7 @@ def main(argv=None):
         raise SystemExit(f"error: --val_fraction must be between 0 and 1, got {args.val_fraction}")
     t0 = time.time()
     s = run_prepare_script(lambda: prepare(args.input_dir, args.out_dir, args.val_fraction,
-                                           max(1, args.num_proc), args.text_key, args.seed),
+                                           max(1, args.num_proc), args.text_key, args.seed, args.tokenizer),
                            args.out_dir)
     print(f"{s['files']} files, {s['documents']:,} documents ({s['val_documents']:,} in val)")
     print(f"train: {s['train_tokens']:,} tokens, val: {s['val_tokens']:,} tokens -> {args.out_dir}")
