@@ -4,8 +4,14 @@
            of different lengths are right-padded, so row b's tokens sit at positions 0, 1, ...
            and its first new token comes from the logits at its own last prompt position.
   decode   a lax.while_loop: feed each row's newest token at its own position, attend to the
-           cache, sample the next one. A row stops at the stop token or at the model's context
-           length; the loop stops when every row has.
+           cache, sample the next one. A row stops at the stop token, at its last wanted token
+           or when the cache is full; the loop stops when every row has.
+
+Past the model's context (block_size tokens) generation goes on in segments: the last
+W = block_size // 2 tokens of each unfinished row become a new prompt, run again at positions
+0, 1, ... with a fresh cache (a full one cannot be shifted: learned positions end at block_size,
+and RoPE keys were rotated at their old positions). So every new token sees between W and
+block_size tokens; each later segment has the same shapes, so its programs compile once.
 
 `setup` is anything with train.py's Setup fields (graphdef, mesh, model_config); this file
 needs only the model and the mesh, so train.py (samples at evaluation) and sample.py (the
@@ -23,7 +29,6 @@ from flax import nnx
 
 import model
 import sharding
-from tokenizer import EOT_TEXT
 
 
 # ----------------------------------------------------------------------------- one token
@@ -52,28 +57,31 @@ def _add_token(state: dict, logits_BxV, sampling: tuple):
     """Sample a token for every row still running and append it; update lengths and `done`."""
     B, S = state["tokens"].shape
     rows_B = jnp.arange(B)
-    step_key = jax.random.fold_in(state["key"], state["step"])
-    # A row's draws depend on (seed, row, step) only: not on the batch size or the mesh.
-    keys_B = jax.vmap(jax.random.fold_in, (None, 0))(step_key, rows_B)
+    # Row b's i-th new token draws with key (seed, i, b): not with the batch size, the mesh
+    # or the segment it falls in.
+    draw_key = lambda i, b: jax.random.fold_in(jax.random.fold_in(state["key"], i), b)
+    keys_B = jax.vmap(draw_key)(state["index"], rows_B)
     token_B = sample_logits(logits_BxV, keys_B, *sampling)
     adding_B = ~state["done"]
     write_at_B = jnp.where(adding_B, state["length"], S)  # S is out of bounds: finished rows drop it
     tokens_BxS = state["tokens"].at[rows_B, write_at_B].set(token_B, mode="drop")
     length_B = state["length"] + adding_B
-    done_B = state["done"] | (token_B == state["stop_id"]) | (length_B >= state["limit"])
-    new_state = {**state, "tokens": tokens_BxS, "length": length_B, "done": done_B, "step": state["step"] + 1}
+    done_B = state["done"] | jnp.isin(token_B, state["stop_ids"]) | (length_B >= state["limit"])
+    new_state = {**state, "tokens": tokens_BxS, "length": length_B, "done": done_B,
+                 "index": state["index"] + adding_B}
     return new_state, token_B, adding_B
 
 
 # ----------------------------------------------------------------------------- the programs
 
-def prefill(graphdef, params, prompt_BxP, prompt_len_B, key, stop_id, *, length: int,
-            max_new_tokens: int, sampling: tuple, kv_cache: bool) -> dict:
-    """Run the prompts (right-padded to P) and sample each row's first new token.
+def prefill(graphdef, params, prompt_BxP, prompt_len_B, wanted_B, index_B, key, stop_ids, *, length: int,
+            sampling: tuple, kv_cache: bool) -> dict:
+    """Run the prompts (right-padded to P) and sample the first new token of each row that
+    wants any: wanted_B[b] more tokens, the first of them its new token number index_B[b].
 
     Returns the generation state: tokens (B, length) so far, their count per row, the
     length at which each row stops, `done`, the KV cache (None without kv_cache), the key,
-    the stop token (-1: none).
+    each row's next token index, the stop token (-1: none).
     """
     gpt = nnx.merge(graphdef, weights_in_compute_dtype(graphdef, params))
     B, P = prompt_BxP.shape
@@ -85,9 +93,9 @@ def prefill(graphdef, params, prompt_BxP, prompt_len_B, key, stop_id, *, length:
     else:
         cache = None
         logits_BxV = gpt(tokens_BxS)[rows_B, prompt_len_B - 1]
-    state = {"tokens": tokens_BxS, "length": prompt_len_B, "done": jnp.zeros(B, bool),
-             "limit": jnp.minimum(prompt_len_B + max_new_tokens, length), "cache": cache,
-             "key": key, "step": jnp.zeros((), jnp.int32), "stop_id": stop_id}
+    state = {"tokens": tokens_BxS, "length": prompt_len_B, "done": wanted_B <= 0,
+             "limit": jnp.minimum(prompt_len_B + wanted_B, length), "cache": cache,
+             "key": key, "index": index_B, "stop_ids": stop_ids}
     return _add_token(state, logits_BxV[:, :gpt.config.vocab_size], sampling)[0]
 
 
@@ -125,23 +133,21 @@ def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, on
     return jax.lax.while_loop(lambda state: ~jnp.all(state["done"]), one_token, state)
 
 
-def compile_programs(setup, inputs: tuple, length: int, max_new_tokens: int, sampling: tuple,
-                     kv_cache: bool, on_token=None):
+def compile_programs(setup, inputs: tuple, length: int, sampling: tuple, kv_cache: bool, on_token=None):
     """The compiled prefill and decode for these input shapes and shardings (cached: another
     call with the same shapes and options compiles nothing)."""
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), inputs)
     leaves, treedef = jax.tree.flatten(abstract)
-    return _compile(setup.graphdef, setup.mesh, treedef, tuple(leaves), length, max_new_tokens, sampling,
-                    kv_cache, on_token)
+    return _compile(setup.graphdef, setup.mesh, treedef, tuple(leaves), length, sampling, kv_cache, on_token)
 
 
 @functools.lru_cache(maxsize=8)
-def _compile(graphdef, mesh, treedef, leaves, length, max_new_tokens, sampling, kv_cache, on_token):
+def _compile(graphdef, mesh, treedef, leaves, length, sampling, kv_cache, on_token):
     params, *inputs = jax.tree.unflatten(treedef, leaves)
     with sharding.activate(mesh):
         run_prefill = jax.jit(functools.partial(
-            prefill, graphdef, length=length, max_new_tokens=max_new_tokens, sampling=sampling,
-            kv_cache=kv_cache)).lower(params, *inputs).compile()
+            prefill, graphdef, length=length, sampling=sampling, kv_cache=kv_cache)
+        ).lower(params, *inputs).compile()
         run_decode = jax.jit(functools.partial(
             decode, graphdef, sampling=sampling, kv_cache=kv_cache, on_token=on_token),
             donate_argnums=1).lower(params, run_prefill.out_info).compile()
@@ -151,25 +157,23 @@ def _compile(graphdef, mesh, treedef, leaves, length, max_new_tokens, sampling, 
 @dataclasses.dataclass
 class Generation:
     tokens: list  # the new tokens of each prompt, without the stop token
-    hit_context: list  # True where a sample stopped at the model's context length
-    prompt_tokens: int
+    prompt_tokens: int  # tokens through the prefills: the prompts, and past the context each window
     new_tokens: int  # stop tokens included
-    compile_s: float
+    decode_tokens: int  # new tokens from the decode loops (a row's first in each segment is the prefill's)
+    compile_s: float  # all summed over the segments
     prefill_s: float
     decode_s: float
 
-    @property
-    def decode_tokens(self) -> int:  # each sample's first new token comes from the prefill
-        return self.new_tokens - len(self.tokens)
-
 
 def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_id: int | None = None,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_ids=(),
              kv_cache: bool = True, on_token=None) -> Generation:
-    """Up to max_new_tokens new tokens for each prompt (a list of token-id lists), in one batch.
+    """max_new_tokens new tokens for each prompt (a list of token-id lists), fewer where one
+    ends at one of the stop_ids; in one batch, and past the context in segments (module docstring).
 
-    The batch is padded with copies up to a multiple of the mesh's batch axes. Compilation
-    is timed apart from the prefill and the decode, and each ends with the result on the host.
+    The batch is padded up to a multiple of the mesh's batch axes with rows that want no
+    tokens. Compilation is timed apart from the prefill and the decode, and each ends with the
+    result on the host.
     """
     block_size = setup.model_config.block_size
     for i, ids in enumerate(prompts):
@@ -177,65 +181,92 @@ def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0
             raise ValueError(f"prompt {i} is {len(ids)} tokens; the model's context is {block_size} "
                              f"tokens, with at least one left to generate: shorten the prompt")
     split = setup.mesh.shape["data"] * setup.mesh.shape["fsdp"]
-    rows = list(prompts) + [prompts[-1]] * (-len(prompts) % split)
-    P = max(len(ids) for ids in rows)
-    S = min(P + max_new_tokens, block_size)
-    prompt_BxP = np.zeros((len(rows), P), np.int32)
-    for b, ids in enumerate(rows):
-        prompt_BxP[b, :len(ids)] = ids
-    prompt_len_B = np.array([len(ids) for ids in rows], np.int32)
+    rows = [list(ids) for ids in prompts] + [[0]] * (-len(prompts) % split)  # padding rows want nothing
+    new_B = np.zeros(len(rows), np.int32)  # new tokens so far, stop tokens included
+    running_B = (np.arange(len(rows)) < len(prompts)) & (max_new_tokens > 0)
+    window = max(block_size // 2, 1)
     mesh, batch = setup.mesh, sharding.batch_sharding(setup.mesh)
     rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch.spec[0]))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    inputs = (params, jax.device_put(prompt_BxP, batch), jax.device_put(prompt_len_B, rows_sharding),
-              jax.device_put(jax.random.key(seed), replicated),
-              jax.device_put(np.int32(-1 if stop_id is None else stop_id), replicated))
-    start = time.perf_counter()
-    run_prefill, run_decode = compile_programs(setup, inputs, S, max_new_tokens, (temperature, top_k, top_p),
-                                               kv_cache, on_token)
-    compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    state = jax.block_until_ready(run_prefill(*inputs))
-    prefill_s = time.perf_counter() - start
-    if on_token is not None:  # the first token of row 0 came from the prefill
-        on_token(int(state["tokens"][0, prompt_len_B[0]]), True)
-    start = time.perf_counter()
-    state = run_decode(params, state)
-    tokens_BxS, length_B = np.asarray(state["tokens"]), np.asarray(state["length"])
-    decode_s = time.perf_counter() - start
+    key = jax.device_put(jax.random.key(seed), replicated)
+    stop = jax.device_put(np.array([*stop_ids] or [-1], np.int32), replicated)  # [-1]: none
+    sampling = (temperature, top_k, top_p)
+    prompt_tokens = decode_tokens = 0
+    compile_s = prefill_s = decode_s = 0.0
 
-    new_tokens, hit_context = [], []
+    prompt_ids = rows  # the first segment's prompts
+    while running_B.any():
+        P = max(len(ids) for ids in prompt_ids)
+        S = min(P + max_new_tokens, block_size)
+        prompt_BxP = np.zeros((len(rows), P), np.int32)
+        for b, ids in enumerate(prompt_ids):
+            prompt_BxP[b, :len(ids)] = ids
+        prompt_len_B = np.array([len(ids) for ids in prompt_ids], np.int32)
+        wanted_B = np.where(running_B, max_new_tokens - new_B, 0).astype(np.int32)
+        inputs = (params, jax.device_put(prompt_BxP, batch), jax.device_put(prompt_len_B, rows_sharding),
+                  jax.device_put(wanted_B, rows_sharding), jax.device_put(new_B, rows_sharding), key, stop)
+        start = time.perf_counter()
+        run_prefill, run_decode = compile_programs(setup, inputs, S, sampling, kv_cache, on_token)
+        compile_s += time.perf_counter() - start
+        start = time.perf_counter()
+        state = jax.block_until_ready(run_prefill(*inputs))
+        prefill_s += time.perf_counter() - start
+        if on_token is not None and running_B[0]:  # row 0's first token here came from the prefill
+            on_token(int(state["tokens"][0, prompt_len_B[0]]), True)
+        start = time.perf_counter()
+        state = run_decode(params, state)
+        tokens_BxS, length_B = np.asarray(state["tokens"]), np.asarray(state["length"])
+        decode_s += time.perf_counter() - start
+
+        for b in np.flatnonzero(running_B):
+            new = tokens_BxS[b, prompt_len_B[b]:length_B[b]].tolist()
+            rows[b] += new
+            new_B[b] += len(new)
+            running_B[b] = new_B[b] < max_new_tokens and new[-1] not in stop_ids
+            prompt_tokens += int(prompt_len_B[b])
+            decode_tokens += len(new) - 1
+        # Past the context: the next prompts are the last `window` tokens of each row (a
+        # finished row's too, to keep the shapes; it wants no more).
+        prompt_ids = [ids[-window:] for ids in rows]
+
+    new_tokens = []
     for b, ids in enumerate(prompts):
-        new = tokens_BxS[b, len(ids):length_B[b]].tolist()
-        stopped = bool(new) and new[-1] == stop_id
-        new_tokens.append(new[:-1] if stopped else new)
-        hit_context.append(not stopped and length_B[b] == block_size and len(new) < max_new_tokens)
-    return Generation(new_tokens, hit_context, sum(len(ids) for ids in prompts),
-                      int(sum(length_B[b] - len(ids) for b, ids in enumerate(prompts))),
-                      compile_s, prefill_s, decode_s)
+        new = rows[b][len(ids):]
+        new_tokens.append(new[:-1] if new and new[-1] in stop_ids else new)
+    return Generation(new_tokens, prompt_tokens, int(new_B.sum()), decode_tokens, compile_s, prefill_s,
+                      decode_s)
 
 
 # ----------------------------------------------------------------------------- text
 
 def encode_prompt(tok, text: str) -> list:
-    """Token ids of a prompt; an empty prompt starts from <|endoftext|> (or id 0 at char level)."""
-    return tok.encode(text) if text else [tok.eot_token or 0]
+    """Token ids of a prompt, after the tokenizer's begin-of-text token if it has one (Llama);
+    an empty prompt starts from that, or from <|endoftext|> (GPT-2), or from id 0 (chars)."""
+    start = [] if tok.bos_token is None else [tok.bos_token]
+    return start + tok.encode(text) if text else start or [tok.eot_token or 0]
 
 
-def stop_token_id(tok, stop: str) -> int | None:
-    """The id of the stop token, or None when there is none to stop at."""
+def decode_sample(tok, ids) -> str:
+    """The text of prompt + sample, without the begin-of-text token encode_prompt put first."""
+    ids = list(ids)
+    return tok.decode(ids[1:] if tok.bos_token is not None and ids[:1] == [tok.bos_token] else ids)
+
+
+def stop_token_ids(tok, stop: str) -> list:
+    """The ids a sample ends at: 'eos' = the tokenizer's end tokens (GPT-2's <|endoftext|>, the
+    eos_token_id of a Hugging Face model; none at char level), '' = none, else one token's text."""
+    if stop == "eos":
+        return list(tok.stop_tokens)
     if not stop:
-        return None
+        return []
     try:
         ids = tok.encode(stop)
     except ValueError:  # characters outside a char-level vocabulary
         ids = []
-    if len(ids) == 1:
-        return ids[0]
-    if stop == EOT_TEXT:  # the default, and this vocabulary has no such token: run to the end
-        return None
-    raise ValueError(f"--stop={stop!r} is {len(ids) or 'not'} tokens in this vocabulary; "
-                     f"it must be exactly one")
+    if len(ids) != 1:
+        raise ValueError(f"--stop={stop!r} is {len(ids) or 'not'} tokens in this vocabulary; "
+                         f"it must be exactly one (or 'eos', or '' for none)")
+    return ids
 
 
 def sample_text(setup, params, tok, n_tokens: int, prompt: str = "\n", seed: int = 0,
@@ -244,5 +275,5 @@ def sample_text(setup, params, tok, n_tokens: int, prompt: str = "\n", seed: int
     """Prompt + sample texts from the model described by `setup` (train.py's eval samples)."""
     ids = encode_prompt(tok, prompt)
     out = generate(setup, params, [ids] * num_samples, n_tokens, seed=seed, temperature=temperature,
-                   top_k=top_k, top_p=top_p, stop_id=stop_token_id(tok, EOT_TEXT))
-    return [tok.decode(ids + new) for new in out.tokens]
+                   top_k=top_k, top_p=top_p, stop_ids=stop_token_ids(tok, "eos"))
+    return [decode_sample(tok, ids + new) for new in out.tokens]

@@ -1,5 +1,5 @@
 """generate.py: the KV-cache sampler against recomputation, sampling rules, seeds, stop tokens,
-sharding."""
+generation past the context, sharding."""
 
 import jax
 import jax.numpy as jnp
@@ -33,17 +33,20 @@ def one_device():
 
 
 def greedy_by_recomputing(setup, params, ids, max_new_tokens):
-    """The obviously right answer: one row, the full forward pass again for every token."""
+    """The obviously right answer: one row, the full forward pass again for every token, over
+    the window generation uses: the prompt, and whenever the context is full, its last
+    block_size // 2 tokens (from position 0 again) and those generated since."""
     forward = jax.jit(lambda p, x: nnx.merge(setup.graphdef, p)(x))
     block_size = setup.model_config.block_size
-    buffer = np.zeros((1, block_size), np.int32)
-    buffer[0, :len(ids)] = ids
-    n, new = len(ids), []
-    while len(new) < max_new_tokens and n < block_size:
-        token = int(np.argmax(forward(params, buffer)[0, n - 1, :65]))
-        buffer[0, n] = token
+    window, new = list(ids), []
+    while len(new) < max_new_tokens:
+        if len(window) == block_size:
+            window = window[-(block_size // 2):]
+        buffer = np.zeros((1, block_size), np.int32)
+        buffer[0, :len(window)] = window
+        token = int(np.argmax(forward(params, buffer)[0, len(window) - 1, :65]))
+        window.append(token)
         new.append(token)
-        n += 1
     return new
 
 
@@ -53,11 +56,11 @@ def test_greedy_with_the_cache_equals_recomputing_everything(one_device):
     recomputed = generate.generate(setup, params, RAGGED, 12, temperature=0, kv_cache=False)
     expected = [greedy_by_recomputing(setup, params, ids, 12) for ids in RAGGED]
     assert cached.tokens == recomputed.tokens == expected
-    # The 25-token prompt reaches the context (32) after 7 new tokens, and says so.
-    assert [len(t) for t in cached.tokens] == [12, 12, 7]
-    assert cached.hit_context == [False, False, True]
     assert len({tuple(t) for t in cached.tokens}) == 3  # not a degenerate model
-    assert cached.prompt_tokens == 37 and cached.decode_tokens == 31 - 3
+    # The 25-token prompt fills the context (32) after 7 new tokens; its last 16 tokens are then
+    # a second prompt, whose prefill samples the first of the 5 tokens still wanted.
+    assert [len(t) for t in cached.tokens] == [12, 12, 12]
+    assert cached.prompt_tokens == 37 + 16 and cached.new_tokens == 36 and cached.decode_tokens == 36 - 4
 
 
 @pytest.mark.parametrize("changes", [{"dtype": "bfloat16"}, {"quantization": "int8"}], ids=["bf16", "int8"])
@@ -115,24 +118,81 @@ def test_each_row_stops_at_the_stop_token(one_device):
     setup, params = one_device
     free = generate.generate(setup, params, RAGGED[:2], 12, temperature=0).tokens
     stop = free[0][3]  # the 4th new token of row 0
-    stopped = generate.generate(setup, params, RAGGED[:2], 12, temperature=0, stop_id=stop).tokens
+    stopped = generate.generate(setup, params, RAGGED[:2], 12, temperature=0, stop_ids=[stop]).tokens
     cut = lambda row: row[:row.index(stop)] if stop in row else row  # the stop token is not returned
     assert stopped == [cut(row) for row in free]
     assert len(stopped[0]) <= 3
+
+
+# ----------------------------------------------------------------------------- past the context
+# block_size 32, so windows of 16: the 3-token prompt gets 29 tokens in its first segment, then 16
+# per segment; the 25-token prompt 7, then 16 per segment.
+
+def test_every_row_gets_max_new_tokens_past_the_context(one_device):
+    setup, params = one_device
+    streamed = []
+    on_token = lambda token, added: streamed.append(int(token)) if added else None
+    misses = generate._compile.cache_info().misses
+    out = generate.generate(setup, params, RAGGED, 80, temperature=1.0, seed=4, on_token=on_token)
+    assert [len(t) for t in out.tokens] == [80, 80, 80]
+    assert generate._compile.cache_info().misses - misses <= 2  # the first segment's shapes, then the rest's
+    assert streamed == out.tokens[0]  # row 0 streamed once each, in order, across the segments
+    assert len(set(out.tokens[0][48:])) > 5  # sampled, not stuck on one token
+    # Prefills: the 3 prompts, then 16-token windows: 4 for the 3- and 9-token prompts (29 or 23
+    # new tokens, then 16 a segment), 5 for the 25-token one (7, then 16 a segment).
+    assert out.prompt_tokens == 37 + 16 * (4 + 4 + 5) and out.decode_tokens == 240 - (3 + 4 + 4 + 5)
+    misses = generate._compile.cache_info().misses
+    again = generate.generate(setup, params, RAGGED, 80, temperature=1.0, seed=4, on_token=on_token)
+    assert again.tokens == out.tokens
+    assert generate._compile.cache_info().misses == misses  # nothing compiled again
+    # A row's draws depend on (seed, row, token index): not on the other rows, nor on where the
+    # batch's segments begin.
+    alone = generate.generate(setup, params, [RAGGED[0], RAGGED[2]], 80, temperature=1.0, seed=4)
+    assert alone.tokens[0] == out.tokens[0]
+
+
+def test_greedy_past_the_context_is_the_forward_pass_over_the_last_window(one_device):
+    """Each new token is the argmax of a full forward pass over the tokens generation had in
+    view: when the context filled up, the last 16 tokens, and those generated since."""
+    setup, params = one_device
+    cached = generate.generate(setup, params, RAGGED, 70, temperature=0).tokens
+    recomputed = generate.generate(setup, params, RAGGED, 70, temperature=0, kv_cache=False).tokens
+    assert cached == recomputed == [greedy_by_recomputing(setup, params, ids, 70) for ids in RAGGED]
+    assert all(len(set(row[40:])) > 2 for row in cached)  # not one repeated token past the context
+
+
+def test_a_stop_token_stops_a_row_in_a_later_segment(one_device):
+    setup, params = one_device
+    run = lambda **kw: generate.generate(setup, params, RAGGED[:2], 60, temperature=1.0, seed=2, **kw).tokens
+    free = run()
+    late = [t for t in set(free[0]) if free[0].index(t) >= 29]  # first drawn past row 0's first segment
+    assert late
+    stop = late[0]
+    streamed = []
+    stopped = run(stop_ids=[stop], on_token=lambda token, added: streamed.append(int(token)) if added else None)
+    cut = lambda row: row[:row.index(stop)] if stop in row else row  # the stop token is not returned
+    assert stopped == [cut(row) for row in free]
+    assert 29 <= len(stopped[0]) < 60
+    assert streamed == stopped[0] + [stop]  # streamed as drawn, stop token included
+
+
+def prefill_4_rows(setup, params):
+    """The generation state after a prefill of 4 rows of 5 tokens (a cache of 16), on setup's mesh."""
+    run = jax.jit(lambda p, x, n: generate.prefill(
+        setup.graphdef, p, x, n, jnp.full(4, 4, jnp.int32), jnp.zeros(4, jnp.int32), jax.random.key(0), -1,
+        length=16, sampling=(0, 0, 1.0), kv_cache=True))
+    with sharding.activate(setup.mesh):
+        return run(params, jnp.ones((4, 5), jnp.int32), jnp.full(4, 5, jnp.int32))
 
 
 def test_sharded_sampling_matches_one_device_and_splits_the_cache(one_device):
     setup, params = tiny(jax.devices()[:4], data=2, tensor=2)
     np.testing.assert_array_equal(params["wte"], one_device[1]["wte"])  # the same model, split
     prompts = RAGGED  # 3 rows: padded to 4 for data=2
-    sharded = generate.generate(setup, params, prompts, 8, temperature=0)
-    assert sharded.tokens == generate.generate(*one_device, prompts, 8, temperature=0).tokens
+    sharded = generate.generate(setup, params, prompts, 24, temperature=0)  # past the context, too
+    assert sharded.tokens == generate.generate(*one_device, prompts, 24, temperature=0).tokens
     # The cache is split over heads on `tensor` and rows on the batch axes.
-    prefill = jax.jit(lambda p, x, n: generate.prefill(setup.graphdef, p, x, n, jax.random.key(0), -1,
-                                                     length=16, max_new_tokens=4, sampling=(0, 0, 1.0),
-                                                     kv_cache=True))
-    with sharding.activate(setup.mesh):
-        state = prefill(params, jnp.ones((4, 5), jnp.int32), jnp.full(4, 5, jnp.int32))
+    state = prefill_4_rows(setup, params)
     expected = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(
         None, ("data", "fsdp"), None, "tensor", None))
     assert state["cache"].k.shape == (2, 4, 16, 4, 8)
@@ -142,8 +202,8 @@ def test_sharded_sampling_matches_one_device_and_splits_the_cache(one_device):
 
 def test_llama_style_sampling_sharded_with_a_grouped_query_cache():
     """RoPE + grouped-query attention: the cache holds the 2 key/value heads (not 4), split over
-    tensor; greedy tokens with it equal recomputing the whole forward pass, on 1 device and on
-    data=2 x tensor=2."""
+    tensor; greedy tokens with it equal recomputing the whole forward pass (past the context
+    too), on 1 device and on data=2 x tensor=2."""
     def llama_style(devices, data, tensor):
         config = Config(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=65, pad_vocab_to_multiple=64,
                         batch_size=data, seed=3, tensorboard=False, pos_embedding="rope", norm="rmsnorm",
@@ -152,16 +212,12 @@ def test_llama_style_sampling_sharded_with_a_grouped_query_cache():
         return setup, jax.tree.map(lambda a: a * 4, train.init_state(setup)["params"])
 
     setup, params = llama_style(jax.devices()[:1], 1, 1)
-    cached = generate.generate(setup, params, RAGGED, 8, temperature=0).tokens
-    assert cached == [greedy_by_recomputing(setup, params, ids, 8) for ids in RAGGED]
+    cached = generate.generate(setup, params, RAGGED, 24, temperature=0).tokens  # 2 segments for RAGGED[2]
+    assert cached == [greedy_by_recomputing(setup, params, ids, 24) for ids in RAGGED]
     assert len({tuple(t) for t in cached}) == 3
     setup, params = llama_style(jax.devices()[:4], 2, 2)
-    assert generate.generate(setup, params, RAGGED, 8, temperature=0).tokens == cached
-    with sharding.activate(setup.mesh):
-        state = jax.jit(lambda p, x, n: generate.prefill(setup.graphdef, p, x, n, jax.random.key(0), -1,
-                                                       length=16, max_new_tokens=4, sampling=(0, 0, 1.0),
-                                                       kv_cache=True))(params, jnp.ones((4, 5), jnp.int32),
-                                                                       jnp.full(4, 5, jnp.int32))
+    assert generate.generate(setup, params, RAGGED, 24, temperature=0).tokens == cached
+    state = prefill_4_rows(setup, params)
     assert state["cache"].k.shape == (2, 4, 16, 2, 8)  # (L, B, S, n_kv_head, H)
     expected = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(
         None, ("data", "fsdp"), None, "tensor", None))
