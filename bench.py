@@ -36,6 +36,7 @@ import configurator
 import dataset
 import generate
 import hardware
+import hf
 import sharding
 import train
 from model import count_params, flops_per_token
@@ -273,7 +274,7 @@ def git_revision() -> str:
 
 def run(argv: list[str]) -> dict:
     """Parse flags, benchmark, print the table, append the JSON record."""
-    options, config = configurator.load_with_options_or_exit(argv, Options)
+    options, config = configurator.load_with_options_or_exit(argv, Options, complete=hf.with_model_keys)
     devices = jax.devices()[:options.devices or None]
     if options.mode == "train":
         result = bench_train(config, options, devices)

@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 
 from configurator import Config
 from dataset import dataset_dir
-from hf_gpt2 import load_hf_gpt2
+import hf
 from tokenizer import tokenizer_from_description
 
 
@@ -329,7 +329,8 @@ def check_resumable(meta: dict, config: Config, tok) -> None:
     """The checkpoint's model and vocabulary are this run's, and it has steps left to train."""
     check_model_shape(meta["config"], config)
     saved = meta.get("tokenizer")  # absent in checkpoints older than the check
-    if saved and tok and saved != tok.describe():
+    identity = lambda description: {k: v for k, v in description.items() if k != "dir"}  # dirs move
+    if saved and tok and identity(saved) != identity(tok.describe()):
         raise CheckpointError(
             f"the checkpoint in {config.out_dir} was trained on a vocabulary of "
             f"{tokenizer_from_description(saved).summary()}, but "
@@ -357,16 +358,27 @@ def check_model_shape(saved_config: dict, config: Config) -> None:
                               + "; ".join(differ) + "): use the checkpoint's values")
 
 
-def load_pretrained(setup) -> dict:
-    """Parameters from the Hugging Face GPT-2 directory setup.config.init_from, in the run's
-    shardings: every process reads the files and keeps only the pieces its devices hold, so
-    the whole model is never on one device."""
+def load_pretrained(setup, directory: str) -> dict:
+    """Parameters from the Hugging Face model in `directory`, in the run's shardings: each
+    process reads from the files only the blocks its devices hold, so the whole model is never
+    on one device (nor, unless replicated, in one process)."""
     try:
-        params = load_hf_gpt2(setup.config.init_from, setup.model_config)
-    except (OSError, ValueError) as e:
+        model = hf.read_config(directory)
+        # vocab_size=0 in the config means "the dataset's": the model's own is compared
+        hf.check_config(dataclasses.replace(setup.config, vocab_size=setup.model_config.vocab_size),
+                        model, directory)
+        as_stored = dataclasses.replace(setup.model_config, vocab_size=model.keys["vocab_size"],
+                                        pad_vocab_to_multiple=1, block_size=model.max_context)
+        weights = hf.Weights(directory, as_stored)
+    except (OSError, hf.HFError) as e:
         raise CheckpointError(f"init_from={setup.config.init_from}: {e}") from None
-    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
-                        params, setup.state_shardings["params"])
+
+    def load(path, abstract):
+        path = tuple(k.key for k in path)
+        return jax.make_array_from_callback(abstract.shape, abstract.sharding,
+                                            lambda index: weights.read(path, abstract.shape, index))
+
+    return jax.tree_util.tree_map_with_path(load, setup.abstract_state["params"])
 
 
 def step_array(step: int, sharding) -> jax.Array:

@@ -27,6 +27,7 @@ import compiled_step
 import configurator
 import dataset
 import hardware
+import hf
 import sharding
 import train
 from compiled_step import AotError
@@ -397,7 +398,7 @@ def aot_vocab_size(config: configurator.Config) -> int:
 
 
 def main(argv: list[str]) -> None:
-    options, config = configurator.load_with_options_or_exit(argv, Options)
+    options, config = configurator.load_with_options_or_exit(argv, Options, complete=hf.with_model_keys)
     if not options.topology:
         sys.exit("error: --topology is required: cpu:8, gpu, gpu:2, v5e-256, v5e:16x16, v4-8, ...")
     try:

@@ -36,7 +36,9 @@ class Config:
     dataset: str = "shakespeare_char"  # reads data/<dataset>/{train,val}.bin and meta.json
     data_dir: str = "data"
     out_dir: str = "out"  # checkpoints, TensorBoard events, the effective config
-    init_from: str = "scratch"  # 'scratch' | 'resume' (latest checkpoint in out_dir) | a HF GPT-2 dir
+    init_from: str = "scratch"  # 'scratch' | 'resume' (latest checkpoint in out_dir) | a Hugging Face
+    #                             model: a directory, or a hub name ('gpt2', 'HuggingFaceTB/SmolLM2-135M');
+    #                             its config.json sets the model keys
     overwrite_out_dir: bool = False  # a fresh run into an out_dir that holds checkpoints: delete
     #                                  them first (else it is refused)
     seed: int = 1337  # the batch and the dropout mask of step s depend only on (seed, s)
@@ -49,6 +51,7 @@ class Config:
     pad_vocab_to_multiple: int = 1  # 64 pads GPT-2's 50257 to 50304 for faster matmuls
     dropout: float = 0.0
     bias: bool = True
+    qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
     dtype: str = "float32"  # compute dtype: 'float32' | 'bfloat16'; params stay float32
     scan_layers: bool = True  # run the stacked layers with lax.scan: compile time flat in depth
     remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
@@ -58,6 +61,12 @@ class Config:
     # architecture: the defaults are GPT-2; config/llama_style_small.py shows a Llama-style mix
     pos_embedding: str = "learned"  # 'learned' (GPT-2's position table) | 'rope' (rotary, rotate-half)
     rope_theta: float = 10000.0  # RoPE base; Llama 3 uses 500000
+    rope_scaling: str = "none"  # 'none' | 'llama3' (Llama 3.1 / 3.2's long-context frequency scaling,
+    #                             with the four keys below)
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192  # the context length the model was first trained at
     norm: str = "layernorm"  # 'layernorm' (GPT-2) | 'rmsnorm' (Llama; never has a bias)
     norm_eps: float = 1e-5
     mlp: str = "gelu"  # 'gelu' (GPT-2) | 'swiglu' (Llama: gated, three matrices)
@@ -131,9 +140,15 @@ class Config:
         if self.overwrite_out_dir and self.init_from == "resume":
             raise ConfigError("overwrite_out_dir=True would delete the checkpoints that init_from='resume' "
                               "continues: drop one of the two")
-        if self.init_from not in ("scratch", "resume") and not os.path.isdir(self.init_from):
-            raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume' or a Hugging Face "
-                              f"GPT-2 directory (config.json + model.safetensors); got {self.init_from!r}")
+        check_init_from(self.init_from)
+        check_choice("rope_scaling", self.rope_scaling, ("none", "llama3"))
+        if self.rope_scaling != "none" and not (
+                0 < self.rope_low_freq_factor < self.rope_high_freq_factor and self.rope_scaling_factor > 0
+                and self.rope_original_context > 0):
+            raise ConfigError(f"rope_scaling='llama3' needs 0 < rope_low_freq_factor < rope_high_freq_factor "
+                              f"and rope_scaling_factor, rope_original_context > 0; got "
+                              f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
+                              f"{self.rope_scaling_factor}, {self.rope_original_context}")
         check_choice("nan_policy", self.nan_policy, ("stop", "skip_step"))
         for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
                     "gradient_accumulation_steps", "eval_interval", "eval_iters",
@@ -190,7 +205,17 @@ class Config:
                               f"of process 0); under SLURM or on a TPU pod leave both unset")
 
 
+# A Hugging Face hub model id: 'gpt2', 'gpt2-medium' or 'organisation/model'.
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+def check_init_from(value: str) -> None:
+    if value not in ("scratch", "resume") and not os.path.isdir(value) and not HUB_NAME.fullmatch(value):
+        raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume', a Hugging Face model "
+                          f"directory or a hub name like 'gpt2' or 'org/name'; {value!r} is neither a "
+                          f"directory nor a hub name")
 
 
 def check_choice(key: str, value, choices) -> None:
@@ -234,8 +259,10 @@ def _parse_flag_value(text: str):
 HELP_FLAGS = ("--help", "-h")
 
 
-def load_config(argv: list[str], cls=Config):
-    """Build a frozen `cls` from config files and --key=value flags (in that order)."""
+def load_config(argv: list[str], cls=Config, complete=None):
+    """Build a frozen `cls` from config files and --key=value flags (in that order).
+    complete(values) -> values, if given, may add keys the given ones imply (train.py: the
+    model keys of a pretrained model); it raises ConfigError for a contradiction."""
     field_types = typing.get_type_hints(cls)
     overrides: dict = {}
     for arg in argv:
@@ -246,7 +273,7 @@ def load_config(argv: list[str], cls=Config):
             overrides[key] = value
         else:
             overrides.update(_read_config_file(arg, field_types))
-    return cls(**overrides)
+    return cls(**(complete(overrides) if complete else overrides))
 
 
 def _parse_flag(arg: str, field_types: dict):
@@ -306,19 +333,19 @@ def print_config(config) -> None:
         print(f"  {f.name:<{width}} = {getattr(config, f.name)!r}")
 
 
-def load_config_or_exit(argv: list[str], cls=Config):
+def load_config_or_exit(argv: list[str], cls=Config, complete=None):
     """For scripts: --help prints the keys and exits; a bad config prints one line and exits
     with status 1, no traceback."""
     if any(arg in HELP_FLAGS for arg in argv):
         print(help_text(cls))
         sys.exit(0)
     try:
-        return load_config(argv, cls)
+        return load_config(argv, cls, complete)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
 
 
-def load_with_options_or_exit(argv: list[str], options_cls, cls=Config) -> tuple:
+def load_with_options_or_exit(argv: list[str], options_cls, cls=Config, complete=None) -> tuple:
     """For scripts with options of their own beside the config (compile_aot.py, bench.py):
     --KEY=VALUE flags naming a field of options_cls go there, the rest build cls."""
     if any(arg in HELP_FLAGS for arg in argv):
@@ -326,7 +353,8 @@ def load_with_options_or_exit(argv: list[str], options_cls, cls=Config) -> tuple
         sys.exit(0)
     keys = {f.name for f in dataclasses.fields(options_cls)}
     ours = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in keys]
-    return load_config_or_exit(ours, options_cls), load_config_or_exit([a for a in argv if a not in ours], cls)
+    return (load_config_or_exit(ours, options_cls),
+            load_config_or_exit([a for a in argv if a not in ours], cls, complete))
 
 
 def help_text(*classes) -> str:

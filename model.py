@@ -17,8 +17,8 @@ Two more switches change how the step computes, not the weights: `attention` ('x
 fused kernel) and `quantization` (int8/fp8 operands for the blocks' matmuls, quantization.py).
 
 For generation, `GPT.decode` runs new tokens against a KV cache (keys and values of the
-tokens seen before); the training forward `GPT.__call__` never touches it. hf_gpt2.py loads
-GPT-2 weights from Hugging Face files into this model's parameter layout.
+tokens seen before); the training forward `GPT.__call__` never touches it. hf.py maps Hugging
+Face GPT-2 and Llama-family weights to and from this model's parameter layout.
 """
 
 import dataclasses
@@ -42,6 +42,7 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+    qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
     dtype: str = "float32"  # compute dtype; parameters are always float32
     scan_layers: bool = True
     remat_policy: str = "none"
@@ -49,6 +50,11 @@ class GPTConfig:
     # architecture switches (configurator.py documents and checks them); defaults are GPT-2
     pos_embedding: str = "learned"  # 'learned' (a wpe table) | 'rope' (rotate q and k)
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # 'none' | 'llama3' (Llama 3.1 / 3.2: lower frequencies slowed down)
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
     norm: str = "layernorm"  # 'layernorm' | 'rmsnorm'
     norm_eps: float = 1e-5
     mlp: str = "gelu"  # 'gelu' | 'swiglu'
@@ -145,18 +151,32 @@ class RMSNorm(nnx.Module):
 NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 
 
-def no_rotation(x_BxTxNxH, position_BxT, theta: float):
+def no_rotation(x_BxTxNxH, position_BxT, config: GPTConfig):
     """Learned positions: GPT.wpe adds them to the input, queries and keys stay as they are."""
     return x_BxTxNxH
 
 
-def rope(x_BxTxNxH, position_BxT, theta: float):
+def rope_frequencies(head_size: int, config: GPTConfig) -> np.ndarray:
+    """RoPE's H/2 angular frequencies theta^(-2i/H), in float64; with rope_scaling='llama3',
+    Llama 3.1's long-context rule: wavelengths shorter than original_context / high_freq_factor
+    stay, those longer than original_context / low_freq_factor are slowed down by `factor`,
+    and the band between blends the two linearly in original_context / wavelength."""
+    freq = 1.0 / config.rope_theta ** (np.arange(0, head_size, 2) / head_size)
+    if config.rope_scaling == "none":
+        return freq
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    periods_in_context = config.rope_original_context * freq / (2 * np.pi)  # context / wavelength
+    blend = np.clip((periods_in_context - low) / (high - low), 0.0, 1.0)  # 0: slow down, 1: keep
+    return (1 - blend) * freq / config.rope_scaling_factor + blend * freq
+
+
+def rope(x_BxTxNxH, position_BxT, config: GPTConfig):
     """Rotary position embedding, in the rotate-half layout (Llama's in Hugging Face files):
-    the pair of dimensions (i, i + H/2) of every head turns by the angle position·theta^(-2i/H).
+    the pair of dimensions (i, i + H/2) of every head turns by the angle position·freq_i.
     A query and a key then score by their distance alone. Angles in float32."""
     H = x_BxTxNxH.shape[-1]
-    inverse_freq = (1.0 / theta ** (np.arange(0, H, 2) / H)).astype(np.float32)  # (H/2,) from float64
-    angle_BxTx1xH2 = (position_BxT.astype(jnp.float32)[:, :, None, None] * inverse_freq)
+    freq = rope_frequencies(H, config).astype(np.float32)  # (H/2,), a constant of the program
+    angle_BxTx1xH2 = (position_BxT.astype(jnp.float32)[:, :, None, None] * freq)
     cos, sin = jnp.cos(angle_BxTx1xH2), jnp.sin(angle_BxTx1xH2)
     x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxNxH.dtype)
@@ -218,7 +238,8 @@ class Attention(nnx.Module):
         residual_std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2: scale residual writes
         self.qkv_kernel = param(normal(k_qkv, (D, G + 2, K, H), 0.02), ("embed", "qkv", "heads", "head_dim"))
         self.out_kernel = param(normal(k_out, (N, H, D), residual_std), ("heads", "head_dim", "embed"))
-        self.qkv_bias = param(jnp.zeros((G + 2, K, H)), ("qkv", "heads", "head_dim")) if config.bias else None
+        self.qkv_bias = param(jnp.zeros((G + 2, K, H)), ("qkv", "heads", "head_dim")) if (
+            config.bias or config.qkv_bias) else None
         self.out_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
         self.config = config
 
@@ -238,8 +259,8 @@ class Attention(nnx.Module):
         k_BxTxKxH, v_BxTxKxH = qkv_BxTxCxKxH[:, :, G], qkv_BxTxCxKxH[:, :, G + 1]
         rotate = ROTATIONS[config.pos_embedding]  # RoPE turns q and k by position; GPT-2 does not
         position_BxT = start_B[:, None] + jnp.arange(T)
-        q_BxTxNxH = rotate(q_BxTxNxH, position_BxT, config.rope_theta)
-        k_BxTxKxH = rotate(k_BxTxKxH, position_BxT, config.rope_theta)
+        q_BxTxNxH = rotate(q_BxTxNxH, position_BxT, config)
+        k_BxTxKxH = rotate(k_BxTxKxH, position_BxT, config)
         if cache is None:
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
                                                      implementation=config.attention)

@@ -27,6 +27,7 @@ import configurator
 import dataset
 import generate
 import hardware
+import hf
 import monitor
 import sharding
 from checkpoint import CheckpointError
@@ -135,16 +136,17 @@ def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
     return Setup(config, gpt_config, mesh, graphdef, optimizer, shardings, abstract)
 
 
-def init_state(setup: Setup) -> dict:
-    """A fresh train state, created directly in its sharded layout (never whole on one device)."""
-    def init():
-        model = GPT(setup.model_config, jax.random.key(setup.config.seed))
-        params = nnx.to_pure_dict(nnx.state(model))
+def init_state(setup: Setup, params=None) -> dict:
+    """A fresh train state, created directly in its sharded layout (never whole on one device):
+    for `params` (pretrained weights, already sharded) or from a random initialization."""
+    def init(params):
+        if params is None:
+            params = nnx.to_pure_dict(nnx.state(GPT(setup.model_config, jax.random.key(setup.config.seed))))
         return {"params": params, "opt_state": setup.optimizer.init(params),
                 "step": jnp.zeros((), jnp.int32)}
 
     with sharding.activate(setup.mesh):
-        return jax.jit(init, out_shardings=setup.state_shardings)()
+        return jax.jit(init, out_shardings=setup.state_shardings)(params)
 
 
 def cross_entropy(setup: Setup, params, x_BxT, y_BxT, dropout_key=None):
@@ -230,10 +232,9 @@ def start_state(setup: Setup, tok, log) -> tuple:
     if config.init_from != "resume":
         checkpoint.start_fresh(config, log)
         manager = checkpoint.checkpoint_manager(config)
-        state = init_state(setup)
-        if config.init_from != "scratch":  # a Hugging Face GPT-2 directory: fine-tune it
-            state["params"] = checkpoint.load_pretrained(setup)
-        return manager, state
+        pretrained = None if config.init_from == "scratch" else checkpoint.load_pretrained(
+            setup, hf.resolve(config.init_from))  # a Hugging Face model: fine-tune it
+        return manager, init_state(setup, pretrained)
     def abstract_for(meta):
         checkpoint.check_resumable(meta, config, tok)
         return {k: setup.abstract_state[k] for k in ("params", "opt_state")}
@@ -273,6 +274,10 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     # Everything that can be wrong with the input is checked before anything is written.
     tok = dataset.dataset_tokenizer(config)
     vocab_size = config.vocab_size or tok.vocab_size
+    if tok.vocab_size > vocab_size:  # e.g. a dataset made with another tokenizer than the model's
+        raise dataset.DataError(f"{dataset.dataset_dir(config)}: its tokenizer ({tok.summary()}) has more "
+                                f"tokens than the model's vocab_size {vocab_size}: prepare the data with "
+                                f"the model's tokenizer, or raise vocab_size")
     splits = {s: dataset.open_split(config, s, vocab_size) for s in ("train", "val")}
     mesh = make_mesh(config, devices)
     setup = make_setup(config, mesh, vocab_size)
@@ -298,6 +303,8 @@ def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step) -> 
     monitor.print_summary(run.log, setup, splits, run.peak_text)
     if jax.process_index() == 0:
         _write_atomically(os.path.join(config.out_dir, "config.json"), configurator.config_to_json(config))
+        if tok.kind == "huggingface":  # checkpoints name the tokenizer by hash; its files live here
+            tok.save_files(os.path.join(config.out_dir, "tokenizer"))
     stack_dumps, preemption = monitor.StackDumps(config), monitor.Preemption()
     try:
         with sharding.activate(setup.mesh):
@@ -459,7 +466,7 @@ def _write_atomically(path: str, text: str) -> None:
 
 def main(argv: list[str]) -> None:
     hardware.keep_freed_host_memory()
-    config = configurator.load_config_or_exit(argv)
+    config = configurator.load_config_or_exit(argv, complete=hf.with_model_keys)
     try:
         sharding.initialize_distributed(config.coordinator_address, config.num_processes,
                                         config.process_id)

@@ -6,6 +6,9 @@ import math
 import pytest
 
 import bench
+import hf
+from model import GPTConfig, flops_per_token
+from test_hf import LLAMA_JSON, write_config
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--vocab_size=65", "--devices=1", "--warmup=1"]
@@ -71,3 +74,13 @@ def test_quantized_run_says_plainly_what_this_hardware_gives(tmp_path, capsys):
     device = type("Device", (), {"platform": "gpu", "device_kind": "NVIDIA A100-SXM4-80GB"})
     assert "A100 has 2x" in bench.quantization_note("int8", device)
     assert "no fast fp8 units" in bench.quantization_note("fp8", device)
+
+
+def test_shapes_come_from_a_hugging_face_directory(tmp_path):
+    """--init_from=DIR: config.json sets the model (no weights are read: random ones are timed)."""
+    directory = write_config(tmp_path / "llama", LLAMA_JSON)
+    record = bench.run([f"--init_from={directory}", "--block_size=32", "--batch_size=4", "--devices=1",
+                        "--warmup=1", "--steps=1", "--json="])
+    llama = GPTConfig(**hf.read_config(directory).keys, block_size=32)
+    assert llama.n_kv_head == 2 and llama.mlp == "swiglu" and llama.rope_scaling == "none"
+    assert record["flops_per_token"] == flops_per_token(llama)

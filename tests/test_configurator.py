@@ -168,7 +168,7 @@ def test_shipped_config_files_exist():
 @pytest.mark.parametrize("flag, words", [
     ("--dtype=float16", ["dtype", "'float16'", "'float32'", "'bfloat16'"]),
     ("--remat_policy=bogus", ["remat_policy", "'bogus'", "'dots_saveable'"]),
-    ("--init_from=foo", ["init_from", "'foo'", "'scratch'", "'resume'"]),
+    ("--init_from=./no/such/dir", ["init_from", "'./no/such/dir'", "'scratch'", "'resume'", "hub name"]),
     ("--quantization=int4", ["quantization", "'int4'", "'int8'", "'fp8'"]),
     ("--attention=flash", ["attention", "'flash'", "'auto'", "'cudnn'"]),
 ])

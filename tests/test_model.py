@@ -3,7 +3,6 @@ and the forward pass against an independent float64 NumPy implementation of GPT-
 Llama-style options (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output)."""
 
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ from flax import nnx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # model.py lives at the repo root
 
-import hf_gpt2  # noqa: E402
 import model  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -50,16 +48,37 @@ def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def _rotate(x, positions, theta):
+def _frequencies(H, config):
+    """RoPE's angular frequencies as Llama 3.1's reference code states them: by wavelength
+    2π / f, one at a time: short waves kept, long ones divided by the factor, the band between
+    interpolated by how many periods fit in the original context."""
+    freqs = []
+    for i in range(H // 2):
+        f = config.rope_theta ** (-2.0 * i / H)
+        if config.rope_scaling == "llama3":
+            wavelength = 2 * math.pi / f
+            short = config.rope_original_context / config.rope_high_freq_factor
+            long = config.rope_original_context / config.rope_low_freq_factor
+            if wavelength > long:
+                f = f / config.rope_scaling_factor
+            elif wavelength >= short:
+                smooth = ((config.rope_original_context / wavelength - config.rope_low_freq_factor)
+                          / (config.rope_high_freq_factor - config.rope_low_freq_factor))
+                f = (1 - smooth) * f / config.rope_scaling_factor + smooth * f
+        freqs.append(f)
+    return np.array(freqs)
+
+
+def _rotate(x, positions, freqs):
     """RoPE the slow way: every head vector x[..., t, :, :] (H dims) is multiplied by a rotation
     matrix built for its position, turning the plane of dimensions (i, i + H/2) by
-    position · theta^(-2i/H). x: (B, T, ..., H); positions: (B, T)."""
+    position · freqs[i]. x: (B, T, ..., H); positions: (B, T)."""
     H = x.shape[-1]
     out = np.empty_like(x)
     for b, t in np.ndindex(*positions.shape):
         rotation = np.zeros((H, H))
         for i in range(H // 2):
-            angle = positions[b, t] * theta ** (-2.0 * i / H)
+            angle = positions[b, t] * freqs[i]
             c, s = np.cos(angle), np.sin(angle)
             rotation[i, i], rotation[i, i + H // 2] = c, -s
             rotation[i + H // 2, i], rotation[i + H // 2, i + H // 2] = s, c
@@ -95,8 +114,8 @@ def reference_forward(params, idx, config=None):
             qkv = qkv + attn["qkv_bias"][l]
         q, k, v = qkv[:, :, :G], qkv[:, :, G], qkv[:, :, G + 1]  # (B, T, G, K, H), (B, T, K, H) x 2
         if config.pos_embedding == "rope":
-            q = _rotate(q, positions, config.rope_theta)
-            k = _rotate(k, positions, config.rope_theta)
+            q = _rotate(q, positions, _frequencies(H, config))
+            k = _rotate(k, positions, _frequencies(H, config))
         scores = np.einsum("bqgkh,bskh->bkgqs", q, k) / np.sqrt(H)  # query head n = k·G + g
         scores = np.where(causal_TxT, scores, -np.inf)
         weights = np.exp(scores - scores.max(-1, keepdims=True))
@@ -355,185 +374,12 @@ def test_decode_with_cache_matches_the_full_forward(base, scan_layers):
     assert cache.k.shape == (2, 3, 16, config.kv_heads, 8) and cache.k.dtype == jnp.float32
 
 
-# --- GPT-2 weights in Hugging Face files ------------------------------------------------------
-
-def _to_bytes(array, dtype):
-    if dtype == "BF16":  # the top 16 bits of the float32 (the test values are exact in bfloat16)
-        return (np.asarray(array, "<f4").view("<u4") >> 16).astype("<u2").tobytes()
-    return np.asarray(array).astype(hf_gpt2.SAFETENSORS_DTYPES[dtype]).tobytes()
-
-
-def write_safetensors(path, tensors):
-    """{name: (array, dtype)} -> a .safetensors file, written by hand from the format's description."""
-    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
-    for name, (array, dtype) in tensors.items():
-        raw = _to_bytes(array, dtype)
-        header[name] = {"dtype": dtype, "shape": list(np.shape(array)),
-                        "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)  # the format pads the header to 8 bytes
-    Path(path).write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
-
-
-def random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=65, n_positions=16, seed=0):
-    """GPT-2 tensors under Hugging Face's names (no prefix), Conv1D weights stored (in, out)."""
-    rng = np.random.default_rng(seed)
-    D = n_embd
-    normal = lambda *shape, std=0.1: (std * rng.standard_normal(shape)).astype(np.float32)
-    t = {"wte.weight": normal(vocab_size, D, std=0.3), "wpe.weight": normal(n_positions, D),
-         "ln_f.weight": 1 + normal(D, std=0.2), "ln_f.bias": normal(D)}
-    for i in range(n_layer):
-        t |= {f"h.{i}.ln_1.weight": 1 + normal(D, std=0.2), f"h.{i}.ln_1.bias": normal(D),
-              f"h.{i}.attn.c_attn.weight": normal(D, 3 * D, std=0.2),
-              f"h.{i}.attn.c_attn.bias": normal(3 * D),
-              f"h.{i}.attn.c_proj.weight": normal(D, D), f"h.{i}.attn.c_proj.bias": normal(D),
-              f"h.{i}.ln_2.weight": 1 + normal(D, std=0.2), f"h.{i}.ln_2.bias": normal(D),
-              f"h.{i}.mlp.c_fc.weight": normal(D, 4 * D), f"h.{i}.mlp.c_fc.bias": normal(4 * D),
-              f"h.{i}.mlp.c_proj.weight": normal(4 * D, D), f"h.{i}.mlp.c_proj.bias": normal(D)}
-    return t
-
-
-def write_hf_gpt2(directory, tensors, n_head, prefix="transformer.", buffers=True, **config_changes):
-    """A directory as `GPT2LMHeadModel.save_pretrained` writes it: config.json + model.safetensors."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    n_layer = 1 + max(int(name.split(".")[1]) for name in tensors if name.startswith("h."))
-    V, D = tensors["wte.weight"].shape
-    T = tensors["wpe.weight"].shape[0]
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": n_layer,
-              "n_head": n_head, "n_embd": D, "n_positions": T, "n_ctx": T, "vocab_size": V,
-              "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new", "n_inner": None}
-    (directory / "config.json").write_text(json.dumps(config | config_changes))
-    files = {prefix + name: (array, "F32") for name, array in tensors.items()}
-    if buffers:  # what older transformers versions saved too: must be ignored
-        for i in range(n_layer):
-            files[f"{prefix}h.{i}.attn.bias"] = (np.tril(np.ones((1, 1, T, T), np.float32)), "F32")
-            files[f"{prefix}h.{i}.attn.masked_bias"] = (np.array(-1e4, np.float32), "F32")
-        files["lm_head.weight"] = (tensors["wte.weight"], "F32")  # tied
-    write_safetensors(directory / "model.safetensors", files)
-    return str(directory)
-
-
-def hf_reference_forward(t, n_head, idx):
-    """GPT-2 in float64 NumPy straight from the Hugging Face tensors (not via model.py's layout)."""
-    t = {name: np.asarray(a, np.float64) for name, a in t.items()}
-    idx = np.asarray(idx)
-    B, T = idx.shape
-    D = t["wte.weight"].shape[1]
-    N, H = n_head, D // n_head
-    heads = lambda a: a.reshape(B, T, N, H).transpose(0, 2, 1, 3)  # (B, N, T, H)
-    x = t["wte.weight"][idx] + t["wpe.weight"][:T]
-    i = 0
-    while f"h.{i}.ln_1.weight" in t:
-        p = lambda name: t[f"h.{i}.{name}"]
-        h = _layer_norm(x, p("ln_1.weight"), p("ln_1.bias"))
-        q, k, v = np.split(h @ p("attn.c_attn.weight") + p("attn.c_attn.bias"), 3, axis=-1)
-        scores = heads(q) @ heads(k).transpose(0, 1, 3, 2) / np.sqrt(H)
-        scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
-        weights = np.exp(scores - scores.max(-1, keepdims=True))
-        weights /= weights.sum(-1, keepdims=True)
-        y = (weights @ heads(v)).transpose(0, 2, 1, 3).reshape(B, T, D)
-        x = x + y @ p("attn.c_proj.weight") + p("attn.c_proj.bias")
-        h = _layer_norm(x, p("ln_2.weight"), p("ln_2.bias"))
-        h = _gelu_tanh(h @ p("mlp.c_fc.weight") + p("mlp.c_fc.bias"))
-        x = x + h @ p("mlp.c_proj.weight") + p("mlp.c_proj.bias")
-        i += 1
-    x = _layer_norm(x, t["ln_f.weight"], t["ln_f.bias"])
-    return x @ t["wte.weight"].T
-
-
-def gpt_from_hf(directory, **changes):
-    fields = hf_gpt2.read_hf_gpt2_config(directory)
-    config = GPTConfig(**(fields | changes))
-    gpt = nnx.eval_shape(lambda: GPT(config, jax.random.key(0)))
-    state = nnx.state(gpt)
-    nnx.replace_by_pure_dict(state, hf_gpt2.load_hf_gpt2(directory, config))
-    nnx.update(gpt, state)
-    return gpt
-
-
-def test_safetensors_reader(tmp_path):
-    exact = np.array([[1.0, -2.5, 0.15625], [3.0e4, -1.0e-3, 0.0]], np.float32)
-    bf16_exact = np.array([[1.0, -2.5, 0.15625], [384.0, -0.0078125, 0.0]], np.float32)  # 8-bit mantissas
-    write_safetensors(tmp_path / "t.safetensors", {
-        "a.f32": (exact, "F32"), "b.f16": (exact[:, :2], "F16"), "c.bf16": (bf16_exact, "BF16"),
-        "d.i64": (np.arange(5), "I64"), "e.scalar": (np.float32(7.0), "F32")})
-    t = hf_gpt2.read_safetensors(tmp_path / "t.safetensors")
-    assert set(t) == {"a.f32", "b.f16", "c.bf16", "d.i64", "e.scalar"}  # __metadata__ skipped
-    np.testing.assert_array_equal(t["a.f32"], exact)
-    assert t["b.f16"].dtype == np.float16
-    np.testing.assert_array_equal(t["b.f16"], exact[:, :2].astype(np.float16))
-    assert t["c.bf16"].dtype == np.float32
-    np.testing.assert_array_equal(t["c.bf16"], bf16_exact)
-    np.testing.assert_array_equal(t["d.i64"], np.arange(5))
-    assert t["e.scalar"].shape == () and t["e.scalar"] == 7.0
-
-
-@pytest.mark.parametrize("prefix", ["transformer.", ""])
-def test_hf_gpt2_logits_match_a_float64_numpy_forward(tmp_path, prefix):
-    tensors = random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=65, n_positions=24)
-    directory = write_hf_gpt2(tmp_path / "gpt2", tensors, n_head=4, prefix=prefix, buffers=bool(prefix))
-    idx = tokens((2, 16))
-    expected = hf_reference_forward(tensors, 4, idx)
-    assert np.abs(expected).max() > 1.0  # the weights are big enough for mistakes to show
-    forward = nnx.jit(lambda gpt, idx: gpt(idx))
-    # The checkpoint's own shape...
-    np.testing.assert_allclose(forward(gpt_from_hf(directory), idx), expected, rtol=0, atol=1e-5)
-    # ...and a shorter context with a padded vocabulary (fine-tuning at block_size 16).
-    gpt = gpt_from_hf(directory, block_size=16, pad_vocab_to_multiple=64)
-    assert gpt.wpe.shape == (16, 32) and gpt.wte.shape == (128, 32)
-    logits = np.asarray(forward(gpt, idx))
-    np.testing.assert_allclose(logits[..., :65], expected, rtol=0, atol=1e-5)
-    # The decode path (prefill of the whole row) gives the last position's logits.
-    last, _ = nnx.jit(lambda gpt, idx: gpt.decode(idx, model.init_cache(gpt.config, 2, 16),
-                                                    jnp.zeros(2, jnp.int32)))(gpt, idx)
-    np.testing.assert_allclose(np.asarray(last)[:, :65], expected[:, -1], rtol=0, atol=1e-5)
-
-
-def test_hf_gpt2_problems_are_named(tmp_path):
-    tensors = random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=65, n_positions=16)
-    good = write_hf_gpt2(tmp_path / "good", tensors, n_head=4)
-    config = GPTConfig(**hf_gpt2.read_hf_gpt2_config(good))
-    shape = (config.n_layer, config.n_head, config.n_embd, config.block_size, config.vocab_size)
-    assert shape == (2, 4, 32, 16, 65)
-    with pytest.raises(ValueError, match="n_layer: checkpoint 2, config 3"):
-        hf_gpt2.load_hf_gpt2(good, dataclasses.replace(config, n_layer=3))
-    with pytest.raises(ValueError, match="block_size: checkpoint 16, config 32"):
-        hf_gpt2.load_hf_gpt2(good, dataclasses.replace(config, block_size=32))
-    eps = write_hf_gpt2(tmp_path / "eps", tensors, n_head=4, layer_norm_epsilon=1e-6)
-    with pytest.raises(ValueError, match="layer_norm_epsilon is 1e-06"):
-        hf_gpt2.read_hf_gpt2_config(eps)
-    without = {k: v for k, v in tensors.items() if k != "h.1.mlp.c_fc.bias"}
-    missing = write_hf_gpt2(tmp_path / "missing", without, n_head=4)
-    with pytest.raises(ValueError, match="no tensor 'h.1.mlp.c_fc.bias'"):
-        hf_gpt2.load_hf_gpt2(missing, config)
-    transposed = tensors | {"h.0.attn.c_attn.weight": np.zeros((96, 32))}  # nn.Linear's (out, in)
-    bad_shape = write_hf_gpt2(tmp_path / "shape", transposed, n_head=4)
-    with pytest.raises(ValueError, match=r"h.0.attn.c_attn.weight has shape \(96, 32\), expected \(32, 96\)"):
-        hf_gpt2.load_hf_gpt2(bad_shape, config)
-
-
-@pytest.mark.parametrize("content, words", [
-    (b'{"n_layer": 2,', ["is not valid JSON (Expecting", "download or save it again"]),
-    (b'{"n_layer": "\xff"}', ["is not valid JSON (", "can't decode byte 0xff"]),
-    (b"[1, 2]", ["holds a JSON list, not an object"]),
-])
-def test_hf_config_that_is_not_a_json_object_names_the_file(tmp_path, content, words):
-    (tmp_path / "config.json").write_bytes(content)
-    with pytest.raises(ValueError) as excinfo:
-        hf_gpt2.read_hf_gpt2_config(tmp_path)
-    message = str(excinfo.value)
-    assert message.startswith(str(tmp_path / "config.json") + " ")
-    for word in words:
-        assert word in message
-
-
 # --- architecture options: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output ------
 
 VARIANTS = {  # between them, each switch both ways
     "llama": LLAMA,
+    "qwen2: qkv biases, llama3 rope scaling, untied": dataclasses.replace(
+        LLAMA, qkv_bias=True, rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_context=32),
     "multi-query, rope, layernorm, swiglu, biases, tied": dataclasses.replace(
         TINY, pos_embedding="rope", rope_theta=500_000.0, n_kv_head=1, mlp="swiglu", mlp_hidden=48),
 }
@@ -541,17 +387,31 @@ VARIANTS = {  # between them, each switch both ways
 
 @pytest.mark.parametrize("theta", [10_000.0, 500_000.0])
 def test_rope_matches_a_float64_numpy_rotation(theta):
+    config = dataclasses.replace(LLAMA, rope_theta=theta)
     rng = np.random.default_rng(0)
     x_BxTxNxH = rng.standard_normal((2, 5, 3, 16)).astype(np.float32)
     position_BxT = np.array([[0, 1, 2, 3, 4], [7, 100, 101, 500, 1000]])
-    rotated = np.asarray(model.rope(jnp.asarray(x_BxTxNxH), jnp.asarray(position_BxT), theta))
-    expected = _rotate(x_BxTxNxH.astype(np.float64), position_BxT, theta)
+    rotated = np.asarray(model.rope(jnp.asarray(x_BxTxNxH), jnp.asarray(position_BxT), config))
+    expected = _rotate(x_BxTxNxH.astype(np.float64), position_BxT, _frequencies(16, config))
     np.testing.assert_allclose(rotated, expected, rtol=0, atol=1e-4)  # float32 angles: measured 2e-5
     np.testing.assert_array_equal(rotated[0, 0], x_BxTxNxH[0, 0])  # position 0: unchanged
     # What RoPE is for: a rotated query-key product depends on their distance only.
     q, k = (jnp.asarray(rng.standard_normal((1, 1, 1, 16)), jnp.float32) for _ in range(2))
-    score = lambda i, j: float(jnp.sum(model.rope(q, jnp.array([[i]]), theta) * model.rope(k, jnp.array([[j]]), theta)))
+    score = lambda i, j: float(jnp.sum(model.rope(q, jnp.array([[i]]), config) * model.rope(k, jnp.array([[j]]), config)))
     assert abs(score(9, 4) - score(105, 100)) < 1e-4 and abs(score(9, 4) - score(4, 9)) > 1e-3
+
+
+def test_llama3_rope_scaling_follows_the_published_formula():
+    """Llama 3.1 8B's values (head size 128, theta 500000, factor 8, 1 / 4, 8192 tokens)."""
+    llama31 = dataclasses.replace(LLAMA, n_embd=4096, n_head=32, rope_theta=500_000.0, rope_scaling="llama3",
+                                  rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                                  rope_high_freq_factor=4.0, rope_original_context=8192)
+    scaled, expected = model.rope_frequencies(128, llama31), _frequencies(128, llama31)
+    plain = model.rope_frequencies(128, dataclasses.replace(llama31, rope_scaling="none"))
+    np.testing.assert_allclose(scaled, expected, rtol=1e-12)
+    kept, divided = scaled == plain, np.isclose(scaled, plain / 8, rtol=1e-12)
+    assert kept[:25].all() and divided[-25:].all()  # short waves kept, long ones slowed down 8x
+    assert (~kept & ~divided).sum() >= 3  # and a band in between
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -647,16 +507,6 @@ def test_llama_style_bfloat16_compute():
     idx = tokens()
     diff = np.abs(np.asarray(half(idx)) - np.asarray(full(idx))).max()
     assert 0 < diff < 0.02
-
-
-def test_hf_gpt2_weights_need_the_gpt2_architecture(tmp_path):
-    directory = write_hf_gpt2(tmp_path / "gpt2", random_hf_gpt2(), n_head=4)
-    config = GPTConfig(**hf_gpt2.read_hf_gpt2_config(directory))
-    hf_gpt2.load_hf_gpt2(directory, dataclasses.replace(config, n_kv_head=4))  # = n_head: still GPT-2
-    with pytest.raises(ValueError, match="pos_embedding: GPT-2 'learned', config 'rope'; "
-                                         "kv_heads: GPT-2 4, config 2; tie_embeddings: GPT-2 True"):
-        hf_gpt2.load_hf_gpt2(directory, dataclasses.replace(config, pos_embedding="rope", n_kv_head=2,
-                                                          tie_embeddings=False))
 
 
 # --- quantized matmuls (quantization.py) --------------------------------------------------

@@ -6,11 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-import hf_gpt2
 import sample
 import train
 from configurator import Config
-from test_model import random_hf_gpt2, write_hf_gpt2
+from test_hf import load, random_hf_gpt2, write_hf_gpt2
 from tokenizer import gpt2_tokenizer
 
 CHARS = "".join(chr(0x100 + i) for i in range(65))  # a 65-symbol character vocabulary
@@ -31,7 +30,7 @@ def test_command_line_on_hugging_face_files_with_a_prompt_file(tmp_path, capsys)
     assert samples[0] == samples[1] and samples[2] == samples[3]
     n_prompt = 2 * len(gpt2_tokenizer().encode("Hello, my name isThe quick brown fox jumps over the lazy"))
     assert f"prefill: {n_prompt} prompt tokens" in err and "tok/s" in err and "decode:" in err
-    with pytest.raises(SystemExit, match="no config.json"):
+    with pytest.raises(SystemExit, match="config.json is missing"):
         sample.main([f"--init_from={tmp_path}", "--start=hi"])
 
 
@@ -52,12 +51,11 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
     train.train(config, jax.devices()[:1])
     setup, params, step, tok = sample.load_for_inference(config.out_dir)
     assert setup.model_config.quantization == "none"  # trained quantized or not: chosen when sampling
-    loaded = hf_gpt2.load_hf_gpt2(hf_dir, setup.model_config)
+    _, loaded = load(hf_dir, block_size=16)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(a, b)
     capsys.readouterr()
     sample.main(["--init_from=resume", f"--out_dir={config.out_dir}", f"--start={CHARS[:4]}",
                  "--num_samples=1", "--max_new_tokens=20", "--quantization=int8"])
     out, err = capsys.readouterr()
-    assert out.startswith(CHARS[:4]) and len(out.split("\n")[0]) == 16  # stopped at the context
-    assert "stopped at the model's context length (16 tokens) after 12 new tokens" in err
+    assert out.startswith(CHARS[:4]) and len(out.split("\n")[0]) == 24  # on past the context (16)

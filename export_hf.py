@@ -1,0 +1,78 @@
+"""Export a nanomax checkpoint as a Hugging Face model directory.
+
+    python export_hf.py --out_dir=out-shakespeare-char --to=exported/shakespeare-char
+    python export_hf.py --out_dir=out-llama --to=exported/llama --dtype=bfloat16
+
+writes config.json, model.safetensors (or shards with model.safetensors.index.json),
+generation_config.json and the tokenizer's files, so that transformers'
+AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR) load it (and
+vLLM or llama.cpp's converters take it). GPT-2-style models become GPT2LMHeadModel,
+Llama-style ones LlamaForCausalLM (Qwen2ForCausalLM with qkv_bias); mixes that transformers
+has no class for are refused. A char-level run exports its weights only: its vocabulary is
+meta.json's character table, which transformers has no tokenizer for.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+import configurator
+import hf
+from sample import load_for_inference
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    out_dir: str = "out"  # the run: its newest intact checkpoint is exported
+    to: str = ""  # the new Hugging Face directory (must not exist, or be empty)
+    dtype: str = "float32"  # 'float32' | 'bfloat16': how the weights are stored
+    max_shard_gb: float = 5.0  # larger models are split into shards of at most this size
+
+    def __post_init__(self):
+        if not self.to.strip():
+            raise configurator.ConfigError("--to must name the directory to write, e.g. --to=exported/my-model")
+        configurator.check_choice("dtype", self.dtype, ("float32", "bfloat16"))
+        if self.max_shard_gb <= 0:
+            raise configurator.ConfigError(f"max_shard_gb must be > 0, got {self.max_shard_gb}")
+
+
+def export(cfg: ExportConfig, log=print) -> list:
+    """Writes cfg.to from the newest intact checkpoint in cfg.out_dir; returns its file names."""
+    if jax.process_count() > 1:
+        raise hf.HFError("export_hf.py runs as a single process: run it on one host")
+    setup, params, step, tok = load_for_inference(cfg.out_dir)
+    c = setup.model_config
+    hf.check_architecture(c)  # before anything is converted
+    tensors = hf.to_hf_tensors(jax.tree.map(np.asarray, params), c)
+    eos, bos = tok.eot_token, tok.bos_token
+    config = hf.hf_config(c, cfg.dtype, eos, bos)
+
+    def add_files(directory):
+        generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": tok.stop_tokens or eos}
+        with open(os.path.join(directory, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump(generation, f, indent=2)
+        if not tok.save_files(directory):
+            log(f"note: {tok.summary()} has no Hugging Face tokenizer: exporting the weights only; "
+                f"token ids are positions in the run's vocabulary (its meta.json)")
+
+    files = hf.write_model(cfg.to, tensors, config, cfg.dtype, int(cfg.max_shard_gb * 2**30), add_files)
+    n_params = sum(t.size for t in tensors.values())
+    log(f"exported step {step} of {cfg.out_dir} ({config['architectures'][0]}, {n_params:,} parameters, "
+        f"{cfg.dtype}) to {cfg.to}: {', '.join(files)}")
+    return files
+
+
+def main(argv):
+    cfg = configurator.load_config_or_exit(argv, ExportConfig)
+    try:
+        export(cfg)
+    except (OSError, ValueError) as e:  # HFError, CheckpointError and ConfigError are ValueErrors
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
