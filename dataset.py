@@ -1,4 +1,5 @@
-"""The training data: data/<dataset>/{train,val}.bin (uint16 token ids) and meta.json, checked
+"""The training data: data/<dataset>/{train,val}.bin (uint16 or uint32 token ids, as meta.json's
+"dtype" says) and meta.json, checked
 once at start-up, and the batch of every step as a pure function of (seed, step).
 
 Every process reads only its own rows of each batch from the memory-mapped file, so a dataset
@@ -6,6 +7,7 @@ never has to fit in memory and a resumed or re-sharded run sees exactly the batc
 uninterrupted one.
 """
 
+import json
 import os
 
 import numpy as np
@@ -42,16 +44,26 @@ def read_vocab_size(config: Config) -> int:
     return config.vocab_size or dataset_tokenizer(config).vocab_size
 
 
+def token_dtype(config: Config) -> np.dtype:
+    """meta.json's "dtype": uint16 where it has none (datasets from before uint32 existed, or
+    none at all when the config gives vocab_size)."""
+    try:
+        with open(os.path.join(dataset_dir(config), "meta.json"), encoding="utf-8") as f:
+            return np.dtype(json.load(f).get("dtype", "uint16"))  # load_tokenizer checked it
+    except FileNotFoundError:
+        return np.dtype(np.uint16)
+
+
 def open_split(config: Config, split: str, vocab_size: int) -> np.ndarray:
-    """Memory-map data/<dataset>/<split>.bin (uint16 tokens) after checking every token."""
+    """Memory-map data/<dataset>/<split>.bin after checking every token."""
     path = os.path.join(dataset_dir(config), f"{split}.bin")
     if not os.path.isfile(path):
         raise DataError(f"{path} not found: {_prepare_hint(config)}")
-    n_bytes = os.path.getsize(path)
-    if n_bytes == 0 or n_bytes % 2:
-        raise DataError(f"{path} has {n_bytes} bytes, not a whole number of uint16 tokens: "
+    n_bytes, dtype = os.path.getsize(path), token_dtype(config)
+    if n_bytes == 0 or n_bytes % dtype.itemsize:
+        raise DataError(f"{path} has {n_bytes} bytes, not a whole number of {dtype} tokens: "
                         f"{_prepare_hint(config)} again")
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
     if len(tokens) < config.block_size + 2:
         raise DataError(f"{path} holds {len(tokens)} tokens, fewer than block_size+2 = "
                         f"{config.block_size + 2}: lower --block_size or add data")

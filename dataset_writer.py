@@ -1,7 +1,7 @@
 """The atomic writers the data/*/prepare.py scripts share, and their command-line glue.
 
-A dataset is train.bin and val.bin (uint16 token ids), meta.json (tokenizer.py says what
-it holds) and, for a Hugging Face tokenizer, that tokenizer's files. Every file goes to
+A dataset is train.bin and val.bin (token ids: uint16 when the vocabulary fits in 16 bits,
+else uint32; meta.json's "dtype" says which), meta.json (tokenizer.py says what it holds) and, for a Hugging Face tokenizer, that tokenizer's files. Every file goes to
 NAME.tmp beside the old one, and all of them are renamed over the old files together
 once everything is written, so a bad input, a crash or Ctrl-C leaves the old dataset
 exactly as it was.
@@ -18,20 +18,28 @@ import numpy as np
 
 from tokenizer import HF_FILES, command_path
 
-UINT16_IDS = 1 << 16  # token files hold ids in [0, 65536)
-
-
 class PrepareError(Exception):
     """Something wrong with a prepare script's input or output folder: one line for the user."""
 
 
-def _check_uint16(a):
-    if a.size and (a.min() < 0 or a.max() >= UINT16_IDS):
-        raise ValueError(f"token ids must be in [0, 65536) to fit uint16, got [{a.min()}, {a.max()}]")
+def token_dtype(vocab_size: int) -> str:
+    """'uint16' where every id fits in 16 bits (GPT-2's 50257), else 'uint32' (Llama 3's 128256):
+    the smaller file, as long as it can hold the vocabulary."""
+    if vocab_size <= 1 << 16:
+        return "uint16"
+    if vocab_size <= 1 << 32:
+        return "uint32"
+    raise PrepareError(f"a vocabulary of {vocab_size:,} tokens does not fit in 32-bit token files")
+
+
+def _check_ids(a, dtype: str):
+    limit = int(np.iinfo(dtype).max) + 1
+    if a.size and (a.min() < 0 or a.max() >= limit):
+        raise ValueError(f"token ids must be in [0, {limit}) to fit {dtype}, got [{a.min()}, {a.max()}]")
 
 
 class TokenWriter:
-    """Appends token ids to PATH.tmp as uint16; commit() renames it to PATH.
+    """Appends token ids to PATH.tmp as `dtype` ('uint16' or 'uint32'); commit() renames it to PATH.
 
         with TokenWriter("train.bin") as w:
             w.write(ids)   # any number of times
@@ -42,8 +50,8 @@ class TokenWriter:
 
     BUFFER = 1 << 20  # ids kept in memory between writes: small calls stay cheap
 
-    def __init__(self, path):
-        self.path = os.fspath(path)
+    def __init__(self, path, dtype: str = "uint16"):
+        self.path, self.dtype = os.fspath(path), dtype
         self.tmp = self.path + ".tmp"
         self.count = 0
         self._buf = []
@@ -72,8 +80,8 @@ class TokenWriter:
             self._buf = []
 
     def _write_array(self, a):
-        _check_uint16(a)
-        a.astype(np.uint16).tofile(self._f)
+        _check_ids(a, self.dtype)
+        a.astype(self.dtype).tofile(self._f)
         self.count += a.size
 
     def finish(self):
@@ -120,11 +128,11 @@ def _copy_synced(src, dst):
         os.fsync(fout.fileno())
 
 
-def write_tokens(path, ids) -> int:
-    """Writes ids to path as uint16, atomically. Returns the number of ids written."""
+def write_tokens(path, ids, dtype: str = "uint16") -> int:
+    """Writes ids to path as dtype, atomically. Returns the number of ids written."""
     ids = np.asarray(ids)
-    _check_uint16(ids)  # before creating any file
-    with TokenWriter(path) as w:
+    _check_ids(ids, dtype)  # before creating any file
+    with TokenWriter(path, dtype) as w:
         w.write(ids)
     w.commit()
     return w.count
@@ -175,10 +183,10 @@ class DatasetWriter:
     temporaries, and the old dataset stays byte for byte as it was.
     """
 
-    def __init__(self, out_dir):
-        self.out_dir = Path(out_dir)
-        self.train = TokenWriter(self.out_dir / "train.bin")
-        self.val = TokenWriter(self.out_dir / "val.bin")
+    def __init__(self, out_dir, dtype: str = "uint16"):
+        self.out_dir, self.dtype = Path(out_dir), dtype
+        self.train = TokenWriter(self.out_dir / "train.bin", dtype)
+        self.val = TokenWriter(self.out_dir / "val.bin", dtype)
         self.meta_path = self.out_dir / "meta.json"
         self.meta_tmp = self.out_dir / "meta.json.tmp"
         self._copies = []  # (NAME.tmp, NAME) of the files commit() copies in
@@ -202,7 +210,7 @@ class DatasetWriter:
             dst = self.out_dir / src.name
             self._copies.append((dst.with_name(dst.name + ".tmp"), dst))
             _copy_synced(src, self._copies[-1][0])
-        _write_json_synced(self.meta_tmp, meta)
+        _write_json_synced(self.meta_tmp, {**meta, "dtype": self.dtype})  # how to read the token files
         # Tokenizer files an old Hugging Face dataset left and the new one lacks would be read
         # with the new tokenizer.json; without such a dataset those names are not ours to remove.
         stale = ({self.out_dir / name for name in HF_FILES} - {dst for _, dst in self._copies}
@@ -232,9 +240,10 @@ class DatasetWriter:
 def write_dataset(out_dir, train_ids, val_ids, meta: dict, files=()):
     """Writes a whole dataset; an old one in out_dir is replaced only once all of it is written."""
     train_ids, val_ids = np.asarray(train_ids), np.asarray(val_ids)
-    _check_uint16(train_ids)  # before creating any file
-    _check_uint16(val_ids)
-    with DatasetWriter(out_dir) as ds:
+    dtype = token_dtype(meta["vocab_size"])
+    _check_ids(train_ids, dtype)  # before creating any file
+    _check_ids(val_ids, dtype)
+    with DatasetWriter(out_dir, dtype) as ds:
         ds.train.write(train_ids)
         ds.val.write(val_ids)
         ds.commit(meta, files)

@@ -1,7 +1,7 @@
 """Text <-> token ids, offline, and what a dataset's meta.json says about them.
 
-A dataset directory holds train.bin and val.bin (uint16 token ids) and meta.json, which
-says how to turn ids back into text:
+A dataset directory holds train.bin and val.bin (token ids, uint16 or uint32 as meta.json's
+"dtype" says) and meta.json, which says how to turn ids back into text:
     {"kind": "char", "vocab_size": 65, "chars": "\\n !$&',-.3:;?ABC..."}
     {"kind": "gpt2", "vocab_size": 50257}
     {"kind": "huggingface", "vocab_size": 32000, "sha256": "9a3f...", "tokenizer": "tokenizer.json"}
@@ -442,6 +442,11 @@ def _check_meta(path, meta, hint):
             raise bad("'chars' must not repeat a character")
         if vocab_size != len(chars):
             raise bad(f"vocab_size is {vocab_size} but 'chars' holds {len(chars)} characters")
+    dtype = meta.get("dtype", "uint16")  # datasets from before uint32 have none
+    if dtype not in ("uint16", "uint32"):
+        raise bad(f"'dtype' must be 'uint16' or 'uint32', got {dtype!r}")
+    if dtype == "uint16" and vocab_size > 1 << 16:
+        raise bad(f"vocab_size {vocab_size} does not fit in uint16 token files (dtype)")
     if kind == "huggingface":
         sha256, name = meta.get("sha256"), meta.get("tokenizer")
         if not (isinstance(sha256, str) and len(sha256) == 64 and set(sha256) <= set("0123456789abcdef")):

@@ -1,13 +1,20 @@
 """dataset.py: the token files checked at start-up, and the batch of a step as a pure function."""
 
+import dataclasses
+import json
 import re
 
 import numpy as np
 import pytest
+import tokenizers
 
 import dataset
+import generate
+import sample
 import train
+from dataset_writer import write_dataset
 from test_train import ONE_DEVICE, make_dataset, small_config
+from tokenizer import hf_tokenizer
 
 
 @pytest.fixture
@@ -64,3 +71,35 @@ def test_a_bad_token_id_anywhere_in_the_data_is_found_before_training(tmp_path):
         dataset.open_split(small_config(tmp_path), "train", 65)
     assert dataset.first_token_at_least(tokens, 65, chunk=1000) == 2_000_001  # found in a later chunk
     assert dataset.first_token_at_least(tokens[:2_000_001], 65, chunk=1000) is None
+
+
+def test_a_vocabulary_over_65536_tokens_trains_resumes_and_samples_from_uint32_files(tmp_path):
+    """70,000 words, half the text above id 65,535: the ids survive the file, the batches,
+    a resume (same losses as one run) and sampling (decoded by the run's own tokenizer)."""
+    words = [f"w{i}" for i in range(70_000)]
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, "w0"))
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    word_level.decoder = tokenizers.decoders.WordPiece()  # joins the words with spaces
+    word_level.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1"}))
+    tok = hf_tokenizer(tok_dir)
+    rng = np.random.default_rng(0)
+    phrases = rng.integers(60_000, 70_000, size=(8, 16))  # a learnable pattern, high ids
+    ids = phrases[rng.integers(0, 8, size=400)].reshape(-1)
+    meta = {"kind": "huggingface", "vocab_size": tok.vocab_size, "sha256": tok.sha256, "tokenizer": "tokenizer.json"}
+    write_dataset(tmp_path / "data" / "words", ids[:5000], ids[5000:], meta, files=tok.files)
+    assert json.loads((tmp_path / "data" / "words" / "meta.json").read_text())["dtype"] == "uint32"
+
+    config = small_config(tmp_path, dataset="words", max_iters=4, eval_interval=2, eval_iters=1, lr_decay_iters=4)
+    np.testing.assert_array_equal(dataset.open_split(config, "train", 70_000), ids[:5000])
+    whole = train.train(config, ONE_DEVICE)
+    first = train.train(dataclasses.replace(config, out_dir=str(tmp_path / "b"), max_iters=2), ONE_DEVICE)
+    rest = train.train(dataclasses.replace(config, out_dir=str(tmp_path / "b"), init_from="resume"), ONE_DEVICE)
+    assert first + rest == whole
+
+    setup, params, _, run_tok = sample.load_for_inference(config.out_dir)
+    prompt = [int(i) for i in phrases[0, :4]]
+    new = generate.generate(setup, params, [prompt], 12, temperature=0).tokens[0]
+    assert len(new) == 12 and run_tok.encode(run_tok.decode(prompt + new)) == prompt + new
