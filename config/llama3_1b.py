@@ -3,11 +3,12 @@
 # in bfloat16 with rematerialization, FSDP over every device. For compiling ahead of time and
 # benchmarking a modern 1B model, e.g.
 #   python compile_aot.py config/llama3_1b.py --topology=v5p-64
-# vocab_size=128256 is Llama 3's tokenizer, which nanomax does not ship, and data files hold
-# uint16 token ids (< 65536): this config is for shapes, not (yet) for training on real text.
-# Context: Llama 3.2 pre-trained at 8192 tokens; its 128K context needs RoPE scaling, not here.
+# To train on text, tokenize it with Llama 3's tokenizer (128,256 tokens: uint32 token files):
+#   python data/text/prepare.py --input_dir=my_texts --out_dir=data/mine --tokenizer=/path/to/Llama-3.2-1B
+# and add --init_from=/path/to/Llama-3.2-1B (or meta-llama/Llama-3.2-1B) to fine-tune its weights:
+# its config.json then also sets Llama 3.2's long-context RoPE scaling (rope_scaling='llama3').
 out_dir = "out-llama3-1b"
-dataset = "openwebtext"
+dataset = "mine"
 vocab_size = 128256
 
 n_layer = 16
