@@ -27,6 +27,7 @@ MAGIC = b"nanomax compiled train step v1\n"
 NOT_IN_PROGRAM = (
     "dataset", "data_dir",  # the data; the vocabulary size it implies is checked instead
     "out_dir", "init_from", "overwrite_out_dir", "max_iters", "eval_interval", "eval_iters", "eval_only",
+    "eval_tasks", "eval_tasks_limit",
     "log_interval", "always_save_checkpoint", "max_to_keep", "tensorboard", "sample_tokens",
     "overfit_batch",  # which batch is fed, not what the step does with it
     "mesh_data", "mesh_fsdp", "mesh_tensor",  # the resolved mesh and its devices are checked

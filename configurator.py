@@ -90,6 +90,9 @@ class Config:
     eval_interval: int = 2000
     eval_iters: int = 200
     eval_only: bool = False
+    eval_tasks: str = ""  # also scored at every eval: comma-separated 'hellaswag' (downloaded once) or
+    #                       'hellaswag:FILE', 'choice:FILE' ({context, choices, label} jsonl), 'perplexity:FILE'
+    eval_tasks_limit: int = 0  # examples of each multiple-choice task (0 = all)
     log_interval: int = 1
     always_save_checkpoint: bool = True  # False: save only when val loss improves
     max_to_keep: int = 3  # the latest checkpoints kept...
@@ -150,6 +153,11 @@ class Config:
                               f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
                               f"{self.rope_scaling_factor}, {self.rope_original_context}")
         check_choice("nan_policy", self.nan_policy, ("stop", "skip_step"))
+        for item in filter(None, (part.strip() for part in self.eval_tasks.split(","))):
+            kind, _, path = item.partition(":")
+            check_choice("eval_tasks", kind, EVAL_TASKS)
+            if kind != "hellaswag" and not path:
+                raise ConfigError(f"eval_tasks: {kind!r} needs a file, e.g. {kind}:PATH")
         for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
                     "gradient_accumulation_steps", "eval_interval", "eval_iters",
                     "log_interval", "max_to_keep", "pad_vocab_to_multiple",
@@ -174,7 +182,7 @@ class Config:
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError(f"rope_theta ({self.rope_theta}) and norm_eps ({self.norm_eps}) must be > 0")
         for key in ("vocab_size", "seed", "max_iters", "warmup_iters", "lr_decay_iters", "learning_rate",
-                    "weight_decay", "grad_clip", "keep_best", "sample_tokens", "stack_dump_interval"):
+                    "weight_decay", "grad_clip", "keep_best", "sample_tokens", "stack_dump_interval", "eval_tasks_limit"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(self, key)}")
         for key in ("beta1", "beta2"):  # AdamW's moving averages; at 1 its bias correction divides by 0
@@ -204,6 +212,8 @@ class Config:
             raise ConfigError(f"num_processes={self.num_processes} needs coordinator_address (host:port "
                               f"of process 0); under SLURM or on a TPU pod leave both unset")
 
+
+EVAL_TASKS = ("hellaswag", "choice", "perplexity")  # evals.py's
 
 # A Hugging Face hub model id: 'gpt2', 'gpt2-medium' or 'organisation/model'.
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

@@ -1,4 +1,5 @@
-"""Plot a run's loss curves from its TensorBoard events: train and val loss vs tokens seen.
+"""Plot a run's curves from its TensorBoard events: train and val loss vs tokens seen, and
+beside them the accuracy of its eval_tasks (e.g. HellaSwag acc_norm) where it has any.
 
     python plot.py out-shakespeare-char                  # writes out-shakespeare-char/loss.png
     python plot.py out-a out-b --out=compare.png         # several runs on one chart
@@ -40,19 +41,28 @@ def plot(out_dirs: list[str], path: str) -> None:
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for out_dir in out_dirs:
-        series, tokens = read_scalars(out_dir), tokens_per_step(out_dir)
-        name = os.path.basename(os.path.normpath(out_dir))
+    runs = [(os.path.basename(os.path.normpath(d)), read_scalars(d), tokens_per_step(d)) for d in out_dirs]
+    task_tags = sorted({tag for _, series, _ in runs for tag in series if tag.endswith("_acc_norm")})
+    fig, axes = plt.subplots(1, 2 if task_tags else 1, figsize=(14 if task_tags else 8, 5), dpi=120, squeeze=False)
+    loss_ax = axes[0, 0]
+    for name, series, tokens in runs:
         for tag, label, style in (("train/loss", "train", "-"), ("eval/val_loss", "val", "o-")):
             if series.get(tag):
                 steps, values = zip(*series[tag])
-                ax.plot([s * tokens for s in steps], values, style, markersize=3,
-                        linewidth=1, label=f"{name} {label}")
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("cross-entropy loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
+                loss_ax.plot([s * tokens for s in steps], values, style, markersize=3,
+                             linewidth=1, label=f"{name} {label}")
+        for tag in task_tags:  # eval_tasks: e.g. eval/hellaswag_acc_norm
+            if series.get(tag):
+                steps, values = zip(*series[tag])
+                axes[0, 1].plot([s * tokens for s in steps], values, "o-", markersize=3, linewidth=1,
+                                label=f"{name} {tag.removeprefix('eval/')}")
+    loss_ax.set_ylabel("cross-entropy loss")
+    if task_tags:
+        axes[0, 1].set_ylabel("accuracy")
+    for ax in axes[0]:
+        ax.set_xlabel("tokens seen")
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
 

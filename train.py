@@ -25,6 +25,7 @@ import checkpoint
 import compiled_step
 import configurator
 import dataset
+import evals
 import generate
 import hardware
 import hf
@@ -279,6 +280,9 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
                                 f"tokens than the model's vocab_size {vocab_size}: prepare the data with "
                                 f"the model's tokenizer, or raise vocab_size")
     splits = {s: dataset.open_split(config, s, vocab_size) for s in ("train", "val")}
+    tasks = evals.load_tasks(config.eval_tasks, config.eval_tasks_limit)  # read now: a bad file fails early
+    if tasks and tok is None:
+        raise evals.EvalError("eval_tasks need the dataset's tokenizer, and this dataset has no meta.json")
     mesh = make_mesh(config, devices)
     setup = make_setup(config, mesh, vocab_size)
     train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
@@ -288,18 +292,18 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
         raise CheckpointError(checkpoint.no_checkpoint_message(config.out_dir))
     lock = checkpoint.OutDirLock(config.out_dir)  # the one run writing to out_dir, or an error
     try:
-        return train_loop(setup, splits, tok, lock, train_step, eval_step)
+        return train_loop(setup, splits, tok, lock, train_step, eval_step, tasks)
     finally:
         lock.release()
 
 
-def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step) -> list[tuple[int, float]]:
+def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step, tasks=()) -> list[tuple[int, float]]:
     """Evaluate every eval_interval steps (and at the end), save, train, log; stop at max_iters
     or on a signal. The out_dir lock is held."""
     config = setup.config
     manager, state = start_state(setup, tok, print if jax.process_index() == 0 else lambda *a: None)
     lock.claim()
-    run = Run(setup, splits, tok, manager, state)
+    run = Run(setup, splits, tok, manager, state, tasks)
     monitor.print_summary(run.log, setup, splits, run.peak_text)
     if jax.process_index() == 0:
         _write_atomically(os.path.join(config.out_dir, "config.json"), configurator.config_to_json(config))
@@ -341,8 +345,9 @@ class Run:
     """The loop's state between steps: the train state and step, what is logged, the best
     validation loss, the non-finite steps, and the decisions about them."""
 
-    def __init__(self, setup: Setup, splits: dict, tok, manager, state: dict):
+    def __init__(self, setup: Setup, splits: dict, tok, manager, state: dict, tasks=()):
         self.setup, self.config, self.splits, self.tok, self.manager = setup, setup.config, splits, tok, manager
+        self.tasks, self.scorer = tasks, evals.make_scorer(setup) if tasks else None
         self.state = state
         self.step = self.start_step = int(state["step"])
         self.log = monitor.Logger(self.config)
@@ -357,11 +362,18 @@ class Run:
         self.pending_finite = []  # per-step "loss and gradients were finite" flags, read at log time
 
     def evaluate(self, eval_step) -> float:
-        """Train and val loss (printed and logged, with a sample if asked); returns the val loss."""
+        """Train and val loss and the eval_tasks (printed and logged, with a sample if asked);
+        returns the val loss."""
         self.check_finite()
         losses = estimate_losses(eval_step, self.state["params"], self.splits, self.setup, self.rows)
-        self.log.print(f"step {self.step} | train loss {losses['train']:.4f} | val loss {losses['val']:.4f}")
-        self.log.scalars(self.step, {"eval/train_loss": losses["train"], "eval/val_loss": losses["val"]})
+        line = f"step {self.step} | train loss {losses['train']:.4f} | val loss {losses['val']:.4f}"
+        values = {"eval/train_loss": losses["train"], "eval/val_loss": losses["val"]}
+        for task in self.tasks:
+            result = evals.run_task(task, self.setup, self.state["params"], self.tok, self.scorer)
+            line += " | " + evals.headline(task, result)
+            values |= evals.log_values(task, result)
+        self.log.print(line)
+        self.log.scalars(self.step, values)
         if self.config.sample_tokens and self.tok and jax.process_count() == 1:
             self.log.text(self.step, "samples", sample_for_log(self.setup, self.state["params"], self.splits,
                                                                self.tok))
@@ -472,7 +484,7 @@ def main(argv: list[str]) -> None:
                                         config.process_id)
         train(config)
     except (configurator.ConfigError, dataset.DataError, CheckpointError, TrainingError, sharding.MeshError,
-            compiled_step.AotError) as e:
+            compiled_step.AotError, evals.EvalError) as e:
         sys.exit(f"error: {e}")
 
 

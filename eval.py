@@ -1,0 +1,89 @@
+"""Evaluate a checkpoint or a Hugging Face model: HellaSwag (or any multiple-choice jsonl) and
+perplexity. evals.py does the work; this is its command line.
+
+    python eval.py --out_dir=out-gpt2 --task=hellaswag                 # downloads HellaSwag val once
+    python eval.py --init_from=gpt2 --task=hellaswag --data=hellaswag_val.jsonl --limit=500
+    python eval.py --out_dir=out-shakespeare-char --task=perplexity --data=data/shakespeare_char/input.txt
+    python eval.py --init_from=/path/to/SmolLM2-135M --task=choice --data=arc_easy.jsonl   # {context, choices, label}
+
+prints one line, e.g. `hellaswag: acc 0.2863 acc_norm 0.2955 (10042 examples)`.
+"""
+
+import dataclasses
+import sys
+import time
+
+import jax
+
+import configurator
+import evals
+import sharding
+from generate import weights_in_compute_dtype
+from sample import load_for_inference, load_hf
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    init_from: str = "resume"  # 'resume' (newest intact checkpoint in out_dir) or a Hugging Face model
+    out_dir: str = "out"
+    task: str = "hellaswag"  # 'hellaswag' | 'choice' ({context, choices, label} jsonl) | 'perplexity' (text)
+    data: str = ""  # the task's file; '' with hellaswag: its validation set, downloaded once
+    limit: int = 0  # only the first N examples (0 = all)
+    norm: str = "token"  # acc_norm per 'token' (build-nanogpt, llm.c) or per 'char' (lm-eval)
+    batch_size: int = 32  # rows (choices or windows) per forward pass, over all devices
+    dtype: str = "auto"  # a Hugging Face model's compute dtype: 'auto' = bfloat16 on GPUs/TPUs, else float32
+    devices: int = 0  # split the rows over the first N devices (0 = all)
+
+    def __post_init__(self):
+        configurator.check_choice("task", self.task, evals.TASKS)
+        configurator.check_choice("norm", self.norm, ("token", "char"))
+        configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        for key in ("limit", "devices"):
+            if getattr(self, key) < 0:
+                raise configurator.ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.batch_size < 1:
+            raise configurator.ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.task != "hellaswag" and not self.data:
+            raise configurator.ConfigError(f"--task={self.task} needs --data=FILE")
+
+
+def load_model(cfg: EvalConfig):
+    """(setup, params, tokenizer, what was loaded) for cfg.init_from, on the chosen devices."""
+    devices = jax.devices()[:cfg.devices or jax.device_count()]
+    if cfg.devices > jax.device_count():
+        raise evals.EvalError(f"--devices={cfg.devices}, but there are {jax.device_count()}")
+    mesh = sharding.make_mesh(len(devices), 1, 1, devices=devices)
+    if cfg.init_from == "resume":
+        setup, params, step, tok = load_for_inference(cfg.out_dir, mesh)
+        return setup, params, tok, f"step {step} of {cfg.out_dir}"
+    dtype = cfg.dtype if cfg.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    setup, params, tok = load_hf(cfg.init_from, mesh, dtype=dtype)
+    return setup, params, tok, cfg.init_from
+
+
+def main(argv):
+    cfg = configurator.load_config_or_exit(argv, EvalConfig)
+    try:
+        setup, params, tok, what = load_model(cfg)
+        params = weights_in_compute_dtype(setup.graphdef, params)
+        start = time.perf_counter()
+        if cfg.task == "perplexity":
+            try:
+                with open(cfg.data, encoding="utf-8-sig") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise evals.EvalError(f"--data={cfg.data}: {e}") from None
+            result = evals.perplexity(setup, params, tok, text, cfg.batch_size, label=cfg.task)
+        else:
+            path = cfg.data or evals.hellaswag_file()
+            examples = evals.read_examples(path, cfg.task, cfg.limit)
+            result = evals.multiple_choice(setup, params, tok, examples, cfg.norm, cfg.batch_size, label=cfg.task)
+    except (OSError, ValueError) as e:  # EvalError, CheckpointError, HFError
+        sys.exit(f"error: {e}")
+    print(f"{what}, {setup.model_config.dtype}, {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    print(evals.summary(cfg.task, result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,314 @@
+"""Evaluations people report: multiple-choice tasks scored by log-likelihood (HellaSwag, and
+ARC, PIQA, Winogrande, ... converted to one jsonl form), and the perplexity of any text.
+
+Multiple choice: each choice is appended to the context (after a space, unless one side
+already has the whitespace) and scored by the summed log-probability of its tokens. `acc`
+picks the highest sum; `acc_norm` the highest mean per token (as build-nanogpt and llm.c
+report HellaSwag), or with norm='char' per character of the choice (as lm-evaluation-harness
+does). HellaSwag's contexts are used as its files give them, without lm-eval's clean-up.
+
+Perplexity: the text's tokens in windows of block_size; each window after the first moves
+on by half a window and scores only its new tokens, so every token after the first is
+scored once with at least block_size / 2 tokens before it. Reported: the mean loss in nats,
+its exp (perplexity), and bits per UTF-8 byte (comparable across tokenizers).
+
+Rows (one per choice, or per window) are scored in batches, padded and masked, with the batch
+split over the mesh's batch axes like training; results do not depend on the batch size.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+import time
+import urllib.request
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import configurator
+import monitor
+import sharding
+
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+TASKS = configurator.EVAL_TASKS  # choice: {"context", "choices", "label"} per line
+
+
+class EvalError(ValueError):
+    """A missing or malformed evaluation file, or a model it can't be run on; one line."""
+
+
+# ----------------------------------------------------------------------------- files
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    context: str
+    choices: tuple
+    label: int
+    where: str  # FILE:LINE, for messages
+
+
+def read_examples(path: str, task: str, limit: int = 0) -> list:
+    """The examples of a jsonl file: HellaSwag's own (ctx, endings, label) or the generic
+    (context, choices, label); the first `limit` of them if limit > 0."""
+    fields = ("ctx", "endings", "label") if task == "hellaswag" else ("context", "choices", "label")
+    examples = []
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not text
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise EvalError(f"{where}: malformed JSON ({e.msg}, column {e.colno})") from None
+                missing = [k for k in fields if not isinstance(record, dict) or k not in record]
+                if missing:
+                    raise EvalError(f"{where}: no {', '.join(map(repr, missing))} field (a {task} line has "
+                                    f"{', '.join(fields)})")
+                context, choices, label = (record[k] for k in fields)
+                if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) for c in choices)
+                        and isinstance(context, str)):
+                    raise EvalError(f"{where}: {fields[0]} must be a string and {fields[1]} a list of at least "
+                                    f"two strings")
+                if isinstance(label, str) and label.isdigit():  # HellaSwag's files write "3"
+                    label = int(label)
+                if not (isinstance(label, int) and 0 <= label < len(choices)):
+                    raise EvalError(f"{where}: label {label!r} is not an index of its {len(choices)} choices")
+                examples.append(Example(context, tuple(choices), label, where))
+                if len(examples) == limit:
+                    break
+    except FileNotFoundError:
+        hint = " (or leave --data out to download HellaSwag's validation set)" if task == "hellaswag" else ""
+        raise EvalError(f"{path} not found: pass --data=FILE.jsonl{hint}") from None
+    except UnicodeDecodeError as e:
+        raise EvalError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not examples:
+        raise EvalError(f"{path} has no examples")
+    return examples
+
+
+def hellaswag_file(cache_dir: str | None = None) -> str:
+    """HellaSwag's validation set (10,042 examples), downloaded once into the cache."""
+    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "nanomax")
+    path = os.path.join(cache_dir, "hellaswag_val.jsonl")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(cache_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(HELLASWAG_URL, timeout=30) as response:
+            out.write(response.read())
+        os.replace(tmp, path)  # never a half file under the real name
+    except OSError as e:
+        os.unlink(tmp)
+        raise EvalError(f"could not download HellaSwag ({e}): fetch {HELLASWAG_URL} where there is a network "
+                        f"and pass --data=FILE, or put it at {path}") from None
+    return path
+
+
+# ----------------------------------------------------------------------------- rows
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Token rows to score: row i is tokens[i], and its targets from index start[i] on count."""
+    tokens: list
+    start: list
+    truncated: int  # rows whose beginning was cut to fit the context
+
+
+def prompt_start(tok) -> list:
+    """What a text starts after: the begin-of-text token (Llama), else <|endoftext|> (GPT-2)."""
+    if tok.bos_token is not None:
+        return [tok.bos_token]
+    return [] if tok.eot_token is None else [tok.eot_token]
+
+
+def continuation(context: str, choice: str) -> str:
+    return choice if not context or context[-1].isspace() or choice[:1].isspace() else " " + choice
+
+
+def choice_rows(examples: list, tok, block_size: int) -> Rows:
+    """A row per (example, choice): start + context + choice, cut from the left to fit block_size + 1
+    tokens (the model sees block_size of them: the last is only a target)."""
+    tokens, start, truncated = [], [], 0
+    for example in examples:
+        try:
+            context = prompt_start(tok) + tok.encode(example.context)
+            endings = [tok.encode(continuation(example.context, c)) for c in example.choices]
+        except ValueError as e:  # e.g. characters outside a char-level vocabulary
+            raise EvalError(f"{example.where}: {e}") from None
+        for ending in endings:
+            if not ending or len(ending) > block_size:
+                raise EvalError(f"{example.where}: a choice of {len(ending)} tokens does not fit the model's "
+                                f"context of {block_size} + 1")
+            row = (context + ending)[-(block_size + 1):]
+            truncated += len(row) < len(context) + len(ending)
+            tokens.append(row)
+            start.append(len(row) - len(ending))
+    return Rows(tokens, start, truncated)
+
+
+def window_rows(ids: list, block_size: int) -> Rows:
+    """Perplexity's windows: block_size + 1 tokens each, half a window apart."""
+    stride, tokens, start, scored = max(block_size // 2, 1), [], [], 1  # token 0 is never a target
+    for begin in range(0, max(len(ids) - 1, 1), stride):
+        row = ids[begin:begin + block_size + 1]
+        tokens.append(row)
+        start.append(scored - begin)
+        scored = begin + len(row)
+        if scored >= len(ids):
+            break
+    return Rows(tokens, start, 0)
+
+
+# ----------------------------------------------------------------------------- scoring
+
+def make_scorer(setup):
+    """score(params, tokens_BxL, mask_BxL) -> (summed log-probability of the masked targets,
+    their count) per row; token t+1 is the target of position t."""
+    vocab = setup.model_config.vocab_size
+
+    def score(params, tokens_BxL, mask_BxL):
+        logits_BxTxV = nnx.merge(setup.graphdef, params)(tokens_BxL[:, :-1])[..., :vocab]
+        logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+        target_BxT = tokens_BxL[:, 1:]
+        picked_BxT = jnp.take_along_axis(logp_BxTxV, target_BxT[..., None], axis=-1)[..., 0]
+        mask_BxT = mask_BxL[:, 1:]
+        return jnp.where(mask_BxT, picked_BxT, 0.0).sum(-1), mask_BxT.sum(-1)
+
+    batch = setup.batch_sharding
+    replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(score, in_shardings=(setup.state_shardings["params"], batch, batch),
+                   out_shardings=(replicated, replicated))
+
+
+def score_rows(setup, params, rows: Rows, batch_rows: int = 32, label: str = "", scorer=None) -> tuple:
+    """(log-probability sums, target counts) of every row, as NumPy arrays. Batches are padded
+    to a multiple of the mesh's batch axes and their length to a multiple of 64 (few shapes,
+    few compiles); padding is masked out."""
+    scorer = scorer or make_scorer(setup)
+    split = setup.mesh.shape["data"] * setup.mesh.shape["fsdp"]
+    B = -(-batch_rows // split) * split
+    local = sharding.local_batch_rows(setup.batch_sharding, B)
+    sums, counts, started = [], [], time.perf_counter()
+    with sharding.activate(setup.mesh):
+        for first in range(0, len(rows.tokens), B):
+            chunk = rows.tokens[first:first + B]
+            L = min(-(-max(map(len, chunk)) // 64) * 64, setup.model_config.block_size + 1)
+            tokens, mask = np.zeros((B, L), np.int32), np.zeros((B, L), bool)
+            for i, row in enumerate(chunk):
+                tokens[i, :len(row)] = row
+                mask[i, max(rows.start[first + i], 1):len(row)] = True
+            batch = [sharding.global_batch(a[local], setup.batch_sharding, (B, L)) for a in (tokens, mask)]
+            total, count = scorer(params, *batch)
+            sums.append(np.asarray(total)[:len(chunk)])
+            counts.append(np.asarray(count)[:len(chunk)])
+            if label:
+                monitor.show_progress(label, min(first + B, len(rows.tokens)), len(rows.tokens), started)
+    return np.concatenate(sums).astype(np.float64), np.concatenate(counts)
+
+
+def multiple_choice(setup, params, tok, examples: list, norm: str = "token", batch_rows: int = 32,
+                    label: str = "", scorer=None) -> dict:
+    """acc, acc_norm (per token or per character) and the example count of a multiple-choice set."""
+    rows = choice_rows(examples, tok, setup.model_config.block_size)
+    sums, counts = score_rows(setup, params, rows, batch_rows, label, scorer)
+    return {**accuracy(examples, sums, counts, norm), "truncated": rows.truncated}
+
+
+def accuracy(examples: list, sums, counts, norm: str = "token") -> dict:
+    """The picks from each choice's summed log-probability and token count (a row per choice, in
+    order): acc by the sum, acc_norm by the sum per token or per character. Ties: the first."""
+    correct = correct_norm = offset = 0
+    for example in examples:
+        n = len(example.choices)
+        total, length = sums[offset:offset + n], counts[offset:offset + n]
+        if norm == "char":
+            length = np.array([len(continuation(example.context, c)) for c in example.choices])
+        correct += int(np.argmax(total)) == example.label
+        correct_norm += int(np.argmax(total / length)) == example.label
+        offset += n
+    return {"acc": correct / len(examples), "acc_norm": correct_norm / len(examples), "examples": len(examples)}
+
+
+def perplexity(setup, params, tok, text: str, batch_rows: int = 32, label: str = "", scorer=None) -> dict:
+    """Loss (nats per token), perplexity and bits per byte of `text` under the model."""
+    try:
+        ids = prompt_start(tok) + tok.encode(text)
+    except ValueError as e:
+        raise EvalError(f"the text can't be encoded with this model's tokenizer: {e}") from None
+    if len(ids) < 2:
+        raise EvalError("the text is too short to score: it needs at least one token after the first")
+    sums, counts = score_rows(setup, params, window_rows(ids, setup.model_config.block_size), batch_rows,
+                              label, scorer)
+    nats, n = -float(sums.sum()), int(counts.sum())
+    n_bytes = len(text.encode("utf-8"))
+    return {"loss": nats / n, "perplexity": math.exp(nats / n), "bits_per_byte": nats / math.log(2) / n_bytes,
+            "tokens": n, "bytes": n_bytes}
+
+
+def summary(name: str, result: dict) -> str:
+    """The one line a result is reported as."""
+    if "acc" in result:
+        cut = f", {result['truncated']} rows cut from the left to fit" if result["truncated"] else ""
+        return (f"{name}: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} "
+                f"({result['examples']} examples{cut})")
+    return (f"{name}: loss {result['loss']:.4f} perplexity {result['perplexity']:.2f} bits/byte "
+            f"{result['bits_per_byte']:.4f} ({result['tokens']:,} tokens, {result['bytes']:,} bytes)")
+
+
+# ----------------------------------------------------------------------------- in training
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    name: str  # as logged: the kind, or kind_2 for a second one of the same kind
+    kind: str
+    path: str
+    examples: tuple = ()  # multiple choice
+    text: str = ""  # perplexity
+
+
+def load_tasks(spec: str, limit: int = 0) -> list:
+    """The tasks of config key eval_tasks ('hellaswag:FILE,perplexity:FILE'), read and checked
+    now so that a bad file fails before training starts."""
+    tasks = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        kind, _, path = item.partition(":")
+        if kind == "hellaswag" and not path:
+            path = hellaswag_file()
+        name = kind if kind not in [t.kind for t in tasks] else f"{kind}_{len(tasks) + 1}"
+        if kind == "perplexity":
+            try:
+                with open(path, encoding="utf-8-sig") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise EvalError(f"eval_tasks: perplexity file {path}: {e}") from None
+            tasks.append(Task(name, kind, path, text=text))
+        else:
+            tasks.append(Task(name, kind, path, examples=tuple(read_examples(path, kind, limit))))
+    return tasks
+
+
+def run_task(task: Task, setup, params, tok, scorer=None) -> dict:
+    if task.kind == "perplexity":
+        return perplexity(setup, params, tok, task.text, scorer=scorer, label=f"eval {task.name}")
+    return multiple_choice(setup, params, tok, list(task.examples), scorer=scorer, label=f"eval {task.name}")
+
+
+def headline(task: Task, result: dict) -> str:
+    """The part of training's eval line for this task."""
+    if task.kind == "perplexity":
+        return f"{task.name} bits/byte {result['bits_per_byte']:.4f}"
+    return f"{task.name} acc_norm {result['acc_norm']:.4f}"
+
+
+def log_values(task: Task, result: dict) -> dict:
+    """TensorBoard scalars of a result: eval/hellaswag_acc_norm, eval/perplexity_bpb, ..."""
+    if task.kind == "perplexity":
+        return {f"eval/{task.name}_loss": result["loss"], f"eval/{task.name}_bpb": result["bits_per_byte"]}
+    return {f"eval/{task.name}_acc": result["acc"], f"eval/{task.name}_acc_norm": result["acc_norm"]}
