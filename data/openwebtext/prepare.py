@@ -26,16 +26,12 @@ bounded memory, --skip_bad_files) is data/text/prepare.py's; see its docstring. 
 """
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: tokenizer.py, dataset_writer.py, data/
 from data import corpus  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
-from dataset_writer import format_prepare_command, run_prepare_script  # noqa: E402
-from tokenizer import command_path  # noqa: E402
 
 REPO_ID = "Skylion007/openwebtext"
 REVISION = "refs/convert/parquet"  # the Hub's own parquet conversion of the dataset
@@ -68,24 +64,12 @@ def main(argv=None):
     if args.max_shards is not None and args.max_shards < 1:
         raise SystemExit(f"error: --max_shards must be at least 1, got {args.max_shards}")
     out_dir = args.out_dir or DATA / "openwebtext"
-    rerun = format_prepare_command(
-        __file__, max_shards=args.max_shards, input_dir=Path(args.input_dir) if args.input_dir else None,
+    text_prepare.prepare_shards(
+        __file__, args, out_dir,
+        lambda: shards(args.revision, args.folder, args.max_shards, args.input_dir, args.cache_dir, args.offline),
+        max_shards=args.max_shards, input_dir=Path(args.input_dir) if args.input_dir else None,
         revision=None if args.revision == REVISION else args.revision,
-        folder=None if args.folder == FOLDER else args.folder, out_dir=Path(out_dir),
-        # "./" so that a folder named gpt2 is not read as GPT-2
-        tokenizer=None if args.tokenizer == "gpt2" else os.path.join(".", command_path(args.tokenizer)),
-        val_fraction=args.val_fraction, text_key=args.text_key, seed=args.seed,
-        skip_bad_files=args.skip_bad_files or None)
-    t0 = time.time()
-
-    def run():
-        root, files, source = shards(args.revision, args.folder, args.max_shards, args.input_dir, args.cache_dir,
-                                     args.offline)
-        return text_prepare.prepare(root, out_dir, args.val_fraction, max(1, args.num_proc), args.text_key,
-                                    args.seed, args.tokenizer, args.skip_bad_files, files=files, source=source,
-                                    rerun=rerun)
-
-    text_prepare.print_summary(run_prepare_script(run, out_dir), out_dir, t0)
+        folder=None if args.folder == FOLDER else args.folder)
 
 
 if __name__ == "__main__":

@@ -491,6 +491,26 @@ def print_summary(s, out_dir, t0):
     print(f"done in {time.time() - t0:.1f}s")
 
 
+def prepare_shards(script, args, out_dir, find_shards, **script_options):
+    """The end of a downloading prepare script (data/fineweb, data/openwebtext): its re-run
+    command (its own options, then the common ones), then prepare() on the shards that
+    find_shards() returns as (root, files, source), and the summary."""
+    rerun = format_prepare_command(
+        script, **script_options, out_dir=Path(out_dir),
+        # "./" so that a folder named gpt2 is not read as GPT-2
+        tokenizer=None if args.tokenizer == "gpt2" else os.path.join(".", command_path(args.tokenizer)),
+        val_fraction=args.val_fraction, text_key=args.text_key, seed=args.seed,
+        skip_bad_files=args.skip_bad_files or None)
+    t0 = time.time()
+
+    def run():
+        root, files, source = find_shards()
+        return prepare(root, out_dir, args.val_fraction, max(1, args.num_proc), args.text_key, args.seed,
+                       args.tokenizer, args.skip_bad_files, files=files, source=source, rerun=rerun)
+
+    print_summary(run_prepare_script(run, out_dir), out_dir, t0)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input_dir", required=True, help="folder of .txt / .jsonl[.gz|.zst] / .parquet files")
