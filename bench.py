@@ -37,6 +37,7 @@ import dataset
 import generate
 import hardware
 import hf
+import optimizer
 import sharding
 import train
 from model import count_params, flops_per_token
@@ -146,6 +147,8 @@ class TrainBench:
         median = statistics.median(seconds)
         flops = flops_per_token(self.setup.model_config)
         tokens_per_s = tokens / median
+        # Muon's Newton-Schulz matmuls: real work, but not the model's; MFU leaves them out
+        optimizer_flops = optimizer.flops_per_step(self.setup.abstract_state["params"], self.config)
         return {
             "params": count_params(self.setup.model_config), "vocab_size": self.vocab_size,
             "mesh": dict(self.mesh.shape), "tokens_per_step": tokens,
@@ -154,6 +157,8 @@ class TrainBench:
             "flops_per_token": flops, "achieved_flops": flops * tokens_per_s,
             "peak_flops": self.peak, "peak_source": self.peak_source,
             "mfu": flops * tokens_per_s / self.peak if self.peak else None,
+            "optimizer": self.config.optimizer, "optimizer_flops_per_step": optimizer_flops,
+            "optimizer_flops_share": optimizer_flops / (optimizer_flops + flops * tokens),
             "peak_memory_bytes": memory, "memory_source": memory_source,
             "compile_s": self.compile_s, "final_loss": float(self.metrics["loss"]),
             "quantization_note": quantization_note(self.config.quantization, self.devices[0]),
@@ -187,6 +192,10 @@ def format_train(r: dict) -> str:
         ("achieved", f"{r['achieved_flops'] / 1e12:,.3f} TFLOP/s"),
         ("peak", peak),
         ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "unknown (no peak for this device)"),
+        ("optimizer FLOPs per step", f"{r['optimizer_flops_per_step'] / 1e9:,.3f} G = "
+         f"{r['optimizer_flops_share']:.1%} of the step's, not in MFU (Newton-Schulz: {optimizer.NS_STEPS} "
+         f"x (4·m²·n + 2·m³) per m x n matrix, m <= n)" if r["optimizer"] == "muon"
+         else f"not counted ({r['optimizer']}: elementwise only)"),
         ("peak memory per device", memory),
         ("compile", f"{r['compile_s']:.1f} s"),
         ("quantized matmuls", r["quantization_note"]),

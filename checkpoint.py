@@ -43,8 +43,9 @@ class CheckpointError(ValueError):
 
 
 # Config keys that decide the shapes of the saved arrays.
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "pad_vocab_to_multiple",
-              "pos_embedding", "norm", "mlp", "mlp_hidden", "n_kv_head", "tie_embeddings")
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "qkv_bias", "pad_vocab_to_multiple",
+              "pos_embedding", "norm", "mlp", "mlp_hidden", "n_kv_head", "tie_embeddings", "qk_norm",
+              "logit_softcap")
 
 
 def checkpoint_dir(out_dir: str) -> str:
@@ -328,6 +329,13 @@ def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: 
 def check_resumable(meta: dict, config: Config, tok) -> None:
     """The checkpoint's model and vocabulary are this run's, and it has steps left to train."""
     check_model_shape(meta["config"], config)
+    trained_with = meta["config"].get("optimizer", "adamw")  # older checkpoints: AdamW, the only one then
+    if trained_with != config.optimizer:  # its state is another tree: it can't continue another optimizer
+        raise CheckpointError(
+            f"the checkpoint in {config.out_dir} was trained with optimizer={trained_with!r}, and this "
+            f"run asks for optimizer={config.optimizer!r}: resume with --optimizer={trained_with}, or "
+            f"export its weights (export_hf.py) and train them with the other optimizer in another "
+            f"--out_dir with --init_from=EXPORTED_DIR")
     saved = meta.get("tokenizer")  # absent in checkpoints older than the check
     identity = lambda description: {k: v for k, v in description.items() if k != "dir"}  # dirs move
     if saved and tok and identity(saved) != identity(tok.describe()):
@@ -354,7 +362,7 @@ def check_model_shape(saved_config: dict, config: Config) -> None:
     differ = [f"{k}: checkpoint {saved[k]!r}, config {getattr(config, k)!r}"
               for k in MODEL_KEYS if saved[k] != getattr(config, k)]
     if differ:
-        raise CheckpointError("checkpoint model shape differs from the config ("
+        raise CheckpointError("the checkpoint's model differs from the config ("
                               + "; ".join(differ) + "): use the checkpoint's values")
 
 

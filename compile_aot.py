@@ -161,11 +161,12 @@ def compile_step(config: configurator.Config, target: Target, vocab_size: int) -
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         compiled, oom = None, str(e).strip()
-        arguments = estimate["parameters"] + estimate["AdamW moments"] + estimate["batch"]
+        arguments = estimate["parameters"] + estimate[state_terms(config)[0]] + estimate["batch"]
         memory = oom_memory(oom, arguments)
     seconds = time.perf_counter() - start
     return Result(target, setup, lowered, compiled, seconds, memory, oom, estimate,
-                  flops_per_step(setup), xla_flops_per_step(setup))
+                  flops_per_step(setup), xla_flops_per_step(setup),
+                  collectives(compiled.as_text()) if compiled else {})
 
 
 def compiler_memory(compiled, platform: str) -> dict:
@@ -220,6 +221,13 @@ def activation_bytes(policy: str, D, N, T, t, s, qkv, mlp, mlp_in) -> float:
             }[policy]
 
 
+def state_terms(config: configurator.Config) -> tuple[str, str]:
+    """The estimate's names for the optimizer's state and for its update, after what they hold."""
+    if config.optimizer == "muon":  # one momentum per block matrix; AdamW's two moments for the rest
+        return "Muon momentum + AdamW moments", "Muon update"
+    return "AdamW moments", "AdamW update"
+
+
 def estimate_memory(setup: train.Setup) -> dict:
     """Per-device bytes, term by term, from the shapes alone (nothing compiled)."""
     c, m, mesh = setup.config, setup.model_config, setup.mesh.shape
@@ -231,23 +239,26 @@ def estimate_memory(setup: train.Setup) -> dict:
     params = per_device_bytes(setup.abstract_state["params"])  # 4 B per parameter / its shards
     logits = 2 * tokens * m.padded_vocab_size / mesh["tensor"] * 4  # float32, + their gradient
     rerun = activation_bytes("none", **widths) * tokens if c.remat_policy != "none" else 0
+    state, update = state_terms(c)
     return {
         "parameters": params,
-        "AdamW moments": per_device_bytes(setup.abstract_state) - params,  # 8 B per parameter
+        state: per_device_bytes(setup.abstract_state) - params,  # AdamW 8 B per parameter, Muon 4
         "batch": per_device_bytes(train.batch_struct(setup)),
         "gradients": params * (2 if c.gradient_accumulation_steps > 1 else 1),  # + the running sum
         "activations": int(c.n_layer * activation_bytes(c.remat_policy, **widths) * tokens),
         # live at different times: the loss's backward, then one remat'd layer's re-run
         "logits or a re-run layer": int(max(logits, rerun)),
-        "AdamW update": 3 * params,  # the update and new moments, before they replace the old
+        # the update and the new moments (Muon: new momentum, its orthogonalised copy and
+        # Newton-Schulz's products), before they replace the old
+        update: 3 * params,
     }
 
 
-def estimated_temporaries(e: dict) -> int:
+def estimated_temporaries(e: dict, config: configurator.Config) -> int:
     """The backward pass and the optimizer update (with one gradient tree, the size of the
     parameters) come one after the other: the larger counts."""
     return max(e["gradients"] + e["activations"] + e["logits or a re-run layer"],
-               e["parameters"] + e["AdamW update"])
+               e["parameters"] + e[state_terms(config)[1]])
 
 
 def flops_per_step(setup: train.Setup) -> float:
@@ -274,6 +285,59 @@ def xla_flops_per_step(setup: train.Setup) -> float | None:
     return cost["flops"] * setup.config.gradient_accumulation_steps
 
 
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collectives(hlo_text: str) -> dict:
+    """{kind: (bytes, count)}: the collectives one device runs in a step of the compiled program,
+    by the size of their results, each times the trip counts of the loops around it (scanned
+    layers, micro-steps). An async pair (all-gather-start / -done) counts once, at its -done."""
+    lines_of, computation = {}, None  # computation name -> its lines
+    for line in hlo_text.splitlines():
+        header = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
+        if header:
+            computation = header.group(1)
+        lines_of.setdefault(computation, []).append(line)
+    loops, ops = {}, []  # loops: body computation -> (its caller, trip count)
+    for computation, lines in lines_of.items():
+        for line in lines:
+            loop = re.search(r"\bwhile\(.*\bcondition=%([^,\s]+), body=%([^,\s]+)", line)
+            if loop:
+                loops[loop.group(2)] = (computation, _trip_count(line, lines_of.get(loop.group(1), [])))
+            op = re.search(r"= (.+?) (" + "|".join(COLLECTIVES) + r")(-done)?\(", line)
+            if op:
+                ops.append((computation, op.group(2), _result_bytes(op.group(1))))
+    totals = {}
+    for computation, kind, nbytes in ops:
+        times = 1
+        while computation in loops:
+            computation, trips = loops[computation]
+            times *= trips
+        total, count = totals.get(kind, (0, 0))
+        totals[kind] = (total + nbytes * times, count + times)
+    return totals
+
+
+def _trip_count(while_line: str, condition_lines: list) -> int:
+    """XLA:CPU and GPU annotate a loop's trip count; XLA:TPU leaves it in the condition, which
+    for a scan is `counter < N` against one integer constant (1 if neither says)."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', while_line)
+    if known:
+        return int(known.group(1))
+    bounds = [int(n) for line in condition_lines for n in re.findall(r"s32\[\]\S* constant\((\d+)\)", line)]
+    is_less_than = any("direction=LT" in line for line in condition_lines)
+    return bounds[0] if len(bounds) == 1 and is_less_than else 1
+
+
+def _result_bytes(hlo_type: str) -> int:
+    """Bytes of an HLO result type such as 'f32[64,128]{0,1}' or '(bf16[8], s32[])'."""
+    total = 0
+    for dtype, dims in re.findall(r"([a-z]+[0-9a-z]*)\[([\d,]*)\]", hlo_type):
+        bits = re.match(r"[a-z]+?(\d+)", dtype)
+        total += math.prod(int(d) for d in dims.split(",") if d) * (int(bits.group(1)) // 8 if bits else 1)
+    return total
+
+
 # ----------------------------------------------------------------------------- the report
 
 @dataclasses.dataclass
@@ -288,6 +352,7 @@ class Result:
     estimate: dict  # estimate_memory()
     flops: float  # analytic, one step, all devices
     xla_flops: float | None
+    collectives: dict  # collectives(): {kind: (bytes, count)} per device per step
 
     @property
     def needed(self) -> int:
@@ -320,12 +385,12 @@ def report(r: Result) -> str:
         f"{c.tokens_per_step:,} tokens per step",
         f"{'compiled' if r.compiled else 'XLA ran out of memory'} in {r.seconds:.1f} s", "",
         f"{'memory per device':<40}{'compiler':>12}{'estimate':>12}"]
-    state = e["parameters"] + e["AdamW moments"] + e["batch"]
+    state = e["parameters"] + e[state_terms(c)[0]] + e["batch"]
     rows = [("arguments: train state + batch", m.get("arguments"), state),
             ("outputs not donated to the arguments", m.get("outputs"), 0),
-            ("temporaries: gradients, activations", m.get("temporaries"), estimated_temporaries(e)),
+            ("temporaries: gradients, activations", m.get("temporaries"), estimated_temporaries(e, c)),
             ("generated code", m.get("code"), None),
-            ("total", m.get("total"), state + estimated_temporaries(e))]
+            ("total", m.get("total"), state + estimated_temporaries(e, c))]
     if "peak" in m:
         rows.append(("peak (XLA's simulation of the buffers)", m["peak"], None))
     lines += [f"  {label:<38}{size(got):>12}{size(est):>12}" for label, got, est in rows]
@@ -359,6 +424,9 @@ def report(r: Result) -> str:
                      f"{seconds / 0.4 * 1e3:,.1f} ms")
     else:
         lines.append(f"  peak FLOP/s: {r.target.peak_source}")
+    if r.compiled:
+        moved = ", ".join(f"{kind} {size(nbytes)} x{count}" for kind, (nbytes, count) in r.collectives.items())
+        lines.append(f"collectives per device per step (results, loops counted): {moved or 'none'}")
     return "\n".join(lines)
 
 
@@ -366,7 +434,7 @@ def suggestions(r: Result) -> list[str]:
     """What would shrink the largest terms, largest first."""
     c, mesh, e = r.setup.config, r.setup.mesh.shape, r.estimate
     rows = c.batch_size // (mesh["data"] * mesh["fsdp"])
-    state = e["parameters"] + e["AdamW moments"]
+    state = e["parameters"] + e[state_terms(c)[0]]
     tips = []
     if rows > 1:
         tips.append((e["activations"] + e["logits or a re-run layer"],
@@ -379,8 +447,8 @@ def suggestions(r: Result) -> list[str]:
         tips.append((e["activations"], f"recompute more in the backward pass: "
                                        f"--remat_policy={lighter}"))
     if mesh["data"] > 1:
-        tips.append((state + e["gradients"] + e["AdamW update"],
-                     f"shard parameters, gradients and AdamW state over all "
+        tips.append((state + e["gradients"] + e[state_terms(c)[1]],
+                     f"shard parameters, gradients and optimizer state over all "
                      f"{mesh['data'] * mesh['fsdp']} devices (now {size(state)} per device): "
                      f"--mesh_data=1 --mesh_fsdp=-1"))
     tips.append((0, "more chips: a bigger topology"))

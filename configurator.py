@@ -69,11 +69,18 @@ class Config:
     rope_original_context: int = 8192  # the context length the model was first trained at
     norm: str = "layernorm"  # 'layernorm' (GPT-2) | 'rmsnorm' (Llama; never has a bias)
     norm_eps: float = 1e-5
-    mlp: str = "gelu"  # 'gelu' (GPT-2) | 'swiglu' (Llama: gated, three matrices)
-    mlp_hidden: int = 0  # MLP hidden units; 0 = 4*n_embd (gelu) or 8*n_embd/3 rounded up to 64 (swiglu)
+    mlp: str = "gelu"  # 'gelu' (GPT-2) | 'swiglu' (Llama: gated, three matrices) | 'relu2'
+    #                    (modded-nanogpt: proj(relu(fc(x))^2), gelu's two matrices)
+    mlp_hidden: int = 0  # MLP hidden units; 0 = 4*n_embd (gelu, relu2) or 8*n_embd/3 rounded up to 64 (swiglu)
     n_kv_head: int = 0  # key/value heads (grouped-query attention); 0 = n_head, 1 = multi-query
     tie_embeddings: bool = True  # the output layer is wte (GPT-2) or a separate lm_head_kernel
+    # the GPT-2 speedruns' (modded-nanogpt) switches; config/shakespeare_char_fast.py uses them
+    qk_norm: bool = False  # RMSNorm, no learned scale, on each query and key head before RoPE/attention
+    zero_init_proj: bool = False  # attention's and the MLP's output projections start at zero
+    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap) (modded-nanogpt: 30 or 15); 0 = off
     # optimizer: AdamW, linear warmup then cosine decay, as nanoGPT/GPT-2
+    optimizer: str = "adamw"  # 'adamw' | 'muon' (Muon on the blocks' weight matrices, AdamW with
+    #                           learning_rate, weight_decay, beta1, beta2 on embeddings, head, norms, biases)
     batch_size: int = 12  # sequences per micro-step, over all devices
     gradient_accumulation_steps: int = 1  # tokens per step = this * batch_size * block_size
     learning_rate: float = 6e-4
@@ -86,6 +93,10 @@ class Config:
     warmup_iters: int = 2000
     lr_decay_iters: int = 600_000
     min_lr: float = 6e-5
+    muon_learning_rate: float = 0.02  # optimizer='muon': the peak for its matrices (the schedule as
+    #                                   learning_rate's, scaled; min_lr alike)
+    muon_momentum: float = 0.95  # Muon's (Nesterov) momentum
+    muon_weight_decay: float = 0.0  # decoupled, times the Muon learning rate
     # evaluation, logging, checkpoints
     eval_interval: int = 2000
     eval_iters: int = 200
@@ -139,7 +150,10 @@ class Config:
                               f"float32 kernel); got dtype={self.dtype!r}. Use attention='auto' or 'xla'")
         check_choice("pos_embedding", self.pos_embedding, ("learned", "rope"))
         check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
-        check_choice("mlp", self.mlp, ("gelu", "swiglu"))
+        check_choice("mlp", self.mlp, ("gelu", "swiglu", "relu2"))
+        if self.logit_softcap < 0:
+            raise ConfigError(f"logit_softcap must be >= 0 (0 = off; modded-nanogpt uses 30 or 15), "
+                              f"got {self.logit_softcap}")
         if self.overwrite_out_dir and self.init_from == "resume":
             raise ConfigError("overwrite_out_dir=True would delete the checkpoints that init_from='resume' "
                               "continues: drop one of the two")
@@ -185,6 +199,15 @@ class Config:
                     "weight_decay", "grad_clip", "keep_best", "sample_tokens", "stack_dump_interval", "eval_tasks_limit"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(self, key)}")
+        check_choice("optimizer", self.optimizer, ("adamw", "muon"))
+        if self.muon_learning_rate <= 0:
+            raise ConfigError(f"config key 'muon_learning_rate' must be > 0 (e.g. 0.02), "
+                              f"got {self.muon_learning_rate}")
+        if self.muon_weight_decay < 0:
+            raise ConfigError(f"config key 'muon_weight_decay' must be >= 0, got {self.muon_weight_decay}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"config key 'muon_momentum' must be in [0, 1), got {self.muon_momentum} "
+                              f"(e.g. 0.95)")
         for key in ("beta1", "beta2"):  # AdamW's moving averages; at 1 its bias correction divides by 0
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"config key '{key}' must be in [0, 1), got {getattr(self, key)} "

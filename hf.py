@@ -294,7 +294,15 @@ def layout(c: GPTConfig) -> dict:
 
 def check_architecture(c: GPTConfig) -> str:
     """'gpt2' or 'llama'/'qwen2': the transformers model with exactly this architecture, or an
-    HFError saying which switch has no equivalent there."""
+    HFError saying which switch has no equivalent there. zero_init_proj is only how training
+    starts: such a model exports like any other."""
+    lacking = {"qk_norm": (c.qk_norm, "RMSNorm on each query and key head"),
+               "mlp": (c.mlp == "relu2", "the ReLU² MLP, proj(relu(fc(x))²)"),
+               "logit_softcap": (c.logit_softcap > 0, "logits soft-capped by cap·tanh(logits / cap)")}
+    for key, (on, what) in lacking.items():
+        if on:
+            raise HFError(f"{key}={getattr(c, key)!r} ({what}) has no equivalent in transformers' GPT2, "
+                          f"Llama or Qwen2 models: a model trained with it cannot be exported to them")
     gpt2 = dict(pos_embedding="learned", norm="layernorm", mlp="gelu", bias=True, kv_heads=c.n_head)
     llama = dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False)
     for name, switches in (("gpt2", gpt2), ("llama", llama)):

@@ -10,9 +10,11 @@ F MLP hidden, V vocabulary, L layers, S length of the KV cache; BT is batch and 
 flattened into one axis.
 
 GPT-2 is the default. `pos_embedding='rope'`, `norm='rmsnorm'`, `mlp='swiglu'`, `n_kv_head` (grouped-
-query attention), `bias=False` and `tie_embeddings=False` give today's architectures. Each is a
-small function or module below, picked once by name (ROTATIONS, NORMS, MLPS), or a parameter that
-is there or not (wpe, lm_head_kernel, like the biases); the forward pass has no branches on them.
+query attention), `bias=False` and `tie_embeddings=False` give today's architectures; `qk_norm`,
+`mlp='relu2'`, `zero_init_proj` and `logit_softcap` are the GPT-2 speedruns' (modded-nanogpt). Each
+is a small function or module below, picked once by name (ROTATIONS, NORMS, HEAD_NORMS, MLPS,
+ACTIVATIONS, SOFTCAPS), or a parameter that is there or not (wpe, lm_head_kernel, like the biases);
+the forward pass has no branches on them.
 Two more switches change how the step computes, not the weights: `attention` ('xla' or cuDNN's
 fused kernel) and `quantization` (int8/fp8 operands for the blocks' matmuls, quantization.py).
 
@@ -57,10 +59,13 @@ class GPTConfig:
     rope_original_context: int = 8192
     norm: str = "layernorm"  # 'layernorm' | 'rmsnorm'
     norm_eps: float = 1e-5
-    mlp: str = "gelu"  # 'gelu' | 'swiglu'
+    mlp: str = "gelu"  # 'gelu' | 'swiglu' | 'relu2' (proj(relu(fc(x))²), modded-nanogpt)
     mlp_hidden: int = 0  # 0: see mlp_hidden_size
     n_kv_head: int = 0  # key/value heads; 0 = n_head (multi-head), 1 = multi-query
     tie_embeddings: bool = True  # the output layer is wte (GPT-2), or its own lm_head_kernel
+    qk_norm: bool = False  # RMSNorm (no learned scale) on each query and key head, before RoPE
+    zero_init_proj: bool = False  # the residual output projections (out_kernel, proj_kernel) start at 0
+    logit_softcap: float = 0.0  # > 0: logits = cap·tanh(logits / cap), in float32; 0 = off
     # how the step computes, not what it learns: a checkpoint works with any of these
     attention: str = "xla"  # training attention: 'xla' | 'cudnn' (fused flash kernel, GPU, bf16)
     quantization: str = "none"  # the blocks' dense matmuls: 'none' | 'int8' | 'fp8' (quantization.py)
@@ -76,9 +81,10 @@ class GPTConfig:
 
     @property
     def mlp_hidden_size(self) -> int:
-        """mlp_hidden, or by default GPT-2's 4·D (gelu), or 8/3·D rounded up to a multiple of 64
-        (swiglu: its three matrices then hold about as many weights as gelu's two)."""
-        default = {"gelu": 4 * self.n_embd, "swiglu": (8 * self.n_embd // 3 + 63) // 64 * 64}
+        """mlp_hidden, or by default GPT-2's 4·D (gelu, relu2), or 8/3·D rounded up to a multiple of
+        64 (swiglu: its three matrices then hold about as many weights as gelu's two)."""
+        default = {"gelu": 4 * self.n_embd, "relu2": 4 * self.n_embd,
+                   "swiglu": (8 * self.n_embd // 3 + 63) // 64 * 64}
         return self.mlp_hidden or default[self.mlp]
 
 
@@ -91,6 +97,15 @@ def param(value, logical_axes) -> nnx.Param:
 
 def normal(key, shape, std):
     return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def residual_init(key, shape, config: GPTConfig):
+    """The output projections that write into the residual stream: GPT-2 scales their init down
+    with depth; zero_init_proj starts them at 0 (modded-nanogpt), so each block is the identity
+    at step 0 and only its output projection gets a gradient at first."""
+    if config.zero_init_proj:
+        return jnp.zeros(shape, jnp.float32)
+    return normal(key, shape, 0.02 / math.sqrt(2 * config.n_layer))
 
 
 def constrain(x, logical_axes):
@@ -149,6 +164,21 @@ class RMSNorm(nnx.Module):
 
 
 NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+
+def no_head_norm(x_BxTxNxH, config: GPTConfig):
+    return x_BxTxNxH
+
+
+def rms_head_norm(x_BxTxNxH, config: GPTConfig):
+    """qk_norm: each query and key head divided by its root mean square, with no learned scale
+    (modded-nanogpt's; OLMo-2 and Qwen3 add one). Scores are then bounded by sqrt(H), so attention
+    logits cannot blow up. In float32, like the other norms."""
+    x = x_BxTxNxH.astype(jnp.float32)
+    return (x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + config.norm_eps)).astype(x_BxTxNxH.dtype)
+
+
+HEAD_NORMS = {False: no_head_norm, True: rms_head_norm}  # by config.qk_norm
 
 
 def no_rotation(x_BxTxNxH, position_BxT, config: GPTConfig):
@@ -235,9 +265,8 @@ class Attention(nnx.Module):
         D, N, K = config.n_embd, config.n_head, config.kv_heads
         G, H = N // K, D // N
         k_qkv, k_out = jax.random.split(key)
-        residual_std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2: scale residual writes
         self.qkv_kernel = param(normal(k_qkv, (D, G + 2, K, H), 0.02), ("embed", "qkv", "heads", "head_dim"))
-        self.out_kernel = param(normal(k_out, (N, H, D), residual_std), ("heads", "head_dim", "embed"))
+        self.out_kernel = param(residual_init(k_out, (N, H, D), config), ("heads", "head_dim", "embed"))
         self.qkv_bias = param(jnp.zeros((G + 2, K, H)), ("qkv", "heads", "head_dim")) if (
             config.bias or config.qkv_bias) else None
         self.out_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
@@ -257,10 +286,11 @@ class Attention(nnx.Module):
         qkv_BxTxCxKxH = constrain(qkv_BTxCKH.reshape(B, T, C, K, H), ("batch", "seq", None, "heads", None))
         q_BxTxNxH = qkv_BxTxCxKxH[:, :, :G].swapaxes(2, 3).reshape(B, T, N, H)  # head k·G + g
         k_BxTxKxH, v_BxTxKxH = qkv_BxTxCxKxH[:, :, G], qkv_BxTxCxKxH[:, :, G + 1]
+        normalize = HEAD_NORMS[config.qk_norm]  # qk_norm: unit RMS per head, before RoPE
         rotate = ROTATIONS[config.pos_embedding]  # RoPE turns q and k by position; GPT-2 does not
         position_BxT = start_B[:, None] + jnp.arange(T)
-        q_BxTxNxH = rotate(q_BxTxNxH, position_BxT, config)
-        k_BxTxKxH = rotate(k_BxTxKxH, position_BxT, config)
+        q_BxTxNxH = rotate(normalize(q_BxTxNxH, config), position_BxT, config)
+        k_BxTxKxH = rotate(normalize(k_BxTxKxH, config), position_BxT, config)
         if cache is None:
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
                                                      implementation=config.attention)
@@ -274,22 +304,32 @@ class Attention(nnx.Module):
         return dropout(y_BTxD, config.dropout, dropout_key), cache
 
 
+def gelu(h):
+    return jax.nn.gelu(h, approximate=True)  # GPT-2's tanh approximation
+
+
+def relu_squared(h):
+    return jnp.square(jax.nn.relu(h))  # modded-nanogpt's (So et al., Primer, 2021)
+
+
+ACTIVATIONS = {"gelu": gelu, "relu2": relu_squared}
+
+
 class MLP(nnx.Module):
-    """GPT-2's: proj(gelu(fc(x)))."""
+    """GPT-2's: proj(gelu(fc(x))); mlp='relu2': proj(relu(fc(x))²), same two matrices."""
 
     def __init__(self, config: GPTConfig, key):
         D, F = config.n_embd, config.mlp_hidden_size
         k_fc, k_proj = jax.random.split(key)
-        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
         self.fc_kernel = param(normal(k_fc, (D, F), 0.02), ("embed", "mlp"))
-        self.proj_kernel = param(normal(k_proj, (F, D), residual_std), ("mlp", "embed"))
+        self.proj_kernel = param(residual_init(k_proj, (F, D), config), ("mlp", "embed"))
         self.fc_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
         self.proj_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
         self.config = config
 
     def __call__(self, x_BTxD, dropout_key=None):
         q = self.config.quantization
-        h_BTxF = jax.nn.gelu(linear(x_BTxD, self.fc_kernel, self.fc_bias, q), approximate=True)
+        h_BTxF = ACTIVATIONS[self.config.mlp](linear(x_BTxD, self.fc_kernel, self.fc_bias, q))
         y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias, q)
         return dropout(y_BTxD, self.config.dropout, dropout_key)
 
@@ -300,10 +340,9 @@ class SwiGLU(nnx.Module):
     def __init__(self, config: GPTConfig, key):
         D, F = config.n_embd, config.mlp_hidden_size
         k_gate, k_fc, k_proj = jax.random.split(key, 3)
-        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
         self.gate_kernel = param(normal(k_gate, (D, F), 0.02), ("embed", "mlp"))
         self.fc_kernel = param(normal(k_fc, (D, F), 0.02), ("embed", "mlp"))
-        self.proj_kernel = param(normal(k_proj, (F, D), residual_std), ("mlp", "embed"))
+        self.proj_kernel = param(residual_init(k_proj, (F, D), config), ("mlp", "embed"))
         self.gate_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
         self.fc_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
         self.proj_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
@@ -317,7 +356,20 @@ class SwiGLU(nnx.Module):
         return dropout(y_BTxD, self.config.dropout, dropout_key)
 
 
-MLPS = {"gelu": MLP, "swiglu": SwiGLU}
+MLPS = {"gelu": MLP, "relu2": MLP, "swiglu": SwiGLU}
+
+
+def no_softcap(logits, cap: float):
+    return logits
+
+
+def tanh_softcap(logits, cap: float):
+    """logit_softcap (Gemma 2, modded-nanogpt): cap·tanh(logits / cap) squashes every logit into
+    (-cap, cap) smoothly, so the output layer cannot make the loss overconfident. Float32 logits in."""
+    return cap * jnp.tanh(logits / cap)
+
+
+SOFTCAPS = {False: no_softcap, True: tanh_softcap}  # by logit_softcap > 0
 
 
 class Block(nnx.Module):
@@ -407,10 +459,13 @@ class GPT(nnx.Module):
         return constrain(self.wte[...], ("vocab", "embed_act"))[idx_BxT]
 
     def _unembed(self, x_NxD):
-        """Float32 logits (N, padded vocab), through the tied embedding or lm_head_kernel."""
+        """Float32 logits (N, padded vocab), through the tied embedding or lm_head_kernel, soft-capped
+        if logit_softcap says so (training and decoding alike: both come through here)."""
         w_DxV = self.wte[...].T if self.lm_head_kernel is None else self.lm_head_kernel[...]
-        return jax.lax.dot_general(x_NxD, w_DxV.astype(x_NxD.dtype), (((1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+        logits_NxV = jax.lax.dot_general(x_NxD, w_DxV.astype(x_NxD.dtype), (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+        cap = self.config.logit_softcap
+        return SOFTCAPS[cap > 0](logits_NxV, cap)
 
     def _mask_padding(self, logits_xV):
         """The padding entries of the vocabulary get -inf: the model is exactly GPT-2's."""
@@ -464,8 +519,10 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
     """Training FLOPs per token: 6 per weight (forward + backward) + attention scores/values.
 
     6N counts matmul_params: SwiGLU's third matrix and grouped-query attention's smaller
-    key/value projections are in it. 12·L·T·D is the attention's QK^T and AV over a context
-    of T tokens for n_head query heads of size D / n_head, whatever n_kv_head is.
+    key/value projections are in it (relu2 has gelu's two). 12·L·T·D is the attention's QK^T and AV
+    over a context of T tokens for n_head query heads of size D / n_head, whatever n_kv_head is.
+    Elementwise work is not counted: norms, activations, qk_norm (~3 FLOPs per q/k element) and
+    logit_softcap (~3 per logit) are well under 1% of a step's FLOPs.
     """
     T = seq_len or config.block_size
     return 6 * matmul_params(config) + 12 * config.n_layer * T * config.n_embd

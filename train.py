@@ -10,7 +10,6 @@ compile_aot.py and bench.py build and run exactly these functions.
 """
 
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ import sharding
 from checkpoint import CheckpointError
 from configurator import Config
 from model import GPT, GPTConfig, flops_per_token
+from optimizer import groups_summary, learning_rate, make_optimizer, state_shardings
 
 
 class TrainingError(RuntimeError):
@@ -62,35 +62,6 @@ def attention_implementation(config: Config, platform: str) -> str:
     if config.attention == "auto":
         return "cudnn" if platform == "gpu" and config.dtype == "bfloat16" else "xla"
     return config.attention
-
-
-def learning_rate(config: Config, step):
-    """Linear warmup to learning_rate, cosine decay to min_lr at lr_decay_iters, then flat."""
-    if not config.decay_lr:
-        return jnp.asarray(config.learning_rate, jnp.float32)
-    step = jnp.asarray(step, jnp.float32)
-    warmup = config.learning_rate * (step + 1) / (config.warmup_iters + 1)
-    progress = (step - config.warmup_iters) / max(1, config.lr_decay_iters - config.warmup_iters)
-    cosine = 0.5 * (1 + jnp.cos(math.pi * jnp.clip(progress, 0.0, 1.0)))
-    decayed = config.min_lr + cosine * (config.learning_rate - config.min_lr)
-    return jnp.where(step < config.warmup_iters, warmup, decayed)
-
-
-def decays(path, _) -> bool:
-    """Weight decay on matrices and embeddings; never on biases or norm scales."""
-    name = path[-1].key
-    return name.endswith("kernel") or name in ("wte", "wpe")
-
-
-def make_optimizer(config: Config) -> optax.GradientTransformation:
-    adamw = optax.adamw(
-        learning_rate=lambda count: learning_rate(config, count),
-        b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay,
-        mask=lambda params: jax.tree_util.tree_map_with_path(decays, params),
-    )
-    if config.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
-    return adamw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +98,7 @@ def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
     optimizer = make_optimizer(config)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt_state,
-                                          param_shardings, transform_non_params=lambda _: replicated)
+    opt_shardings = state_shardings(optimizer, abstract_opt_state, param_shardings, replicated)
     shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
     abstract = {"params": abstract_params, "opt_state": abstract_opt_state,
                 "step": jax.ShapeDtypeStruct((), jnp.int32)}
@@ -305,6 +275,8 @@ def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step, tas
     lock.claim()
     run = Run(setup, splits, tok, manager, state, tasks)
     monitor.print_summary(run.log, setup, splits, run.peak_text)
+    if config.optimizer == "muon":
+        run.log.print(groups_summary(setup.abstract_state["params"]))
     if jax.process_index() == 0:
         _write_atomically(os.path.join(config.out_dir, "config.json"), configurator.config_to_json(config))
         if tok.kind == "huggingface":  # checkpoints name the tokenizer by hash; its files live here

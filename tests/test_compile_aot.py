@@ -103,6 +103,40 @@ def test_report_numbers_agree_with_the_arrays(result):
     assert result.fits is None and "no memory limit known" in compile_aot.report(result)
 
 
+def test_collectives_count_every_trip_of_the_loops_they_sit_in(result):
+    """Every weight split over fsdp is gathered at least once a step, and the gathers inside the
+    scanned layers and the micro-step loop count once per trip, not once as the text has them."""
+    params, shardings = result.setup.abstract_state["params"], result.setup.state_shardings["params"]
+    split = sum(a.size * 4 for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))
+                if not s.is_fully_replicated)
+    gathered, count = result.collectives["all-gather"]
+    assert split <= gathered < 16 * split, (gathered, split)
+    assert count > result.compiled.as_text().count(" all-gather(")
+    assert "all-reduce" in result.collectives or "reduce-scatter" in result.collectives  # the gradients
+    assert "collectives per device per step (results, loops counted): all-gather" in compile_aot.report(result)
+
+
+def test_collectives_of_nested_loops_and_async_pairs():
+    hlo = """%inner (p: f32[]) -> f32[] {
+  %a = f32[4,8]{1,0} all-gather(%p), dimensions={0}
+}
+%outer (p: f32[]) -> f32[] {
+  %w = (s32[], f32[]) while(%t), condition=%c, body=%inner, backend_config={"known_trip_count":{"n":"3"}}
+  %s = (bf16[16], bf16[32]) all-gather-start(%p), dimensions={0}
+  %d = bf16[32]{0} all-gather-done(%s)
+}
+%c2 (p: (s32[], f32[])) -> pred[] {
+  %n = s32[]{:T(128)} constant(2)
+  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT
+}
+ENTRY %main (p: f32[]) -> f32[] {
+  %w2 = (s32[], f32[]) while(%t), condition=%c2, body=%outer
+  %r = f32[10]{0:T(128)} all-reduce(%p), to_apply=%add
+}"""
+    # the outer loop's 2 trips as XLA:TPU states them: only in its condition, counter < 2
+    assert compile_aot.collectives(hlo) == {"all-gather": (2 * 3 * 128 + 2 * 64, 8), "all-reduce": (40, 1)}
+
+
 def test_data_parallel_holds_all_parameters_on_each_device(compiled):
     root, config, _, _ = compiled
     config = dataclasses.replace(config, mesh_data=8, mesh_fsdp=1)

@@ -264,6 +264,17 @@ def test_architecture_defaults_are_gpt2_and_every_model_field_is_a_config_key():
     assert 0 < llama.n_kv_head < llama.n_head
 
 
+def test_every_config_file_loads_and_the_fast_run_trains_the_default_runs_model_size_on_its_data():
+    for path in sorted((ROOT / "config").glob("*.py")):
+        load_config([str(path)])
+    default = load_config([str(ROOT / "config" / "shakespeare_char.py")])
+    fast = load_config([str(ROOT / "config" / "shakespeare_char_fast.py")])
+    for key in ("dataset", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
+                "eval_iters"):  # the same model size, tokens per step and val measurement
+        assert getattr(fast, key) == getattr(default, key), key
+    assert fast.optimizer == "muon" and fast.max_iters < default.max_iters
+
+
 # --- values a user could get wrong (issue 14) ---------------------------------------------
 
 def exit_line(argv, cls=Config) -> str:

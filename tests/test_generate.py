@@ -222,3 +222,12 @@ def test_llama_style_sampling_sharded_with_a_grouped_query_cache():
     expected = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(
         None, ("data", "fsdp"), None, "tensor", None))
     assert state["cache"].k.sharding.is_equivalent_to(expected, 5)
+
+
+def test_speedrun_switches_greedy_with_the_cache_equals_recomputing():
+    """qk_norm (keys are cached normalised), the ReLU² MLP and the logit soft-cap: cached greedy
+    tokens equal recomputing (test_model.py compares decode's capped logits themselves)."""
+    setup, params = tiny(qk_norm=True, mlp="relu2", logit_softcap=2.0)
+    cached = generate.generate(setup, params, RAGGED, 12, temperature=0).tokens
+    assert cached == [greedy_by_recomputing(setup, params, ids, 12) for ids in RAGGED]
+    assert len({tuple(t) for t in cached}) == 3

@@ -1,6 +1,7 @@
 """model.py: parameter counts, FLOPs, causality, layer layouts, remat, init, dropout, dtypes,
-and the forward pass against an independent float64 NumPy implementation of GPT-2 and of its
-Llama-style options (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output)."""
+and the forward pass against an independent float64 NumPy implementation of GPT-2, of its
+Llama-style options (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output) and of the
+GPT-2 speedruns' switches (qk_norm, ReLU² MLP, zero-initialised projections, logit soft-cap)."""
 
 import dataclasses
 import math
@@ -16,6 +17,7 @@ from flax import nnx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # model.py lives at the repo root
 
+import hf  # noqa: E402
 import model  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -23,6 +25,8 @@ TINY = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
 # Every switch away from GPT-2: 4 query heads in 2 groups (G = 2), head size 8, SwiGLU 64 wide.
 LLAMA = dataclasses.replace(TINY, pos_embedding="rope", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu",
                             n_kv_head=2, bias=False, tie_embeddings=False)
+# modded-nanogpt's switches on a Llama-style model (grouped-query attention included).
+SPEEDRUN = dataclasses.replace(LLAMA, qk_norm=True, mlp="relu2", zero_init_proj=True, logit_softcap=15.0)
 GPT2_SMALL_PARAMS = 124_439_808
 
 
@@ -46,6 +50,11 @@ def _rms_norm(x, scale, bias=None, eps=1e-5):
 
 def _silu(x):
     return x / (1.0 + np.exp(-x))
+
+
+def _unit_rms(x, eps):
+    """qk_norm: every head vector (last axis) scaled to root mean square 1, no learned scale."""
+    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps)
 
 
 def _frequencies(H, config):
@@ -90,7 +99,8 @@ def reference_forward(params, idx, config=None):
     """The forward pass in float64 NumPy, from the stacked parameters of model.GPT.
 
     GPT-2's by default; config's switches (pos_embedding, norm, mlp, n_kv_head, tie_embeddings)
-    make it Llama-style. params: nested dict as nnx.to_pure_dict(nnx.state(model)) gives it;
+    make it Llama-style, and qk_norm, mlp='relu2', logit_softcap modded-nanogpt's (zero_init_proj
+    is only an initialisation: nothing to compute). params: nested dict as nnx.to_pure_dict(nnx.state(model)) gives it;
     biases may be absent (bias=False). idx: int array (B, T). Returns float64 logits (B, T, V)
     over every row of the output layer, padding rows included (no masking).
     """
@@ -113,6 +123,8 @@ def reference_forward(params, idx, config=None):
         if "qkv_bias" in attn:
             qkv = qkv + attn["qkv_bias"][l]
         q, k, v = qkv[:, :, :G], qkv[:, :, G], qkv[:, :, G + 1]  # (B, T, G, K, H), (B, T, K, H) x 2
+        if config.qk_norm:  # before RoPE
+            q, k = _unit_rms(q, config.norm_eps), _unit_rms(k, config.norm_eps)
         if config.pos_embedding == "rope":
             q = _rotate(q, positions, _frequencies(H, config))
             k = _rotate(k, positions, _frequencies(H, config))
@@ -130,11 +142,16 @@ def reference_forward(params, idx, config=None):
         bias = lambda name: mlp[name][l] if name in mlp else 0
         if config.mlp == "swiglu":
             h = _silu(h @ mlp["gate_kernel"][l] + bias("gate_bias")) * (h @ mlp["fc_kernel"][l] + bias("fc_bias"))
+        elif config.mlp == "relu2":
+            h = np.maximum(h @ mlp["fc_kernel"][l] + bias("fc_bias"), 0.0) ** 2
         else:
             h = _gelu_tanh(h @ mlp["fc_kernel"][l] + bias("fc_bias"))
         x = x + h @ mlp["proj_kernel"][l] + bias("proj_bias")
     x = norm(x, ln_f["scale"], ln_f.get("bias"), config.norm_eps)
-    return x @ (p["wte"].T if config.tie_embeddings else p["lm_head_kernel"])
+    logits = x @ (p["wte"].T if config.tie_embeddings else p["lm_head_kernel"])
+    if config.logit_softcap:
+        logits = config.logit_softcap * np.tanh(logits / config.logit_softcap)
+    return logits
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -148,7 +165,8 @@ def tokens(shape=(2, 16), vocab=TINY.vocab_size, seed=1):
 
 
 def randomize(gpt, seed=2):
-    """Nonzero biases and non-unit layer norm scales, so the reference check covers them."""
+    """Nonzero biases and non-unit layer norm scales, so the reference check covers them; kernels
+    that start at zero (zero_init_proj) get random values, as they would after some training."""
     rng = np.random.default_rng(seed)
     pure = nnx.to_pure_dict(nnx.state(gpt))
 
@@ -158,6 +176,8 @@ def randomize(gpt, seed=2):
             return a + 0.2 * rng.standard_normal(a.shape).astype(np.float32)
         if "bias" in name:
             return a + 0.1 * rng.standard_normal(a.shape).astype(np.float32)
+        if "kernel" in name and not np.any(a):
+            return 0.02 * rng.standard_normal(a.shape).astype(np.float32)
         return a
 
     pure = jax.tree_util.tree_map_with_path(perturb, pure)
@@ -349,8 +369,10 @@ def test_bfloat16_compute():
 
 # --- decoding with a KV cache ---------------------------------------------------------------
 
-@pytest.mark.parametrize("base, scan_layers", [(TINY, True), (TINY, False), (LLAMA, True)],
-                         ids=["gpt2-scan", "gpt2-unrolled", "llama-scan"])
+@pytest.mark.parametrize("base, scan_layers", [(TINY, True), (TINY, False), (LLAMA, True), (SPEEDRUN, True),
+                                              (dataclasses.replace(TINY, qk_norm=True, logit_softcap=0.5), False)],
+                         ids=["gpt2-scan", "gpt2-unrolled", "llama-scan", "speedrun-scan",
+                              "gpt2-qk_norm-softcap-unrolled"])
 def test_decode_with_cache_matches_the_full_forward(base, scan_layers):
     """Feed each row in two chunks that start at different positions per row; every logit
     must equal the full causal forward's at the same position."""
@@ -382,6 +404,10 @@ VARIANTS = {  # between them, each switch both ways
         LLAMA, qkv_bias=True, rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_context=32),
     "multi-query, rope, layernorm, swiglu, biases, tied": dataclasses.replace(
         TINY, pos_embedding="rope", rope_theta=500_000.0, n_kv_head=1, mlp="swiglu", mlp_hidden=48),
+    "speedrun: qk_norm, relu2, zero-init projections, softcap 15 on llama": SPEEDRUN,
+    # a cap of 0.5 bends these small logits (|logit| up to ~0.5), so tanh really is in the check
+    "gpt2 + qk_norm, relu2 (biases, 48 wide), softcap 0.5": dataclasses.replace(
+        TINY, qk_norm=True, mlp="relu2", mlp_hidden=48, logit_softcap=0.5),
 }
 
 
@@ -550,3 +576,107 @@ def test_quantized_decode_with_cache_matches_the_full_forward():
         logits, cache = gpt.decode(idx[:, t:t + 1], cache, jnp.full(2, t, jnp.int32))
         # one token's quantization grid is its own (per-token scales), so it matches the batch's
         np.testing.assert_allclose(logits, full[:, t], rtol=0, atol=1e-4)
+
+
+# --- the GPT-2 speedruns' switches: qk_norm, relu2, zero_init_proj, logit_softcap --------------
+
+def test_speedrun_switches_off_are_the_default_model():
+    """Off, each switch leaves the default model as it was: the same parameters (same random
+    draws) and the same logits, bit for bit; relu2 has gelu's parameters, qk_norm and the
+    soft-cap add none."""
+    idx = tokens()
+    default = make()
+    explicit = make(qk_norm=False, mlp="gelu", zero_init_proj=False, logit_softcap=0.0)
+    for a, b in zip(param_leaves(default), param_leaves(explicit), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(default(idx), explicit(idx))
+    on = make(qk_norm=True, mlp="relu2", logit_softcap=30.0)
+    for a, b in zip(param_leaves(default), param_leaves(on), strict=True):
+        np.testing.assert_array_equal(a, b)  # same weights, another function of them
+    assert model.count_params(dataclasses.replace(GPTConfig(), mlp="relu2", qk_norm=True,
+                                                  logit_softcap=30.0)) == GPT2_SMALL_PARAMS
+    assert model.flops_per_token(dataclasses.replace(GPTConfig(), mlp="relu2", qk_norm=True,
+                                                     logit_softcap=30.0)) == model.flops_per_token(GPTConfig())
+
+
+def test_zero_init_proj_zeroes_only_the_residual_projections():
+    default, zero = make(), make(zero_init_proj=True)
+    pd, pz = (nnx.to_pure_dict(nnx.state(g)) for g in (default, zero))
+    flat_d, flat_z = (dict(jax.tree_util.tree_leaves_with_path(p)) for p in (pd, pz))
+    zeroed = {path for path in flat_z if str(path[-1].key) in ("out_kernel", "proj_kernel")}
+    assert len(zeroed) == 2
+    for path, a in flat_z.items():
+        if path in zeroed:
+            assert np.all(np.asarray(a) == 0) and np.any(np.asarray(flat_d[path]) != 0)
+        else:
+            np.testing.assert_array_equal(a, flat_d[path])
+    # Every block starts as the identity, yet its output projections get a gradient at once.
+    idx, targets = tokens(seed=1), tokens(seed=3)
+    grads = nnx.to_pure_dict(grads_of(zero, idx, targets))["blocks"]
+    assert np.abs(grads["attn"]["out_kernel"]).max() > 1e-4 and np.abs(grads["mlp"]["proj_kernel"]).max() > 1e-4
+    assert np.all(np.asarray(grads["attn"]["qkv_kernel"]) == 0)  # nothing flows through a 0 matrix yet
+
+
+def test_logit_softcap_is_tanh_of_the_uncapped_logits_and_keeps_padding_at_minus_inf():
+    idx = tokens()
+    plain = randomize(make(pad_vocab_to_multiple=64))
+    capped = randomize(make(pad_vocab_to_multiple=64, logit_softcap=0.5))
+    uncapped, logits = np.asarray(plain(idx), np.float64), np.asarray(capped(idx))
+    assert logits.dtype == np.float32
+    assert np.abs(logits[..., :65] - uncapped[..., :65]).max() > 0.02  # the cap bends them
+    np.testing.assert_allclose(logits[..., :65], 0.5 * np.tanh(uncapped[..., :65] / 0.5), rtol=0, atol=1e-6)
+    assert np.abs(logits[..., :65]).max() < 0.5 and np.all(logits[..., 65:] == -np.inf)
+    # in float32 under bfloat16 compute too
+    assert make(dtype="bfloat16", logit_softcap=0.5)(idx).dtype == jnp.float32
+
+
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
+    """Multiplying the query and key projections by 10 changes next to nothing with qk_norm
+    (heads are normalised before their scores; only norm_eps sees the scale), and a lot without."""
+    idx = tokens()
+    change = {}
+    for qk_norm in (True, False):
+        gpt = make(bias=False, qk_norm=qk_norm)
+        before = np.asarray(gpt(idx))
+        gpt.blocks.attn.qkv_kernel[...] = gpt.blocks.attn.qkv_kernel[...].at[:, :, :2].multiply(10.0)
+        change[qk_norm] = np.abs(np.asarray(gpt(idx)) - before).max()
+    assert change[True] < 1e-3 * 0.3 and change[False] > 0.03  # measured: 6e-5 and 0.06
+
+
+def test_speedrun_switches_scanned_unrolled_and_rematerialized_agree():
+    """Logits and gradients: scanned without remat against unrolled, and every remat policy
+    (each with the other layout, so both layouts meet recomputation)."""
+    idx, targets = tokens(seed=1), tokens(seed=3)
+
+    def logits_and_grads(**changes):
+        gpt = randomize(make(SPEEDRUN, **changes))
+        graphdef, state = nnx.split(gpt)
+
+        def loss(state):
+            logits = nnx.merge(graphdef, state)(idx)
+            return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1).mean(), logits
+
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+        return [logits, *jax.tree.leaves(grads)]
+
+    base = logits_and_grads()  # scanned, nothing recomputed
+    assert any(np.abs(g).max() > 1e-3 for g in base[1:])
+    layouts = [(False, "none")] + [(i % 2 == 1, p) for i, p in enumerate(sorted(model.REMAT_POLICIES))]
+    assert {p for _, p in layouts} == {"none", *model.REMAT_POLICIES} and len({s for s, _ in layouts}) == 2
+    for scan_layers, policy in layouts:
+        for a, b in zip(base, logits_and_grads(scan_layers=scan_layers, remat_policy=policy), strict=True):
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-5, err_msg=f"{scan_layers=}, {policy=}")
+
+
+def test_export_refuses_the_switches_transformers_lacks_and_takes_zero_init_proj():
+    """qk_norm, relu2 and logit_softcap change the function: GPT2, Llama and Qwen2 have none of
+    them, so export_hf.py refuses, naming the key. zero_init_proj is only an initialisation."""
+    gpt2 = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    for changes, key in (({"qk_norm": True}, "qk_norm=True"), ({"mlp": "relu2"}, "mlp='relu2'"),
+                         ({"logit_softcap": 30.0}, "logit_softcap=30.0")):
+        for base in (gpt2, LLAMA):
+            with pytest.raises(hf.HFError, match=f"{key} .*has no equivalent in transformers"):
+                hf.check_architecture(dataclasses.replace(base, **changes))
+    assert hf.check_architecture(dataclasses.replace(gpt2, zero_init_proj=True)) == "gpt2"
+    assert hf.check_architecture(dataclasses.replace(LLAMA, zero_init_proj=True)) == "llama"
+    assert hf.hf_config(dataclasses.replace(gpt2, zero_init_proj=True), "float32", 0, 0)["model_type"] == "gpt2"

@@ -228,3 +228,62 @@ def test_quantized_step_sharded_equals_one_device(toy64, mode, layout):
     one_device, split = losses(1, 1, 1), losses(*LAYOUTS[layout])
     np.testing.assert_allclose(split[0], one_device[0], rtol=0, atol=1e-5)
     np.testing.assert_allclose(split, one_device, rtol=1e-4)
+
+
+MUON = dict(optimizer="muon", muon_learning_rate=0.03)
+
+
+def muon_run(root, data, fsdp, tensor, steps=5):
+    """(setup, losses, final state) of `steps` Muon steps on the toy data, on that mesh."""
+    config = dataclasses.replace(sharded_config(root, data, fsdp, tensor), **MUON)
+    mesh = sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[:data * fsdp * tensor])
+    setup = train.make_setup(config, mesh, 64)
+    state, train_step = train.init_state(setup), train.jit_train_step(setup)
+    tokens, losses = dataset.open_split(config, "train", 64), []
+    with sharding.activate(mesh):
+        for step in range(steps):
+            batch = dataset.batch_for_step(tokens, config, step, "train", np.arange(config.batch_size), 1)
+            state, metrics = train_step(state, tuple(jax.device_put(a, setup.micro_batch_sharding) for a in batch))
+            losses.append(float(metrics["loss"]))
+    return setup, losses, state
+
+
+@pytest.fixture(scope="module")
+def muon_one_device(toy64):
+    root, _ = toy64
+    return muon_run(root, 1, 1, 1)
+
+
+@pytest.mark.parametrize("layout", ["tensor=2 x fsdp=4", "data=2 x fsdp=2 x tensor=2"])
+def test_muon_sharded_equals_one_device(toy64, muon_one_device, layout):
+    """Newton-Schulz on matrices split over fsdp and tensor (XLA adds the collectives) gives one
+    device's losses and parameters; the momentum is sharded like the parameters."""
+    root, _ = toy64
+    _, one_losses, one_state = muon_one_device
+    setup, losses, state = muon_run(root, *LAYOUTS[layout])
+    np.testing.assert_allclose(losses, one_losses, rtol=0, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
+                 state["params"], one_state["params"])
+    assert one_losses[-1] < one_losses[0] - 0.1  # it learns
+    muon_state = setup.state_shardings["opt_state"][1].inner_states["muon"].inner_state[0]
+    qkv = lambda tree: tree["blocks"]["attn"]["qkv_kernel"]
+    assert qkv(muon_state.mu) == qkv(setup.state_shardings["params"])
+    assert not jax.tree.leaves(muon_state.mu["wte"])  # AdamW's: no Muon momentum for it
+
+
+SPEEDRUN = dict(qk_norm=True, mlp="relu2", zero_init_proj=True, logit_softcap=15.0)
+
+
+def test_speedrun_switches_sharded_equals_one_device(toy64):
+    """qk_norm, the ReLU² MLP, zero-initialised projections and the logit soft-cap (on a Llama-style
+    model with 2 key/value heads): tensor=2 x fsdp=4 gives one device's losses, and it learns."""
+    root, _ = toy64
+
+    def losses(data, fsdp, tensor):
+        config = dataclasses.replace(sharded_config(root, data, fsdp, tensor), **{**LLAMA_STYLE, **SPEEDRUN},
+                                     out_dir=str(root / f"out-speedrun-{data}-{fsdp}-{tensor}"))
+        return [loss for _, loss in train.train(config, jax.devices()[:data * fsdp * tensor])]
+
+    one_device, split = losses(1, 1, 1), losses(1, 4, 2)
+    np.testing.assert_allclose(split, one_device, rtol=0, atol=1e-5)
+    assert one_device[-1] < one_device[0] - 0.1

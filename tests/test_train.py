@@ -19,6 +19,7 @@ from tensorboard.util import tensor_util
 import checkpoint
 import configurator
 import dataset
+import optimizer
 import plot
 import sharding
 import train
@@ -101,7 +102,7 @@ def test_tensorboard_events_profile_and_saved_config(toy):
 
 def test_learning_rate_schedule():
     config = Config(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110)
-    lr = lambda step: float(train.learning_rate(config, step))
+    lr = lambda step: float(optimizer.learning_rate(config, step))
     assert lr(0) == pytest.approx(1 / 11)
     assert lr(10) == pytest.approx(1.0)
     assert lr(60) == pytest.approx(0.55)  # half way through the cosine
@@ -110,7 +111,7 @@ def test_learning_rate_schedule():
 
 def test_weight_decay_only_on_matrices_and_embeddings(toy):
     setup = train.make_setup(small_config(toy), sharding.make_mesh(devices=ONE_DEVICE), 65)
-    mask = jax.tree_util.tree_map_with_path(train.decays, setup.abstract_state["params"])
+    mask = jax.tree_util.tree_map_with_path(optimizer.decays, setup.abstract_state["params"])
     flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(mask)}
     assert flat["['wte']"] and flat["['blocks']['mlp']['fc_kernel']"]
     assert flat["['blocks']['attn']['qkv_kernel']"] and flat["['wpe']"]
@@ -124,6 +125,8 @@ def test_resume_errors_name_the_problem(toy):
     train.train(small_config(toy, max_iters=4), ONE_DEVICE)
     with pytest.raises(checkpoint.CheckpointError, match="n_layer: checkpoint 2, config 3"):
         train.train(small_config(toy, init_from="resume", n_layer=3), ONE_DEVICE)
+    with pytest.raises(checkpoint.CheckpointError, match="qk_norm: checkpoint False, config True"):
+        train.train(small_config(toy, init_from="resume", qk_norm=True), ONE_DEVICE)  # same shapes, another model
 
 
 def test_command_line_errors_exit_with_one_line(toy):
@@ -352,7 +355,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(toy, tmp_path):
 def test_weight_decay_of_the_llama_style_parameters(toy):
     config = small_config(toy, mlp="swiglu", norm="rmsnorm", tie_embeddings=False, pos_embedding="rope")
     setup = train.make_setup(config, sharding.make_mesh(devices=ONE_DEVICE), 65)
-    mask = jax.tree_util.tree_map_with_path(train.decays, setup.abstract_state["params"])
+    mask = jax.tree_util.tree_map_with_path(optimizer.decays, setup.abstract_state["params"])
     flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(mask)}
     assert "['wpe']" not in flat  # RoPE has no position table
     assert flat["['lm_head_kernel']"] and flat["['blocks']['mlp']['gate_kernel']"]
