@@ -40,7 +40,7 @@ import hf
 import optimizer
 import sharding
 import train
-from model import count_params, flops_per_token
+from model import active_params, count_params, describe_params, flops_per_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +150,8 @@ class TrainBench:
         # Muon's Newton-Schulz matmuls: real work, but not the model's; MFU leaves them out
         optimizer_flops = optimizer.flops_per_step(self.setup.abstract_state["params"], self.config)
         return {
-            "params": count_params(self.setup.model_config), "vocab_size": self.vocab_size,
+            "params": count_params(self.setup.model_config), "active_params": active_params(self.setup.model_config),
+            "vocab_size": self.vocab_size,
             "mesh": dict(self.mesh.shape), "tokens_per_step": tokens,
             "step_s": seconds, "min_s": min(seconds), "median_s": median,
             "tokens_per_s": tokens_per_s, "tokens_per_s_best": tokens / min(seconds),
@@ -307,7 +308,7 @@ def run(argv: list[str]) -> dict:
     load = f", load average {record['load_average']:.2f}" if record["load_average"] is not None else ""
     print(f"  {len(devices)} x {devices[0].device_kind} ({devices[0].platform}, jax {jax.__version__}), "
           f"mesh {' x '.join(f'{a}={n}' for a, n in result['mesh'].items())}{load}")
-    print(f"  model {result['params']:,} params, {config.dtype}, remat {config.remat_policy}, "
+    print(f"  model {describe_params(mc)}, {config.dtype}, remat {config.remat_policy}, "
           f"scan_layers {config.scan_layers}, vocab {mc.padded_vocab_size}; " +
           (f"{config.gradient_accumulation_steps} x {config.batch_size} x {config.block_size} = "
            f"{config.tokens_per_step:,} tokens/step; {options.steps} timed steps after {options.warmup} "

@@ -45,7 +45,8 @@ class CheckpointError(ValueError):
 # Config keys that decide the shapes of the saved arrays.
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "qkv_bias", "pad_vocab_to_multiple",
               "pos_embedding", "norm", "mlp", "mlp_hidden", "n_kv_head", "tie_embeddings", "qk_norm",
-              "logit_softcap")
+              "logit_softcap", "n_experts", "experts_per_token", "n_shared_experts", "moe_hidden",
+              "moe_dense_layers")
 
 
 def checkpoint_dir(out_dir: str) -> str:

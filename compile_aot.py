@@ -32,7 +32,7 @@ import sharding
 import train
 from compiled_step import AotError
 from hardware import GiB
-from model import count_params, flops_per_token
+from model import describe_params, flops_per_token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +147,8 @@ def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Tar
 def compile_step(config: configurator.Config, target: Target, vocab_size: int) -> "Result":
     """Lower and compile train.py's step for the target; running out of memory is a result too."""
     n_slices = len({getattr(d, "slice_index", 0) or 0 for d in target.devices})
-    if n_slices > 1 and config.dcn_data * config.dcn_fsdp * config.dcn_tensor != n_slices:
-        raise AotError(f"the topology has {n_slices} slices: set dcn_data x dcn_fsdp x dcn_tensor "
+    if n_slices > 1 and config.dcn_data * config.dcn_fsdp * config.dcn_tensor * config.dcn_expert != n_slices:
+        raise AotError(f"the topology has {n_slices} slices: set dcn_data x dcn_fsdp x dcn_tensor x dcn_expert "
                        f"to {n_slices} (e.g. --dcn_data={n_slices})")
     setup = train.make_setup(config, train.make_mesh(config, target.devices), vocab_size)
     estimate = estimate_memory(setup)
@@ -380,7 +380,7 @@ def report(r: Result) -> str:
     mesh = " x ".join(f"{axis}={n}" for axis, n in setup.mesh.shape.items())
     lines = [
         f"train step for {r.target.name}, mesh {mesh}",
-        f"model {count_params(setup.model_config):,} parameters, {c.dtype}, remat {c.remat_policy}; "
+        f"model {describe_params(setup.model_config)}, {c.dtype}, remat {c.remat_policy}; "
         f"{c.batch_size} x {c.block_size} tokens x {c.gradient_accumulation_steps} micro-steps = "
         f"{c.tokens_per_step:,} tokens per step",
         f"{'compiled' if r.compiled else 'XLA ran out of memory'} in {r.seconds:.1f} s", "",

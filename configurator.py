@@ -78,6 +78,16 @@ class Config:
     qk_norm: bool = False  # RMSNorm, no learned scale, on each query and key head before RoPE/attention
     zero_init_proj: bool = False  # attention's and the MLP's output projections start at zero
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap) (modded-nanogpt: 30 or 15); 0 = off
+    # mixture of experts: n_experts > 0 replaces the MLPs by experts (model.MoE), each of the mlp kind
+    n_experts: int = 0  # experts per sparse layer; 0 = dense (the default)
+    experts_per_token: int = 2  # top-k routing: each token goes to this many experts
+    n_shared_experts: int = 0  # experts every token also goes to (DeepSeek), run as one wider MLP
+    moe_hidden: int = 0  # an expert's hidden width; 0 = mlp_hidden's default
+    moe_dense_layers: int = 0  # the first layers keep a dense MLP (0 = every layer sparse)
+    capacity_factor: float = 1.25  # > 0: an expert takes at most factor*T*k/E tokens of a row, the rest
+    #                               skip it; 0 = dropless (every token reaches its experts)
+    router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch; 1.0 when balanced)
+    router_z_loss_coef: float = 0.001  # weight of the router z-loss (ST-MoE)
     # optimizer: AdamW, linear warmup then cosine decay, as nanoGPT/GPT-2
     optimizer: str = "adamw"  # 'adamw' | 'muon' (Muon on the blocks' weight matrices, AdamW with
     #                           learning_rate, weight_decay, beta1, beta2 on embeddings, head, norms, biases)
@@ -121,10 +131,12 @@ class Config:
     mesh_data: int = -1
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
+    mesh_expert: int = 1  # splits a mixture of experts' experts (and the batch elsewhere)
     # multi-slice / multi-host: how many slices each axis spans over the slower network
     dcn_data: int = 1
     dcn_fsdp: int = 1
     dcn_tensor: int = 1
+    dcn_expert: int = 1
     # multi-process start-up; empty = single process, or JAX's detection (SLURM, TPU pods)
     coordinator_address: str = ""  # host:port of process 0
     num_processes: int = 1
@@ -151,6 +163,8 @@ class Config:
         check_choice("pos_embedding", self.pos_embedding, ("learned", "rope"))
         check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
         check_choice("mlp", self.mlp, ("gelu", "swiglu", "relu2"))
+        if self.n_experts > 0:
+            self._check_experts()
         if self.logit_softcap < 0:
             raise ConfigError(f"logit_softcap must be >= 0 (0 = off; modded-nanogpt uses 30 or 15), "
                               f"got {self.logit_softcap}")
@@ -175,7 +189,7 @@ class Config:
         for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
                     "gradient_accumulation_steps", "eval_interval", "eval_iters",
                     "log_interval", "max_to_keep", "pad_vocab_to_multiple",
-                    "dcn_data", "dcn_fsdp", "dcn_tensor", "num_processes"):
+                    "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "num_processes"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
         if self.profile_steps and not re.fullmatch(r"\d+:\d+", self.profile_steps):
@@ -196,7 +210,9 @@ class Config:
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError(f"rope_theta ({self.rope_theta}) and norm_eps ({self.norm_eps}) must be > 0")
         for key in ("vocab_size", "seed", "max_iters", "warmup_iters", "lr_decay_iters", "learning_rate",
-                    "weight_decay", "grad_clip", "keep_best", "sample_tokens", "stack_dump_interval", "eval_tasks_limit"):
+                    "weight_decay", "grad_clip", "keep_best", "sample_tokens", "stack_dump_interval", "eval_tasks_limit",
+                    "n_experts", "n_shared_experts", "moe_hidden", "moe_dense_layers", "capacity_factor",
+                    "router_aux_loss_coef", "router_z_loss_coef"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(self, key)}")
         check_choice("optimizer", self.optimizer, ("adamw", "muon"))
@@ -234,6 +250,14 @@ class Config:
         if self.num_processes > 1 and not self.coordinator_address:
             raise ConfigError(f"num_processes={self.num_processes} needs coordinator_address (host:port "
                               f"of process 0); under SLURM or on a TPU pod leave both unset")
+
+    def _check_experts(self) -> None:
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            raise ConfigError(f"experts_per_token must be between 1 and n_experts ({self.n_experts}), "
+                              f"got {self.experts_per_token}")
+        if not 0 <= self.moe_dense_layers < self.n_layer:
+            raise ConfigError(f"moe_dense_layers ({self.moe_dense_layers}) must be below n_layer "
+                              f"({self.n_layer}): at least one layer has the experts")
 
 
 EVAL_TASKS = ("hellaswag", "choice", "perplexity")  # evals.py's

@@ -192,7 +192,7 @@ def score_rows(setup, params, rows: Rows, batch_rows: int = 32, label: str = "",
     to a multiple of the mesh's batch axes and their length to a multiple of 64 (few shapes,
     few compiles); padding is masked out."""
     scorer = scorer or make_scorer(setup)
-    split = setup.mesh.shape["data"] * setup.mesh.shape["fsdp"]
+    split = sharding.batch_shards(setup.mesh)
     B = -(-batch_rows // split) * split
     local = sharding.local_batch_rows(setup.batch_sharding, B)
     sums, counts, started = [], [], time.perf_counter()

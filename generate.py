@@ -180,7 +180,7 @@ def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0
         if not 0 < len(ids) < block_size:
             raise ValueError(f"prompt {i} is {len(ids)} tokens; the model's context is {block_size} "
                              f"tokens, with at least one left to generate: shorten the prompt")
-    split = setup.mesh.shape["data"] * setup.mesh.shape["fsdp"]
+    split = sharding.batch_shards(setup.mesh)
     rows = [list(ids) for ids in prompts] + [[0]] * (-len(prompts) % split)  # padding rows want nothing
     new_B = np.zeros(len(rows), np.int32)  # new tokens so far, stop tokens included
     running_B = (np.arange(len(rows)) < len(prompts)) & (max_new_tokens > 0)

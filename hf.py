@@ -296,7 +296,8 @@ def check_architecture(c: GPTConfig) -> str:
     """'gpt2' or 'llama'/'qwen2': the transformers model with exactly this architecture, or an
     HFError saying which switch has no equivalent there. zero_init_proj is only how training
     starts: such a model exports like any other."""
-    lacking = {"qk_norm": (c.qk_norm, "RMSNorm on each query and key head"),
+    lacking = {"n_experts": (c.n_experts > 0, "a mixture of experts; Mixtral-style export is not built"),
+               "qk_norm": (c.qk_norm, "RMSNorm on each query and key head"),
                "mlp": (c.mlp == "relu2", "the ReLU² MLP, proj(relu(fc(x))²)"),
                "logit_softcap": (c.logit_softcap > 0, "logits soft-capped by cap·tanh(logits / cap)")}
     for key, (on, what) in lacking.items():

@@ -66,6 +66,13 @@ class GPTConfig:
     qk_norm: bool = False  # RMSNorm (no learned scale) on each query and key head, before RoPE
     zero_init_proj: bool = False  # the residual output projections (out_kernel, proj_kernel) start at 0
     logit_softcap: float = 0.0  # > 0: logits = cap·tanh(logits / cap), in float32; 0 = off
+    # mixture of experts (MoE below): n_experts > 0 makes the MLPs sparse
+    n_experts: int = 0  # experts per sparse layer; 0 = dense MLPs
+    experts_per_token: int = 2  # top-k: the experts each token goes to
+    n_shared_experts: int = 0  # experts every token goes to as well (DeepSeek), as one wider MLP
+    moe_hidden: int = 0  # an expert's hidden width; 0 = mlp_hidden_size
+    moe_dense_layers: int = 0  # the first layers keep a dense MLP (DeepSeek: 1-3)
+    capacity_factor: float = 1.25  # > 0: an expert takes at most factor·T·k/E tokens of a row; 0 = all
     # how the step computes, not what it learns: a checkpoint works with any of these
     attention: str = "xla"  # training attention: 'xla' | 'cudnn' (fused flash kernel, GPU, bf16)
     quantization: str = "none"  # the blocks' dense matmuls: 'none' | 'int8' | 'fp8' (quantization.py)
@@ -86,6 +93,15 @@ class GPTConfig:
         default = {"gelu": 4 * self.n_embd, "relu2": 4 * self.n_embd,
                    "swiglu": (8 * self.n_embd // 3 + 63) // 64 * 64}
         return self.mlp_hidden or default[self.mlp]
+
+    @property
+    def expert_hidden_size(self) -> int:
+        return self.moe_hidden or self.mlp_hidden_size
+
+    @property
+    def sparse_layers(self) -> int:
+        """Layers with a mixture of experts: all but the first moe_dense_layers (0 when dense)."""
+        return self.n_layer - self.moe_dense_layers if self.n_experts else 0
 
 
 def param(value, logical_axes) -> nnx.Param:
@@ -359,6 +375,114 @@ class SwiGLU(nnx.Module):
 MLPS = {"gelu": MLP, "relu2": MLP, "swiglu": SwiGLU}
 
 
+def expert_capacity(config: GPTConfig, tokens_per_row: int) -> int:
+    """Slots per expert per batch row: capacity_factor·T·k/E rounded up, or T (no token dropped:
+    a token picks an expert at most once)."""
+    if not config.capacity_factor:
+        return tokens_per_row
+    slots = math.ceil(config.capacity_factor * tokens_per_row * config.experts_per_token / config.n_experts)
+    return min(tokens_per_row, slots)
+
+
+def expert_matmul(x_ExNxI, kernel_ExIxO, quantize: str):
+    """Each expert's tokens times its own matrix (int8/fp8 operands if asked)."""
+    return jax.vmap(lambda x, w: quantization.matmul(x, w.astype(x.dtype), quantize))(x_ExNxI, kernel_ExIxO)
+
+
+class MoE(nnx.Module):
+    """A mixture of experts in place of the MLP (Switch, Mixtral, DeepSeek).
+
+    A float32 router scores the n_experts experts for each token; the token goes to its
+    experts_per_token best, and their outputs are summed weighted by the router's softmax
+    probabilities (renormalised over the chosen experts when there are several, as Mixtral; a
+    single expert keeps its probability, as Switch, so the router still gets a gradient).
+    Each expert is an MLP of the config's kind (gelu, relu2, swiglu) without biases.
+
+    Dispatch and combine are one-hot einsums per batch row (GShard): an expert takes up to C
+    tokens of a row, first choices first, then in order of position; a token over capacity
+    skips that expert (its residual stream passes on). C = T (capacity_factor 0) drops
+    nothing. The (E, B, C, D) buffers are what an `expert` mesh axis would split.
+    n_shared_experts adds one ordinary MLP, n_shared_experts experts wide, for every token.
+    """
+
+    def __init__(self, config: GPTConfig, key):
+        D, F, E = config.n_embd, config.expert_hidden_size, config.n_experts
+        k_router, k_gate, k_fc, k_proj, k_shared = jax.random.split(key, 5)
+        self.router_kernel = param(normal(k_router, (D, E), 0.02), ("embed", None))
+        self.gate_kernel = param(normal(k_gate, (E, D, F), 0.02), ("experts", "embed", "mlp")) if (
+            config.mlp == "swiglu") else None
+        self.fc_kernel = param(normal(k_fc, (E, D, F), 0.02), ("experts", "embed", "mlp"))
+        self.proj_kernel = param(residual_init(k_proj, (E, F, D), config), ("experts", "mlp", "embed"))
+        self.shared = MLPS[config.mlp](dataclasses.replace(config, mlp_hidden=F * config.n_shared_experts),
+                                       k_shared) if config.n_shared_experts else None
+        self.config = config
+
+    def route(self, x_BxTxD):
+        """(weights, experts) of each token's choices, (B, T, k) each, and the router's float32
+        logits (B, T, E)."""
+        logits_BxTxE = jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32), self.router_kernel[...])
+        weights_BxTxK, experts_BxTxK = jax.lax.top_k(jax.nn.softmax(logits_BxTxE), self.config.experts_per_token)
+        if self.config.experts_per_token > 1:
+            weights_BxTxK = weights_BxTxK / weights_BxTxK.sum(-1, keepdims=True)
+        return weights_BxTxK, experts_BxTxK, logits_BxTxE
+
+    def __call__(self, x_BTxD, batch_size: int, dropout_key=None):
+        """(y, stats): the layer's output (B·T, D) and the router's statistics for training."""
+        c = self.config
+        B, E, K = batch_size, c.n_experts, c.experts_per_token
+        T = x_BTxD.shape[0] // B
+        C = expert_capacity(c, T)
+        x_BxTxD = x_BTxD.reshape(B, T, -1)
+        weights_BxTxK, experts_BxTxK, logits_BxTxE = self.route(x_BxTxD)
+        # A slot in the chosen expert's buffer for every (token, choice): choices ranked first by
+        # k, then by position; a slot >= C is one-hot to nothing, so that choice is dropped.
+        chosen_BxKxTxE = jax.nn.one_hot(experts_BxTxK.swapaxes(1, 2), E, dtype=jnp.int32)
+        rank_BxKxTxE = jnp.cumsum(chosen_BxKxTxE.reshape(B, K * T, E), axis=1).reshape(B, K, T, E)
+        slot_BxTxK = ((rank_BxKxTxE * chosen_BxKxTxE).sum(-1) - 1).swapaxes(1, 2)
+        slot_BxTxKxC = jax.nn.one_hot(slot_BxTxK, C, dtype=jnp.float32)
+        expert_BxTxKxE = jax.nn.one_hot(experts_BxTxK, E, dtype=jnp.float32)
+        dispatch_BxTxExC = jnp.einsum("btke,btkc->btec", expert_BxTxKxE, slot_BxTxKxC)
+        combine_BxTxExC = jnp.einsum("btke,btkc->btec", expert_BxTxKxE * weights_BxTxK[..., None], slot_BxTxKxC)
+
+        # Dispatch where the tokens are, then move each expert's slots to its devices: the change of
+        # sharding from rows (over expert) to experts (over expert) is one all-to-all.
+        dtype = x_BTxD.dtype
+        in_ExBxCxD = constrain(jnp.einsum("btec,btd->ebcd", dispatch_BxTxExC.astype(dtype), x_BxTxD),
+                               (None, "batch", None, "embed_act"))
+        in_ExNxD = constrain(in_ExBxCxD, ("experts", "expert_batch", None, "embed_act")).reshape(E, B * C, -1)
+        h_ExNxF = expert_matmul(in_ExNxD, self.fc_kernel[...], c.quantization)
+        if self.gate_kernel is not None:  # swiglu
+            h_ExNxF = jax.nn.silu(expert_matmul(in_ExNxD, self.gate_kernel[...], c.quantization)) * h_ExNxF
+        else:
+            h_ExNxF = ACTIVATIONS[c.mlp](h_ExNxF)
+        out_ExNxD = expert_matmul(constrain(h_ExNxF, ("experts", "expert_batch", "mlp")), self.proj_kernel[...],
+                                  c.quantization)
+        out_ExBxCxD = constrain(out_ExNxD.reshape(E, B, C, -1), ("experts", "expert_batch", None, "embed_act"))
+        out_ExBxCxD = constrain(out_ExBxCxD, (None, "batch", None, "embed_act"))  # back: all-to-all
+        y_BxTxD = jnp.einsum("btec,ebcd->btd", combine_BxTxExC.astype(dtype), out_ExBxCxD)
+        y_BTxD = y_BxTxD.reshape(B * T, -1)
+        if self.shared is not None:
+            y_BTxD = y_BTxD + self.shared(x_BTxD)
+        return dropout(y_BTxD, c.dropout, dropout_key), router_stats(logits_BxTxE, expert_BxTxKxE, dispatch_BxTxExC)
+
+
+def router_stats(logits_BxTxE, expert_BxTxKxE, dispatch_BxTxExC) -> dict:
+    """What training adds to the loss and logs, per layer:
+    balance_loss  E · Σ_e f_e · P_e, f_e the share of the routed choices that picked expert e
+                  and P_e its mean router probability (Switch Transformer; 1.0 when balanced)
+    z_loss        mean of logsumexp(router logits)² (ST-MoE: keeps the logits small)
+    dropped       the share of the choices over capacity
+    load          f_e, (E,)
+    """
+    E, choices = logits_BxTxE.shape[-1], expert_BxTxKxE[..., 0].size
+    load_E = expert_BxTxKxE.sum((0, 1, 2)) / choices
+    probability_E = jax.nn.softmax(logits_BxTxE).mean((0, 1))
+    return {"balance_loss": E * jnp.sum(load_E * probability_E),
+            "z_loss": jnp.square(jax.nn.logsumexp(logits_BxTxE, -1)).mean(),
+            "dropped": (choices - dispatch_BxTxExC.sum()) / choices,
+            "load": load_E}
+
+
 def no_softcap(logits, cap: float):
     return logits
 
@@ -373,19 +497,26 @@ SOFTCAPS = {False: no_softcap, True: tanh_softcap}  # by logit_softcap > 0
 
 
 class Block(nnx.Module):
-    def __init__(self, config: GPTConfig, key):
+    """One layer: attention, then an MLP, or a mixture of experts when `sparse`."""
+
+    def __init__(self, config: GPTConfig, key, sparse: bool = False):
         k_attn, k_mlp = jax.random.split(key)
         self.ln_1 = NORMS[config.norm](config)
         self.attn = Attention(config, k_attn)
         self.ln_2 = NORMS[config.norm](config)
-        self.mlp = MLPS[config.mlp](config, k_mlp)
+        self.mlp = MoE(config, k_mlp) if sparse else MLPS[config.mlp](config, k_mlp)
+        self.sparse = sparse
 
     def __call__(self, x_BTxD, batch_size: int, start_B, dropout_key=None, cache=None):
+        """(x, cache, router stats): the stats are MoE's, {} for a dense layer."""
         k_attn, k_mlp = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         y_BTxD, cache = self.attn(self.ln_1(x_BTxD), batch_size, start_B, k_attn, cache)
         x_BTxD = x_BTxD + y_BTxD
-        x_BTxD = x_BTxD + self.mlp(self.ln_2(x_BTxD), k_mlp)
-        return constrain(x_BTxD, ("batch", "embed_act")), cache
+        if self.sparse:
+            y_BTxD, stats = self.mlp(self.ln_2(x_BTxD), batch_size, k_mlp)
+        else:
+            y_BTxD, stats = self.mlp(self.ln_2(x_BTxD), k_mlp), {}
+        return constrain(x_BTxD + y_BTxD, ("batch", "embed_act")), cache, stats
 
 
 REMAT_POLICIES = {
@@ -406,17 +537,25 @@ class GPT(nnx.Module):
         self.lm_head_kernel = None if config.tie_embeddings else param(
             normal(jax.random.fold_in(key, 1), (D, V), 0.02), ("embed", "vocab"))
 
-        # One Block per layer key, stacked: each weight gets a leading `layers` axis.
-        @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(layer_key):
-            return Block(config, layer_key)
+        # One Block per layer key, stacked: each weight gets a leading `layers` axis. With experts,
+        # the first moe_dense_layers are a dense stack of their own (a stack has one shape).
+        def make_blocks(layer_keys, sparse: bool):
+            return nnx.vmap(lambda k: Block(config, k, sparse),
+                            transform_metadata={nnx.PARTITION_NAME: "layers"})(layer_keys)
 
-        self.blocks = make_blocks(jax.random.split(k_blocks, config.n_layer))
+        layer_keys, n_dense = jax.random.split(k_blocks, config.n_layer), config.n_layer - config.sparse_layers
+        self.dense_blocks = make_blocks(layer_keys[:n_dense], False) if config.sparse_layers and n_dense else None
+        self.blocks = make_blocks(layer_keys[n_dense:], True) if config.sparse_layers else make_blocks(layer_keys, False)
         self.ln_f = NORMS[config.norm](config)
         self.config = config
 
     def __call__(self, idx_BxT, dropout_key=None):
         """Token ids (B, T) -> float32 logits (B, T, padded vocab). Dropout only with a key."""
+        return self.forward(idx_BxT, dropout_key)[0]
+
+    def forward(self, idx_BxT, dropout_key=None):
+        """(logits, router stats): the stats of every sparse layer, stacked (router_stats);
+        {} for a dense model."""
         config = self.config
         B, T = idx_BxT.shape
         if T > config.block_size:
@@ -430,9 +569,9 @@ class GPT(nnx.Module):
         x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         x_BTxD = dropout(x_BTxD, config.dropout, k_emb)
-        x_BTxD, _ = self._run_blocks(x_BTxD, B, jnp.zeros(B, jnp.int32), k_layers)
+        x_BTxD, _, stats = self._run_blocks(x_BTxD, B, jnp.zeros(B, jnp.int32), k_layers)
         logits_BxTxV = self._unembed(self.ln_f(x_BTxD)).reshape(B, T, -1)
-        return self._mask_padding(logits_BxTxV)
+        return self._mask_padding(logits_BxTxV), stats
 
     def decode(self, idx_BxT, cache: KVCache, start_B, last_B=None):
         """Run T new tokens per row, at positions start_B[b] + [0, T), against the cache.
@@ -448,7 +587,7 @@ class GPT(nnx.Module):
         if self.wpe is not None:
             x_BxTxD = x_BxTxD + self.wpe[...][start_B[:, None] + jnp.arange(T)]  # per row: any prompt length
         x_BTxD = constrain(x_BxTxD.astype(config.dtype).reshape(B * T, -1), ("batch", "embed_act"))
-        x_BTxD, cache = self._run_blocks(x_BTxD, B, start_B, None, cache)
+        x_BTxD, cache, _ = self._run_blocks(x_BTxD, B, start_B, None, cache)
         last_B = jnp.full((B,), T - 1) if last_B is None else last_B
         x_BxD = x_BTxD.reshape(B, T, -1)[jnp.arange(B), last_B]  # the vocab matmul for B rows only
         return self._mask_padding(self._unembed(self.ln_f(x_BxD))), cache
@@ -476,28 +615,45 @@ class GPT(nnx.Module):
         return jnp.where(is_real_token, logits_xV, -jnp.inf)
 
     def _run_blocks(self, x_BTxD, batch_size: int, start_B, dropout_key, cache=None):
-        """The stacked layers; with a cache (L, B, S, K, H), each layer reads and writes its slice."""
+        """The layer stacks in order; with a cache (L, B, S, K, H), each layer reads and writes
+        its slice. Returns (x, cache, the sparse layers' router stats)."""
         config = self.config
-        graphdef, stacked_state = nnx.split(self.blocks)
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
+        if self.dense_blocks is None:
+            return self._run_stack(self.blocks, x_BTxD, batch_size, start_B, layer_keys, cache)
+        n = config.n_layer - config.sparse_layers  # the dense stack comes first
+        part = lambda tree, lo, hi: None if tree is None else jax.tree.map(lambda a: a[lo:hi], tree)
+        x_BTxD, dense_cache, _ = self._run_stack(self.dense_blocks, x_BTxD, batch_size, start_B,
+                                                 part(layer_keys, 0, n), part(cache, 0, n))
+        x_BTxD, sparse_cache, stats = self._run_stack(self.blocks, x_BTxD, batch_size, start_B,
+                                                      part(layer_keys, n, None), part(cache, n, None))
+        if cache is not None:
+            cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), dense_cache, sparse_cache)
+        return x_BTxD, cache, stats
+
+    def _run_stack(self, blocks, x_BTxD, batch_size: int, start_B, layer_keys, cache):
+        config = self.config
+        graphdef, stacked_state = nnx.split(blocks)
+        n_layers = jax.tree.leaves(stacked_state)[0].shape[0]
 
         def one_layer(x_BTxD, layer_inputs):
             layer_state, layer_key, layer_cache = layer_inputs
-            return nnx.merge(graphdef, layer_state)(x_BTxD, batch_size, start_B, layer_key, layer_cache)
+            x_BTxD, layer_cache, stats = nnx.merge(graphdef, layer_state)(
+                x_BTxD, batch_size, start_B, layer_key, layer_cache)
+            return x_BTxD, (layer_cache, stats)
 
         if config.remat_policy != "none":
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[config.remat_policy])
         if config.scan_layers:
-            x_BTxD, cache = jax.lax.scan(one_layer, x_BTxD, (stacked_state, layer_keys, cache))
+            x_BTxD, (cache, stats) = jax.lax.scan(one_layer, x_BTxD, (stacked_state, layer_keys, cache))
         else:  # unrolled: same stacked weights, one copy of the layer per depth in the program
-            layer_caches = []
-            for i in range(config.n_layer):
+            outputs = []
+            for i in range(n_layers):
                 layer_i = jax.tree.map(lambda a: a[i], (stacked_state, layer_keys, cache))
-                x_BTxD, layer_cache = one_layer(x_BTxD, layer_i)
-                layer_caches.append(layer_cache)
-            if cache is not None:
-                cache = jax.tree.map(lambda *layers: jnp.stack(layers), *layer_caches)
-        return x_BTxD, cache
+                x_BTxD, layer_outputs = one_layer(x_BTxD, layer_i)
+                outputs.append(layer_outputs)
+            cache, stats = jax.tree.map(lambda *layers: jnp.stack(layers), *outputs)
+        return x_BTxD, cache, stats
 
 
 def count_params(config: GPTConfig) -> int:
@@ -515,6 +671,25 @@ def matmul_params(config: GPTConfig) -> int:
     return count_params(config) - lookups
 
 
+def idle_expert_params(config: GPTConfig) -> int:
+    """Expert weights a token does not use: the n_experts - experts_per_token experts it is not
+    routed to, in every sparse layer (0 for a dense model)."""
+    matrices = 3 if config.mlp == "swiglu" else 2
+    idle = config.n_experts - config.experts_per_token
+    return config.sparse_layers * idle * matrices * config.n_embd * config.expert_hidden_size
+
+
+def active_params(config: GPTConfig) -> int:
+    """Parameters one token uses (a mixture of experts' 'active parameters'; all of a dense model)."""
+    return count_params(config) - idle_expert_params(config)
+
+
+def describe_params(config: GPTConfig) -> str:
+    """'124,475,904 parameters', or for a mixture of experts also the ones a token uses."""
+    total = f"{count_params(config):,} parameters"
+    return f"{total} ({active_params(config):,} active)" if config.n_experts else total
+
+
 def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
     """Training FLOPs per token: 6 per weight (forward + backward) + attention scores/values.
 
@@ -522,7 +697,9 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
     key/value projections are in it (relu2 has gelu's two). 12·L·T·D is the attention's QK^T and AV
     over a context of T tokens for n_head query heads of size D / n_head, whatever n_kv_head is.
     Elementwise work is not counted: norms, activations, qk_norm (~3 FLOPs per q/k element) and
-    logit_softcap (~3 per logit) are well under 1% of a step's FLOPs.
+    logit_softcap (~3 per logit) are well under 1% of a step's FLOPs. A mixture of experts counts
+    its active parameters (the router and the experts_per_token experts a token goes to); its
+    one-hot dispatch and combine einsums are overhead, left out like the rest.
     """
     T = seq_len or config.block_size
-    return 6 * matmul_params(config) + 12 * config.n_layer * T * config.n_embd
+    return 6 * (matmul_params(config) - idle_expert_params(config)) + 12 * config.n_layer * T * config.n_embd

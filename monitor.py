@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 
 import configurator
 from configurator import Config
-from model import count_params, flops_per_token
+from model import describe_params, flops_per_token
 
 
 class Logger:
@@ -165,7 +165,7 @@ def print_summary(log, setup, splits: dict, peak: str) -> None:
     mesh = setup.mesh
     log.print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
               + " x ".join(f"{a}={n}" for a, n in mesh.shape.items()))
-    log.print(f"model: {count_params(setup.model_config):,} parameters, "
+    log.print(f"model: {describe_params(setup.model_config)}, "
               f"{flops_per_token(setup.model_config) / 1e6:,.2f} MFLOP/token (train), vocab "
               f"{setup.model_config.vocab_size} (padded {setup.model_config.padded_vocab_size})")
     state_bytes = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize

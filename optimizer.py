@@ -26,7 +26,9 @@ from optax.contrib import _muon as optax_muon
 from configurator import Config
 
 # The blocks' weight matrices: (reduction axes, output axes) of the stacked array, i.e. the
-# axes x @ W contracts with and the axes it produces. Axis 0 (layers) is a batch axis.
+# axes x @ W contracts with and the axes it produces. Axis 0 (layers) is a batch axis; so is a
+# mixture of experts' expert axis, which comes next (model.MoE: fc_kernel (L, E, D, F)), so its
+# kernels' axes are these shifted by one.
 BLOCK_MATRICES = {
     "qkv_kernel": MuonDimensionNumbers(reduction_axis=1, output_axis=(2, 3, 4)),  # (L, D, C, K, H)
     "out_kernel": MuonDimensionNumbers(reduction_axis=(1, 2), output_axis=3),  # (L, N, H, D)
@@ -34,6 +36,8 @@ BLOCK_MATRICES = {
     "gate_kernel": MuonDimensionNumbers(reduction_axis=1, output_axis=2),  # (L, D, F)
     "proj_kernel": MuonDimensionNumbers(reduction_axis=1, output_axis=2),  # (L, F, D)
 }
+STACKS = ("blocks", "dense_blocks")  # model.GPT's layer stacks
+ADAMW_MATRICES = ("router_kernel",)  # a mixture of experts' router: small, and its columns compete
 NS_STEPS = 5  # Newton-Schulz iterations per update (optax's default coefficients 3.4445, -4.775, 2.0315)
 
 
@@ -65,12 +69,21 @@ def _muon_dimension_numbers(path, leaf):
     """MuonDimensionNumbers for a block weight matrix, None for a parameter AdamW updates."""
     keys = [k.key for k in path]
     name = keys[-1]
-    if keys[0] != "blocks" or not name.endswith("kernel"):
+    if keys[0] not in STACKS or not name.endswith("kernel") or name in ADAMW_MATRICES:
         return None
     if name not in BLOCK_MATRICES:  # a new weight in model.py: say how it multiplies
         raise ValueError(f"optimizer.py: {'.'.join(keys)} {tuple(leaf.shape)} is a block weight "
                          f"matrix whose axes Muon does not know: add it to BLOCK_MATRICES")
-    return BLOCK_MATRICES[name]
+    dims = BLOCK_MATRICES[name]
+    shift = len(leaf.shape) - 1 - len(_axes(dims.reduction_axis)) - len(_axes(dims.output_axis))
+    if not shift:
+        return dims
+    return MuonDimensionNumbers(reduction_axis=tuple(a + shift for a in _axes(dims.reduction_axis)),
+                                output_axis=tuple(a + shift for a in _axes(dims.output_axis)))
+
+
+def _axes(a) -> tuple:
+    return (a,) if isinstance(a, int) else tuple(a)
 
 
 def _group(path, leaf) -> str:
@@ -151,9 +164,8 @@ def flops_per_step(params, config: Config) -> float:
         dims = _muon_dimension_numbers(path, leaf)
         if dims is None:
             continue
-        axes = lambda a: (a,) if isinstance(a, int) else tuple(a)
-        rows = math.prod(leaf.shape[a] for a in axes(dims.reduction_axis))
-        cols = math.prod(leaf.shape[a] for a in axes(dims.output_axis))
+        rows = math.prod(leaf.shape[a] for a in _axes(dims.reduction_axis))
+        cols = math.prod(leaf.shape[a] for a in _axes(dims.output_axis))
         m, n = min(rows, cols), max(rows, cols)
         total += math.prod(leaf.shape) // (m * n) * NS_STEPS * (4 * m * m * n + 2 * m ** 3)
     return total

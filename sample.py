@@ -105,7 +105,7 @@ def load_for_inference(out_dir: str, mesh=None, quantization: str = "none"):
         # gone by now, a learning rate that a later version checks more strictly) doesn't matter here.
         kept = {k: v for k, v in meta["config"].items() if k in MODEL_KEYS}
         config = configurator.config_from_dict({**kept, "attention": "auto", "quantization": quantization,
-                                                "batch_size": mesh.shape["data"] * mesh.shape["fsdp"]})
+                                                "batch_size": sharding.batch_shards(mesh)})
         setups.append(train.make_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config)))
         return {"params": setups[-1].abstract_state["params"]}
 
@@ -133,7 +133,7 @@ def load_hf(name: str, mesh, quantization: str = "none", dtype: str = "float32")
     directory = hf.resolve(name)
     model = hf.read_config(directory)
     values = hf.fill_model_keys({"init_from": name}, model, directory, default_block_size=model.max_context)
-    config = configurator.Config(**values, batch_size=mesh.shape["data"] * mesh.shape["fsdp"],
+    config = configurator.Config(**values, batch_size=sharding.batch_shards(mesh),
                                  quantization=quantization, dtype=dtype)
     setup = train.make_setup(config, mesh, model.keys["vocab_size"])
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):

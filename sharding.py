@@ -1,7 +1,9 @@
 """Device mesh, the logical-to-mesh rules table, and host batches -> global arrays.
 
-Three mesh axes, each a different way to split the work:
+Four mesh axes, each a different way to split the work:
   data    replicate the parameters, split the batch (gradients are all-reduced)
+  expert  split a mixture of experts' experts, and the batch elsewhere (tokens travel to
+          their experts' devices and back: all-to-all)
   fsdp    split the batch *and* shard parameters/optimizer state (ZeRO-3: all-gather
           weights before use, reduce-scatter gradients)
   tensor  split attention heads and MLP hidden units (Megatron: activations all-reduced)
@@ -19,15 +21,17 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "expert", "fsdp", "tensor")
 
 # logical axis name -> mesh axis (or axes, or None = replicated)
 RULES = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "expert", "fsdp")),
+    ("expert_batch", ("data", "fsdp")),  # the rows of the experts' buffers: `expert` splits the experts
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("mlp", "tensor"),
+    ("experts", "expert"),  # a mixture of experts' expert axis (model.MoE)
     ("layers", None),
     ("qkv", None),
     ("head_dim", None),
@@ -42,46 +46,56 @@ class MeshError(ValueError):
     """The mesh shape does not fit the devices or the model; the message says which numbers."""
 
 
-def resolve_mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int) -> tuple[int, int, int]:
-    """Fill in the one axis given as -1 so that the product is the device count."""
-    shape = [data, fsdp, tensor]
-    if shape.count(-1) > 1:
-        raise MeshError(f"only one of mesh_data/mesh_fsdp/mesh_tensor may be -1, got {shape}")
-    if any(n == 0 or n < -1 for n in shape):
+def resolve_mesh_shape(sizes: dict, n_devices: int) -> dict:
+    """{axis: size} with the one size given as -1 filled in so that the product is the device
+    count; in MESH_AXES order (an axis left out is 1)."""
+    shape = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
+    flags = "/".join(f"mesh_{axis}" for axis in MESH_AXES)
+    unknown = [axis for axis, n in shape.items() if n == -1]
+    if len(unknown) > 1:
+        raise MeshError(f"only one of {flags} may be -1, got {shape}")
+    if any(n == 0 or n < -1 for n in shape.values()):
         raise MeshError(f"mesh sizes must be >= 1 (or -1 for 'the rest'), got {shape}")
-    if -1 in shape:
-        known = math.prod(n for n in shape if n != -1)
+    if unknown:
+        known = math.prod(n for n in shape.values() if n != -1)
         if n_devices % known:
             raise MeshError(f"mesh {shape}: {n_devices} devices are not divisible by {known}")
-        shape[shape.index(-1)] = n_devices // known
-    if math.prod(shape) != n_devices:
-        raise MeshError(
-            f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} = {math.prod(shape)} "
-            f"devices, but there are {n_devices}; set one of mesh_data/mesh_fsdp/mesh_tensor to -1"
-        )
-    return tuple(shape)
+        shape[unknown[0]] = n_devices // known
+    if math.prod(shape.values()) != n_devices:
+        product = " x ".join(f"{axis}={n}" for axis, n in shape.items())
+        raise MeshError(f"mesh {product} = {math.prod(shape.values())} devices, but there are "
+                        f"{n_devices}; set one of {flags} to -1")
+    return shape
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None,
-              dcn: tuple[int, int, int] = (1, 1, 1)) -> jax.sharding.Mesh:
-    """A (data, fsdp, tensor) mesh. `dcn` multiplies each axis across slices (or hosts).
+              dcn: tuple[int, int, int] = (1, 1, 1), expert: int = 1, dcn_expert: int = 1) -> jax.sharding.Mesh:
+    """A (data, expert, fsdp, tensor) mesh. `dcn` (data, fsdp, tensor) and `dcn_expert` multiply
+    each axis across slices (or hosts).
 
     Within a slice devices talk over the fast interconnect (ICI/NVLink); between slices
-    over the data-center network, which is ~10x slower. So data, fsdp and tensor sizes are
-    per slice, and `dcn` says how many slices each axis spans: typically only `data`
-    (one gradient all-reduce per step crosses the slow network).
+    over the data-center network, which is ~10x slower. So the mesh sizes are per slice, and
+    `dcn` says how many slices each axis spans: typically only `data` (one gradient
+    all-reduce per step crosses the slow network).
     """
     devices = jax.devices() if devices is None else devices
-    n_slices = math.prod(dcn)
+    dcn = dict(zip(("data", "fsdp", "tensor"), dcn), expert=dcn_expert)
+    dcn_shape = tuple(dcn[axis] for axis in MESH_AXES)
+    n_slices = math.prod(dcn_shape)
     if len(devices) % n_slices:
         raise MeshError(f"{len(devices)} devices can't form dcn mesh {dcn} ({n_slices} slices)")
-    ici = resolve_mesh_shape(data, fsdp, tensor, len(devices) // n_slices)
-    axis_types = (AxisType.Auto,) * 3
+    sizes = resolve_mesh_shape(dict(data=data, expert=expert, fsdp=fsdp, tensor=tensor), len(devices) // n_slices)
+    ici = tuple(sizes.values())
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if n_slices == 1:
-        return jax.make_mesh(ici, MESH_AXES, axis_types=axis_types, devices=devices)
+        try:
+            return jax.make_mesh(ici, MESH_AXES, axis_types=axis_types, devices=devices)
+        except NotImplementedError:  # a TPU torus (e.g. 4x4x4) with an axis of 8: split a physical axis
+            grid = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+            return jax.sharding.Mesh(grid, MESH_AXES, axis_types=axis_types)
     # Multi-slice TPU devices know their slice; elsewhere (GPU hosts) a process is a slice.
     by_process = len({getattr(d, "slice_index", 0) for d in devices}) < n_slices
-    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=by_process)
+    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn_shape, devices, process_is_granule=by_process)
     return jax.sharding.Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
@@ -108,10 +122,13 @@ def _launched_as_several_processes() -> bool:
 
 
 def check_model_fits_mesh(mesh, *, n_head: int, n_embd: int, batch_size: int, n_kv_head: int = 0,
-                          mlp_hidden: int = 0) -> None:
+                          mlp_hidden: int = 0, n_experts: int = 0) -> None:
     """Fail before compiling when the model's sizes can't be split the way the mesh asks.
-    n_kv_head and mlp_hidden: 0 = GPT-2's (n_head, 4 * n_embd)."""
-    data, fsdp, tensor = (mesh.shape[a] for a in MESH_AXES)
+    n_kv_head and mlp_hidden: 0 = GPT-2's (n_head, 4 * n_embd); n_experts: 0 = dense."""
+    tensor, expert = mesh.shape["tensor"], mesh.shape["expert"]
+    if expert > 1 and (not n_experts or n_experts % expert):
+        raise MeshError(f"mesh_expert={expert} splits a mixture of experts' experts, but n_experts={n_experts} "
+                        f"is not a multiple of it: use a mesh_expert that divides n_experts (or 1)")
     if n_head % tensor:
         raise MeshError(f"n_head={n_head} is not divisible by mesh_tensor={tensor}")
     if n_kv_head and n_kv_head % tensor:  # model.py keeps each key/value head with its query heads
@@ -121,11 +138,19 @@ def check_model_fits_mesh(mesh, *, n_head: int, n_embd: int, batch_size: int, n_
     mlp_hidden = mlp_hidden or 4 * n_embd
     if mlp_hidden % tensor:
         raise MeshError(f"the MLP width {mlp_hidden} is not divisible by mesh_tensor={tensor}")
-    if batch_size % (data * fsdp):
-        raise MeshError(
-            f"batch_size={batch_size} is not divisible by mesh_data x mesh_fsdp = {data} x {fsdp}; "
-            f"use a batch_size that is a multiple of {data * fsdp}"
-        )
+    rows = batch_shards(mesh)
+    if batch_size % rows:
+        split = " x ".join(f"mesh_{a}" for a in BATCH_AXES)
+        raise MeshError(f"batch_size={batch_size} is not divisible by {split} = {rows}; use a batch_size "
+                        f"that is a multiple of {rows}")
+
+
+BATCH_AXES = dict(RULES)["batch"]
+
+
+def batch_shards(mesh) -> int:
+    """How many ways the batch is split: its rows go to data x expert x fsdp device groups."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
 def mesh_axes_for(logical_axes, rules=RULES):

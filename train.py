@@ -44,7 +44,8 @@ class TrainingError(RuntimeError):
 
 def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
     return sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices,
-                              dcn=(config.dcn_data, config.dcn_fsdp, config.dcn_tensor))
+                              dcn=(config.dcn_data, config.dcn_fsdp, config.dcn_tensor),
+                              expert=config.mesh_expert, dcn_expert=config.dcn_expert)
 
 
 def model_config(config: Config, vocab_size: int, platform: str) -> GPTConfig:
@@ -90,7 +91,7 @@ def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
     gpt_config = model_config(config, vocab_size, mesh.devices.flat[0].platform)
     sharding.check_model_fits_mesh(mesh, n_head=config.n_head, n_embd=config.n_embd,
                                    batch_size=config.batch_size, n_kv_head=gpt_config.kv_heads,
-                                   mlp_hidden=gpt_config.mlp_hidden_size)
+                                   mlp_hidden=gpt_config.mlp_hidden_size, n_experts=gpt_config.n_experts)
     abstract_model = nnx.eval_shape(lambda: GPT(gpt_config, jax.random.key(0)))
     graphdef, abstract_params = nnx.split(abstract_model)
     param_shardings = nnx.to_pure_dict(sharding.param_shardings(abstract_params, mesh))
@@ -125,6 +126,19 @@ def cross_entropy(setup: Setup, params, x_BxT, y_BxT, dropout_key=None):
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, y_BxT).mean()
 
 
+def training_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None):
+    """(loss to differentiate, (cross-entropy, router stats)): a mixture of experts adds its
+    router's load-balancing and z-losses, each averaged over the sparse layers and weighted."""
+    c = setup.config
+    logits_BxTxV, stats = nnx.merge(setup.graphdef, params).forward(x_BxT, dropout_key)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, y_BxT).mean()
+    if not stats:
+        return loss, (loss, {})
+    stats = jax.tree.map(lambda per_layer: per_layer.mean(0), stats)
+    total = loss + c.router_aux_loss_coef * stats["balance_loss"] + c.router_z_loss_coef * stats["z_loss"]
+    return total, (loss, stats)
+
+
 def make_train_step(setup: Setup):
     """train_step(state, (x, y)) -> (state, metrics), with x, y of shape (micro-steps, B, T)."""
     config = setup.config
@@ -133,19 +147,19 @@ def make_train_step(setup: Setup):
         x_AxBxT, y_AxBxT = batch
         params = state["params"]
         step_key = jax.random.fold_in(jax.random.key(config.seed), state["step"])
-        grad_fn = jax.value_and_grad(lambda p, x, y, k: cross_entropy(setup, p, x, y, k))
+        grad_fn = jax.value_and_grad(lambda p, x, y, k: training_loss(setup, p, x, y, k), has_aux=True)
 
         def micro_step(grad_sum, inputs):
             x_BxT, y_BxT, i = inputs
             key = jax.random.fold_in(step_key, i) if config.dropout > 0 else None
-            loss, grads = grad_fn(params, x_BxT, y_BxT, key)
+            (_, (loss, router)), grads = grad_fn(params, x_BxT, y_BxT, key)
             grads = jax.lax.with_sharding_constraint(grads, setup.state_shardings["params"])
-            return jax.tree.map(jnp.add, grad_sum, grads), loss
+            return jax.tree.map(jnp.add, grad_sum, grads), (loss, router)
 
         # Gradient accumulation as a scan: one compiled loop, not one dispatch per micro-step.
         zeros = jax.tree.map(jnp.zeros_like, params)
         n_micro = x_AxBxT.shape[0]
-        grad_sum, losses = jax.lax.scan(micro_step, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro)))
+        grad_sum, (losses, router) = jax.lax.scan(micro_step, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro)))
         grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
         loss, grad_norm = losses.mean(), optax.tree.norm(grads)
         updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
@@ -158,6 +172,8 @@ def make_train_step(setup: Setup):
                      "step": state["step"] + 1}
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
                    "lr": learning_rate(config, state["step"])}
+        if router:  # a mixture of experts: its router's losses, dropped share and load
+            metrics["router"] = jax.tree.map(lambda per_micro_step: per_micro_step.mean(0), router)
         return new_state, metrics
 
     return train_step
@@ -357,6 +373,7 @@ class Run:
             return
         if val_loss < self.best_val or self.config.always_save_checkpoint or last:
             self.best_val = min(self.best_val, val_loss)
+            checkpoint.wait(self.manager)  # the previous save is complete before this one is announced
             self.log.print(f"saving checkpoint at step {self.step}")
             self.save(val_loss)
 
@@ -414,6 +431,12 @@ class Run:
                      f"{self.clock.elapsed()} elapsed, ETA {self.clock.eta(step, seconds)}")
             scalars |= {"train/grad_norm": metrics["grad_norm"], "train/step_ms": seconds * 1e3,
                         "train/tokens_per_sec": tokens_per_s, "train/mfu": mfu}
+        if "router" in metrics:
+            r = {k: np.asarray(v) for k, v in metrics["router"].items()}
+            busiest = r["load"].max() * len(r["load"])  # 1.0: every expert gets its share
+            line += f" | experts: busiest x{busiest:.2f}, dropped {r['dropped']:.1%}"
+            scalars |= {"moe/balance_loss": r["balance_loss"], "moe/z_loss": r["z_loss"],
+                        "moe/dropped": r["dropped"], "moe/busiest_expert_load": busiest}
         if self.n_skipped:
             line += f" | skipped {self.n_skipped} non-finite steps"
         self.log.print(line)

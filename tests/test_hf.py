@@ -59,7 +59,7 @@ def load(directory, mesh=None, **given) -> tuple:
     model = hf.read_config(directory)
     values = hf.fill_model_keys({"init_from": str(directory), **given}, model, directory, model.max_context)
     mesh = mesh or sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    config = configurator.Config(batch_size=mesh.shape["data"] * mesh.shape["fsdp"], **values)
+    config = configurator.Config(batch_size=sharding.batch_shards(mesh), **values)
     setup = train.make_setup(config, mesh, model.keys["vocab_size"])
     return config, jax.tree.map(np.asarray, checkpoint.load_pretrained(setup, str(directory)))
 

@@ -27,6 +27,14 @@ LLAMA = dataclasses.replace(TINY, pos_embedding="rope", norm="rmsnorm", norm_eps
                             n_kv_head=2, bias=False, tie_embeddings=False)
 # modded-nanogpt's switches on a Llama-style model (grouped-query attention included).
 SPEEDRUN = dataclasses.replace(LLAMA, qk_norm=True, mlp="relu2", zero_init_proj=True, logit_softcap=15.0)
+# Mixtures of experts, dropless (capacity_factor 0) unless a test says otherwise.
+MOE_VARIANTS = {
+    "gelu, top-2 of 4": dataclasses.replace(TINY, n_experts=4, experts_per_token=2, capacity_factor=0.0),
+    "swiglu, top-1, a shared expert, first layer dense": dataclasses.replace(
+        LLAMA, n_layer=3, n_experts=4, experts_per_token=1, n_shared_experts=1, moe_hidden=24,
+        moe_dense_layers=1, capacity_factor=0.0),
+    "relu2, top-3 of 3": dataclasses.replace(TINY, mlp="relu2", n_experts=3, experts_per_token=3, capacity_factor=0.0),
+}
 GPT2_SMALL_PARAMS = 124_439_808
 
 
@@ -106,22 +114,25 @@ def reference_forward(params, idx, config=None):
     """
     config = config or TINY
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    blocks, idx = p["blocks"], np.asarray(idx)
-    attn, mlp = blocks["attn"], blocks["mlp"]
-    ln_1, ln_2, ln_f = blocks["ln_1"], blocks["ln_2"], p["ln_f"]
+    idx = np.asarray(idx)
+    # one dict per layer: a mixture of experts keeps its first dense layers in a stack of their own
+    stacks = [p["dense_blocks"], p["blocks"]] if "dense_blocks" in p else [p["blocks"]]
+    layers = [jax.tree.map(lambda a: a[i], stack) for stack in stacks for i in range(len(stack["ln_1"]["scale"]))]
+    ln_f = p["ln_f"]
     norm = {"layernorm": _layer_norm, "rmsnorm": _rms_norm}[config.norm]
     B, T = idx.shape
-    L, D, C, K, H = attn["qkv_kernel"].shape  # C = G query heads per key/value head + k + v
+    D, C, K, H = layers[0]["attn"]["qkv_kernel"].shape  # C = G query heads per key/value head + k + v
     G = C - 2
     causal_TxT = np.tril(np.ones((T, T), bool))
     positions = np.broadcast_to(np.arange(T), (B, T))
 
     x = p["wte"][idx] + (p["wpe"][:T] if config.pos_embedding == "learned" else 0)  # (B, T, D)
-    for l in range(L):
-        h = norm(x, ln_1["scale"][l], ln_1.get("bias", [None] * L)[l], config.norm_eps)
-        qkv = np.einsum("btd,dckh->btckh", h, attn["qkv_kernel"][l])
+    for layer in layers:
+        attn, mlp = layer["attn"], layer["mlp"]
+        h = norm(x, layer["ln_1"]["scale"], layer["ln_1"].get("bias"), config.norm_eps)
+        qkv = np.einsum("btd,dckh->btckh", h, attn["qkv_kernel"])
         if "qkv_bias" in attn:
-            qkv = qkv + attn["qkv_bias"][l]
+            qkv = qkv + attn["qkv_bias"]
         q, k, v = qkv[:, :, :G], qkv[:, :, G], qkv[:, :, G + 1]  # (B, T, G, K, H), (B, T, K, H) x 2
         if config.qk_norm:  # before RoPE
             q, k = _unit_rms(q, config.norm_eps), _unit_rms(k, config.norm_eps)
@@ -133,25 +144,47 @@ def reference_forward(params, idx, config=None):
         weights = np.exp(scores - scores.max(-1, keepdims=True))
         weights = weights / weights.sum(-1, keepdims=True)
         y = np.einsum("bkgqs,bskh->bqkgh", weights, v).reshape(B, T, K * G, H)
-        y = np.einsum("btnh,nhd->btd", y, attn["out_kernel"][l])
+        y = np.einsum("btnh,nhd->btd", y, attn["out_kernel"])
         if "out_bias" in attn:
-            y = y + attn["out_bias"][l]
+            y = y + attn["out_bias"]
         x = x + y
 
-        h = norm(x, ln_2["scale"][l], ln_2.get("bias", [None] * L)[l], config.norm_eps)
-        bias = lambda name: mlp[name][l] if name in mlp else 0
-        if config.mlp == "swiglu":
-            h = _silu(h @ mlp["gate_kernel"][l] + bias("gate_bias")) * (h @ mlp["fc_kernel"][l] + bias("fc_bias"))
-        elif config.mlp == "relu2":
-            h = np.maximum(h @ mlp["fc_kernel"][l] + bias("fc_bias"), 0.0) ** 2
-        else:
-            h = _gelu_tanh(h @ mlp["fc_kernel"][l] + bias("fc_bias"))
-        x = x + h @ mlp["proj_kernel"][l] + bias("proj_bias")
+        h = norm(x, layer["ln_2"]["scale"], layer["ln_2"].get("bias"), config.norm_eps)
+        x = x + (_experts(h, mlp, config) if "router_kernel" in mlp else _mlp(h, mlp, config.mlp))
     x = norm(x, ln_f["scale"], ln_f.get("bias"), config.norm_eps)
     logits = x @ (p["wte"].T if config.tie_embeddings else p["lm_head_kernel"])
     if config.logit_softcap:
         logits = config.logit_softcap * np.tanh(logits / config.logit_softcap)
     return logits
+
+
+def _mlp(h, mlp, kind):
+    """One dense MLP of the given kind; its biases where it has them."""
+    bias = lambda name: mlp.get(name, 0)
+    if kind == "swiglu":
+        h = _silu(h @ mlp["gate_kernel"] + bias("gate_bias")) * (h @ mlp["fc_kernel"] + bias("fc_bias"))
+    elif kind == "relu2":
+        h = np.maximum(h @ mlp["fc_kernel"] + bias("fc_bias"), 0.0) ** 2
+    else:
+        h = _gelu_tanh(h @ mlp["fc_kernel"] + bias("fc_bias"))
+    return h @ mlp["proj_kernel"] + bias("proj_bias")
+
+
+def _experts(h, moe, config):
+    """A mixture of experts as its definition reads: every expert on every token, then each token
+    keeps its experts_per_token best by router probability (renormalised when several), nothing
+    dropped; plus the shared experts."""
+    probs = np.exp(h @ moe["router_kernel"])
+    probs = probs / probs.sum(-1, keepdims=True)  # (B, T, E)
+    best = np.argsort(-probs, -1)[..., :config.experts_per_token]
+    gates = np.zeros_like(probs)
+    np.put_along_axis(gates, best, np.take_along_axis(probs, best, -1), -1)
+    if config.experts_per_token > 1:
+        gates = gates / gates.sum(-1, keepdims=True)
+    names = [n for n in ("gate_kernel", "fc_kernel", "proj_kernel") if n in moe]
+    outputs = np.stack([_mlp(h, {n: moe[n][e] for n in names}, config.mlp) for e in range(config.n_experts)])
+    y = np.einsum("bte,ebtd->btd", gates, outputs)
+    return y + _mlp(h, moe["shared"], config.mlp) if "shared" in moe else y
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -369,10 +402,12 @@ def test_bfloat16_compute():
 
 # --- decoding with a KV cache ---------------------------------------------------------------
 
-@pytest.mark.parametrize("base, scan_layers", [(TINY, True), (TINY, False), (LLAMA, True), (SPEEDRUN, True),
-                                              (dataclasses.replace(TINY, qk_norm=True, logit_softcap=0.5), False)],
-                         ids=["gpt2-scan", "gpt2-unrolled", "llama-scan", "speedrun-scan",
-                              "gpt2-qk_norm-softcap-unrolled"])
+@pytest.mark.parametrize("base, scan_layers", [
+    (TINY, True), (TINY, False), (LLAMA, True), (SPEEDRUN, True),
+    (dataclasses.replace(TINY, qk_norm=True, logit_softcap=0.5), False),
+    (MOE_VARIANTS["gelu, top-2 of 4"], False), (MOE_VARIANTS["swiglu, top-1, a shared expert, first layer dense"], True)],
+    ids=["gpt2-scan", "gpt2-unrolled", "llama-scan", "speedrun-scan", "gpt2-qk_norm-softcap-unrolled",
+         "moe-unrolled", "moe-dense-first-scan"])
 def test_decode_with_cache_matches_the_full_forward(base, scan_layers):
     """Feed each row in two chunks that start at different positions per row; every logit
     must equal the full causal forward's at the same position."""
@@ -393,7 +428,7 @@ def test_decode_with_cache_matches_the_full_forward(base, scan_layers):
     for t in range(5):  # then one token at a time, each row at its own position
         logits, cache = decode(second[:, t:t + 1], cache, split_B + t)
         np.testing.assert_allclose(logits, full[np.arange(3), np.asarray(split_B) + t], rtol=0, atol=1e-5)
-    assert cache.k.shape == (2, 3, 16, config.kv_heads, 8) and cache.k.dtype == jnp.float32
+    assert cache.k.shape == (config.n_layer, 3, 16, config.kv_heads, 8) and cache.k.dtype == jnp.float32
 
 
 # --- architecture options: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output ------
@@ -508,26 +543,6 @@ def test_flops_per_token_counts_the_matmul_weights_of_the_real_model(name):
     assert model.flops_per_token(config) == 6 * n_matmul + 12 * config.n_layer * T * config.n_embd
 
 
-def test_llama_style_layers_scanned_unrolled_and_rematerialized_agree():
-    idx, targets = tokens(seed=1), tokens(seed=3)
-
-    def logits_and_grads(**changes):
-        gpt = randomize(make(LLAMA, **changes))
-        graphdef, state = nnx.split(gpt)
-
-        def loss(state):
-            logits = nnx.merge(graphdef, state)(idx)
-            return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1).mean(), logits
-
-        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
-        return [logits, *jax.tree.leaves(grads)]
-
-    base = logits_and_grads()  # scanned, nothing recomputed
-    for a, b in zip(base, logits_and_grads(scan_layers=False, remat_policy="full"), strict=True):
-        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
-    assert len(base) == 1 + 10 and any(np.abs(g).max() > 1e-3 for g in base[1:])
-
-
 def test_llama_style_bfloat16_compute():
     full, half = make(LLAMA), make(LLAMA, dtype="bfloat16")
     idx = tokens()
@@ -539,7 +554,8 @@ def test_llama_style_bfloat16_compute():
 
 @pytest.mark.parametrize("base, mode, tolerance, grad_tolerance", [
     (TINY, "int8", 0.03, 0.03), (LLAMA, "int8", 0.03, 0.03),
-    (TINY, "fp8", 0.1, 0.25)], ids=["gpt2-int8", "llama-int8", "gpt2-fp8"])  # e5m2 gradients: 2 mantissa bits
+    (TINY, "fp8", 0.1, 0.25), (MOE_VARIANTS["gelu, top-2 of 4"], "int8", 0.03, 0.03)],
+    ids=["gpt2-int8", "llama-int8", "gpt2-fp8", "moe-int8"])  # e5m2 gradients: 2 mantissa bits
 def test_quantized_model_is_close_to_the_float_model(base, mode, tolerance, grad_tolerance):
     """Same weights: logits and gradients within a few percent of the float model's, and not equal."""
     idx, targets = tokens(seed=1), tokens(seed=3)
@@ -643,13 +659,17 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
     assert change[True] < 1e-3 * 0.3 and change[False] > 0.03  # measured: 6e-5 and 0.06
 
 
-def test_speedrun_switches_scanned_unrolled_and_rematerialized_agree():
+@pytest.mark.parametrize("base", ["llama", "speedrun", "moe"])
+def test_switches_scanned_unrolled_and_rematerialized_agree(base):
     """Logits and gradients: scanned without remat against unrolled, and every remat policy
-    (each with the other layout, so both layouts meet recomputation)."""
+    (each with the other layout, so both layouts meet recomputation); Llama-style, the speedrun's
+    switches, and a mixture of experts with a dense first layer."""
     idx, targets = tokens(seed=1), tokens(seed=3)
+    config = {"llama": LLAMA, "speedrun": SPEEDRUN,
+              "moe": MOE_VARIANTS["swiglu, top-1, a shared expert, first layer dense"]}[base]
 
     def logits_and_grads(**changes):
-        gpt = randomize(make(SPEEDRUN, **changes))
+        gpt = randomize(make(config, **changes))
         graphdef, state = nnx.split(gpt)
 
         def loss(state):
@@ -680,3 +700,101 @@ def test_export_refuses_the_switches_transformers_lacks_and_takes_zero_init_proj
     assert hf.check_architecture(dataclasses.replace(gpt2, zero_init_proj=True)) == "gpt2"
     assert hf.check_architecture(dataclasses.replace(LLAMA, zero_init_proj=True)) == "llama"
     assert hf.hf_config(dataclasses.replace(gpt2, zero_init_proj=True), "float32", 0, 0)["model_type"] == "gpt2"
+
+
+# --- mixture of experts ---------------------------------------------------------------------
+
+def decisive_router(gpt, scale=20.0):
+    """Router weights scaled up, so that no two experts' probabilities are within float32
+    rounding of each other and float32 and float64 pick the same experts."""
+    gpt.blocks.mlp.router_kernel[...] = gpt.blocks.mlp.router_kernel[...] * scale
+    return gpt
+
+
+@pytest.mark.parametrize("name", MOE_VARIANTS)
+def test_moe_matches_every_expert_on_every_token_masked(name):
+    """The one-hot dispatch and combine (dropless) equal running every expert on every token and
+    keeping each token's top-k, in float64 (reference_forward's _experts)."""
+    config = MOE_VARIANTS[name]
+    gpt = decisive_router(randomize(make(config)))
+    idx = tokens()
+    expected = reference_forward(nnx.to_pure_dict(nnx.state(gpt)), idx, config)
+    np.testing.assert_allclose(gpt(idx), expected, rtol=0, atol=1e-5)
+    _, stats = gpt.forward(idx)
+    assert np.all(np.asarray(stats["dropped"]) == 0) and stats["load"].shape == (config.sparse_layers, config.n_experts)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_routing_picks_the_most_probable_experts_with_weights_as_configured(k):
+    """Top-k by router probability; one expert keeps its probability (Switch: the router still
+    gets a gradient through it), several are renormalised to sum to 1 (Mixtral)."""
+    config = dataclasses.replace(MOE_VARIANTS["gelu, top-2 of 4"], experts_per_token=k)
+    moe = model.MoE(config, jax.random.key(0))
+    moe.router_kernel[...] = moe.router_kernel[...] * 20
+    x = jax.random.normal(jax.random.key(1), (2, 16, config.n_embd))
+    weights, experts, logits = (np.asarray(a) for a in moe.route(x))
+    probs = np.asarray(jax.nn.softmax(logits))
+    np.testing.assert_array_equal(experts, np.argsort(-probs, -1)[..., :k])
+    chosen = np.take_along_axis(probs, experts, -1)
+    expected = chosen if k == 1 else chosen / chosen.sum(-1, keepdims=True)
+    np.testing.assert_allclose(weights, expected, rtol=1e-6)
+    assert len(np.unique(experts)) == config.n_experts  # the test sees every expert chosen
+
+
+def test_capacity_keeps_first_choices_first_then_earlier_tokens_and_counts_the_rest_dropped():
+    """capacity_factor 0.5 with top-2 of 4 on 16 tokens: 4 slots per expert and row. The layer
+    equals a loop that hands out slots choice by choice, token by token."""
+    config = dataclasses.replace(MOE_VARIANTS["gelu, top-2 of 4"], capacity_factor=0.5)
+    assert model.expert_capacity(config, 16) == 4
+    moe = model.MoE(config, jax.random.key(0))
+    moe.router_kernel[...] = moe.router_kernel[...] * 20
+    x = jax.random.normal(jax.random.key(1), (2 * 16, config.n_embd))
+    y, stats = moe(x, batch_size=2)
+    weights, experts, _ = (np.asarray(a, np.float64) for a in moe.route(x.reshape(2, 16, -1)))
+    experts = experts.astype(int)
+    params = {n: np.asarray(getattr(moe, n)[...], np.float64) for n in ("fc_kernel", "proj_kernel")}
+    h = np.asarray(x, np.float64).reshape(2, 16, -1)
+    expected, kept = np.zeros_like(h), 0
+    for b in range(2):
+        used = np.zeros(config.n_experts, int)
+        for k in range(2):
+            for t in range(16):
+                e = experts[b, t, k]
+                if used[e] < 4:
+                    used[e] += 1
+                    kept += 1
+                    expected[b, t] += weights[b, t, k] * _mlp(h[b, t], {n: a[e] for n, a in params.items()}, "gelu")
+    assert 0 < kept < 2 * 16 * 2  # some choices dropped, some kept
+    np.testing.assert_allclose(np.asarray(y).reshape(2, 16, -1), expected, rtol=0, atol=1e-5)
+    assert float(stats["dropped"]) == pytest.approx(1 - kept / 64)
+
+
+def test_router_losses_on_a_hand_worked_example():
+    """Two tokens, two experts, both routed to expert 0 with probabilities (3/4, 1/4):
+    f = (1, 0), P = (3/4, 1/4), balance = E·Σ f·P = 2 · 3/4 = 1.5; each token's logsumexp
+    is log(3 + 1) = log 4, so z = (log 4)²; nothing dropped."""
+    logits = jnp.log(jnp.asarray([[[3.0, 1.0], [3.0, 1.0]]]))  # (B=1, T=2, E=2)
+    chosen = jax.nn.one_hot(jnp.zeros((1, 2, 1), int), 2)  # (B, T, k=1, E): expert 0
+    dispatch = jnp.einsum("btke,btkc->btec", chosen, jax.nn.one_hot(jnp.asarray([[[0], [1]]]), 2))
+    stats = model.router_stats(logits, chosen, dispatch)
+    assert float(stats["balance_loss"]) == pytest.approx(1.5)
+    assert float(stats["z_loss"]) == pytest.approx(math.log(4) ** 2)
+    assert float(stats["dropped"]) == 0.0
+    np.testing.assert_allclose(stats["load"], [1.0, 0.0])
+    uniform = model.router_stats(jnp.zeros((1, 2, 2)), jax.nn.one_hot(jnp.asarray([[[0], [1]]]), 2), dispatch)
+    assert float(uniform["balance_loss"]) == pytest.approx(1.0)  # balanced: its minimum
+
+
+def test_moe_counts_total_and_active_parameters_and_flops_on_the_active_ones():
+    config = MOE_VARIANTS["swiglu, top-1, a shared expert, first layer dense"]
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: GPT(config, jax.random.key(0)))))
+    assert model.count_params(config) == sum(math.prod(a.shape) for a in jax.tree.leaves(params))
+    expert_kernels = sum(math.prod(params["blocks"]["mlp"][n].shape) for n in ("gate_kernel", "fc_kernel", "proj_kernel"))
+    idle = expert_kernels * (config.n_experts - config.experts_per_token) // config.n_experts
+    assert model.active_params(config) == model.count_params(config) - idle
+    # a token uses the dense model, but in each of the 2 sparse layers a router, its one expert
+    # and the shared expert (each 3 matrices 32 x 24) in place of the 32 x 128 SwiGLU
+    dense = dataclasses.replace(config, n_experts=0)
+    per_sparse_layer = 32 * 4 + 2 * 3 * 32 * 24 - 3 * 32 * 128
+    assert model.active_params(config) == model.count_params(dense) + 2 * per_sparse_layer
+    assert model.flops_per_token(config) == 6 * (model.matmul_params(config) - idle) + 12 * 3 * 16 * 32

@@ -61,7 +61,15 @@ LLAMA_GROUPS = {
 }
 
 
-@pytest.mark.parametrize("architecture, expected", [({}, GPT2_GROUPS), (LLAMA_STYLE, LLAMA_GROUPS)])
+MOE = dict(n_layer=2, n_experts=4, experts_per_token=2, moe_dense_layers=1)
+MOE_GROUPS = {  # the dense first layer as GPT-2's; the sparse one: experts (no biases) and a router
+    **{name.replace("blocks.", "dense_blocks.", 1): g for name, g in GPT2_GROUPS.items() if name.startswith("blocks.")},
+    **{name: g for name, g in GPT2_GROUPS.items() if not name.startswith("blocks.mlp.")},
+    "blocks.mlp.router_kernel": "adamw", "blocks.mlp.fc_kernel": "muon", "blocks.mlp.proj_kernel": "muon",
+}
+
+
+@pytest.mark.parametrize("architecture, expected", [({}, GPT2_GROUPS), (LLAMA_STYLE, LLAMA_GROUPS), (MOE, MOE_GROUPS)])
 def test_param_groups_muon_on_block_matrices_adamw_on_the_rest(tmp_path, architecture, expected):
     setup = train.make_setup(small_config(tmp_path, optimizer="muon", **architecture),
                              sharding.make_mesh(devices=ONE_DEVICE), 64)
@@ -107,6 +115,25 @@ def test_muon_update_is_each_layers_matrix_orthogonalised_and_adamw_is_unchanged
                 assert 0.66 < s.min() and s.max() < 1.22, (name, s.min(), s.max())
                 banded.add(name)
     assert len(banded) >= 3
+
+
+def test_muon_orthogonalises_each_expert_of_each_layer_on_its_own(tmp_path):
+    """An expert kernel (L, E, D, F): layers and experts are both batch axes of Muon."""
+    config = small_config(tmp_path, n_embd=64, n_head=4, optimizer="muon", grad_clip=0.0, decay_lr=False,
+                          muon_learning_rate=0.05, **{**MOE, "moe_dense_layers": 0})
+    params = model_params(config)
+    grads = random_like(params, seed=1)
+    tx = optimizer.make_optimizer(config)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    for name in ("fc_kernel", "proj_kernel"):
+        update, grad = updates["blocks"]["mlp"][name], grads["blocks"]["mlp"][name]
+        assert update.shape[:2] == (2, 4)
+        for layer in range(2):
+            for expert in range(4):
+                u = np.asarray(update[layer, expert])
+                u = u / (-config.muon_learning_rate * np.sqrt(max(1, u.shape[1] / u.shape[0])))
+                expected = _muon.orthogonalize_via_newton_schulz(grad[layer, expert], NS_COEFFS, 5)
+                np.testing.assert_allclose(u, expected, rtol=0, atol=2e-5, err_msg=f"{name}[{layer}, {expert}]")
 
 
 def test_adamw_is_the_same_optimizer_as_before_muon(tmp_path):

@@ -1,4 +1,5 @@
 import dataclasses
+import math
 import os
 import socket
 import subprocess
@@ -70,11 +71,16 @@ def test_fsdp_stores_an_eighth_of_the_parameters_per_device(toy64):
         a.nbytes for a in opt_leaves)  # Adam moments are sharded like the parameters
 
 
+def sizes(data, fsdp, tensor, expert=1):
+    return dict(data=data, expert=expert, fsdp=fsdp, tensor=tensor)
+
+
 @pytest.mark.parametrize("shape, n_devices, expected", [
-    ((-1, 1, 1), 8, (8, 1, 1)), ((2, -1, 2), 8, (2, 2, 2)), ((1, 4, 2), 8, (1, 4, 2)),
+    ((-1, 1, 1), 8, (8, 1, 1, 1)), ((2, -1, 2), 8, (2, 1, 2, 2)), ((1, 4, 2), 8, (1, 1, 4, 2)),
+    ((1, 2, 1, -1), 8, (1, 4, 2, 1)),
 ])
 def test_resolve_mesh_shape(shape, n_devices, expected):
-    assert sharding.resolve_mesh_shape(*shape, n_devices) == expected
+    assert tuple(sharding.resolve_mesh_shape(sizes(*shape), n_devices).values()) == expected
 
 
 @pytest.mark.parametrize("shape, message", [
@@ -84,14 +90,14 @@ def test_resolve_mesh_shape(shape, n_devices, expected):
 ])
 def test_bad_mesh_shapes_name_the_numbers(shape, message):
     with pytest.raises(sharding.MeshError, match=message):
-        sharding.resolve_mesh_shape(*shape, 8)
+        sharding.resolve_mesh_shape(sizes(*shape), 8)
 
 
 def test_model_that_does_not_fit_the_mesh(toy64):
     mesh = sharding.make_mesh(1, 2, 4)
     with pytest.raises(sharding.MeshError, match="n_head=2 is not divisible by mesh_tensor=4"):
         sharding.check_model_fits_mesh(mesh, n_head=2, n_embd=64, batch_size=8)
-    with pytest.raises(sharding.MeshError, match="batch_size=5 is not divisible by mesh_data x mesh_fsdp"):
+    with pytest.raises(sharding.MeshError, match="batch_size=5 is not divisible by mesh_data x mesh_expert x mesh_fsdp"):
         sharding.check_model_fits_mesh(mesh, n_head=4, n_embd=64, batch_size=5)
 
 
@@ -287,3 +293,59 @@ def test_speedrun_switches_sharded_equals_one_device(toy64):
     one_device, split = losses(1, 1, 1), losses(1, 4, 2)
     np.testing.assert_allclose(split, one_device, rtol=0, atol=1e-5)
     assert one_device[-1] < one_device[0] - 0.1
+
+
+# A mixture of experts with dropping (capacity 1.25): 4 experts, top-2, the first layer dense.
+MOE = dict(n_experts=4, experts_per_token=2, capacity_factor=1.25, moe_dense_layers=1, n_layer=3, max_iters=6)
+MOE_LAYOUTS = {"expert=4 x fsdp=2": dict(mesh_expert=4, mesh_fsdp=2),
+               "expert=2 x tensor=2 x data=2": dict(mesh_expert=2, mesh_tensor=2, mesh_data=2)}
+
+
+def moe_losses(root, name, architecture=None, **mesh):
+    config = dataclasses.replace(sharded_config(root, 1, 1, 1), **MOE, **(architecture or {}), **mesh,
+                                 out_dir=str(root / f"out-moe-{name}"))
+    n_devices = math.prod(mesh.get(f"mesh_{a}", 1) for a in ("data", "fsdp", "tensor", "expert"))
+    return [loss for _, loss in train.train(config, jax.devices()[:n_devices])]
+
+
+@pytest.fixture(scope="module")
+def moe_one_device(toy64):
+    root, _ = toy64
+    return {"gelu": moe_losses(root, "one-gelu"), "swiglu": moe_losses(root, "one-swiglu", LLAMA_STYLE)}
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_moe_sharded_equals_one_device(toy64, moe_one_device, layout, mlp):
+    """Experts split over `expert` (and within an expert over tensor / fsdp), tokens sent to them
+    and back: the same 6 losses as one device, and it learns."""
+    root, _ = toy64
+    split = moe_losses(root, f"{layout}-{mlp}", LLAMA_STYLE if mlp == "swiglu" else None, **MOE_LAYOUTS[layout])
+    np.testing.assert_allclose(split, moe_one_device[mlp], rtol=0, atol=1e-5)
+    assert moe_one_device[mlp][-1] < moe_one_device[mlp][0] - 0.1
+
+
+def test_moe_experts_are_split_and_a_checkpoint_moves_to_another_expert_layout(toy64, moe_one_device):
+    root, _ = toy64
+    config = dataclasses.replace(sharded_config(root, 1, 1, 1), **{**MOE, "max_iters": 3}, mesh_expert=4,
+                                 mesh_fsdp=2, out_dir=str(root / "out-moe-moved"))
+    setup = train.make_setup(config, train.make_mesh(config, jax.devices()), 64)
+    fc = setup.state_shardings["params"]["blocks"]["mlp"]["fc_kernel"]  # (L, E, D, F)
+    assert fc.spec[1] == "expert" and fc.shard_shape((2, 4, 64, 256)) == (2, 1, 32, 256)
+    train.train(config, jax.devices())
+    resumed = dataclasses.replace(config, init_from="resume", max_iters=6, mesh_expert=2, mesh_fsdp=1,
+                                  mesh_tensor=2, mesh_data=2)
+    losses = [loss for _, loss in train.train(resumed, jax.devices())]
+    np.testing.assert_allclose(losses, moe_one_device["gelu"][3:], rtol=0, atol=1e-5)
+
+
+def test_a_mesh_that_the_torus_cannot_factor_splits_a_physical_axis(monkeypatch):
+    """jax.make_mesh refuses an axis of 8 on a 4x4x4 TPU torus; the mesh is then built with a
+    physical axis split (checked here by making make_mesh refuse on the CPU devices)."""
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("Failed to find assignment for logical_axis_index 1 of size 8")
+
+    monkeypatch.setattr(jax, "make_mesh", refuse)
+    mesh = sharding.make_mesh(1, 2, 1, expert=4)
+    assert dict(mesh.shape) == {"data": 1, "expert": 4, "fsdp": 2, "tensor": 1}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())

@@ -233,17 +233,18 @@ def test_second_ctrl_c_exits_at_once_and_keeps_checkpoints(toy):
 def poison_step(monkeypatch, poisoned_step: int):
     """Make the loss of one step NaN: that step's batch is all zeros, and such a batch's
     loss is multiplied by NaN inside the compiled step."""
-    batch_for_step, cross_entropy = dataset.batch_for_step, train.cross_entropy
+    batch_for_step, training_loss = dataset.batch_for_step, train.training_loss
 
     def poisoned_batch(tokens, config, step, split, *args, **kwargs):
         x, y = batch_for_step(tokens, config, step, split, *args, **kwargs)
         return (np.zeros_like(x), y) if split == "train" and step == poisoned_step else (x, y)
 
     def poisoned_loss(setup, params, x, y, key=None):
-        return cross_entropy(setup, params, x, y, key) * jnp.where(jnp.all(x == 0), jnp.nan, 1.0)
+        poison = jnp.where(jnp.all(x == 0), jnp.nan, 1.0)
+        return jax.tree.map(lambda a: a * poison, training_loss(setup, params, x, y, key))
 
     monkeypatch.setattr(dataset, "batch_for_step", poisoned_batch)
-    monkeypatch.setattr(train, "cross_entropy", poisoned_loss)
+    monkeypatch.setattr(train, "training_loss", poisoned_loss)
 
 
 def restored_params(config):
@@ -309,7 +310,7 @@ BAD_INPUTS = [  # (how to break things, extra flags, the message expected)
     (None, ["--init_from=resume", "--out_dir={toy}/empty"], "no checkpoint in"),
     (None, ["--init_from=resume", "--n_layer=3"], "n_layer: checkpoint 2, config 3"),
     (None, ["--mesh_data=3"], "= 3 devices, but there are 8"),
-    (None, ["--batch_size=4", "--mesh_data=8"], "batch_size=4 is not divisible by mesh_data x mesh_fsdp"),
+    (None, ["--batch_size=4", "--mesh_data=8"], "batch_size=4 is not divisible by mesh_data x mesh_expert x mesh_fsdp"),
 ]
 
 
