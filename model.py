@@ -15,8 +15,9 @@ query attention), `bias=False` and `tie_embeddings=False` give today's architect
 is a small function or module below, picked once by name (ROTATIONS, NORMS, HEAD_NORMS, MLPS,
 ACTIVATIONS, SOFTCAPS), or a parameter that is there or not (wpe, lm_head_kernel, like the biases);
 the forward pass has no branches on them.
-Two more switches change how the step computes, not the weights: `attention` ('xla' or cuDNN's
-fused kernel) and `quantization` (int8/fp8 operands for the blocks' matmuls, quantization.py).
+`n_experts` > 0 turns the MLPs into a mixture of experts (MoE). Two more switches change how
+the step computes, not the weights: `attention` ('xla' or cuDNN's fused kernel) and
+`quantization` (int8/fp8 operands for the blocks' matmuls, quantization.py).
 
 For generation, `GPT.decode` runs new tokens against a KV cache (keys and values of the
 tokens seen before); the training forward `GPT.__call__` never touches it. hf.py maps Hugging
@@ -401,7 +402,7 @@ class MoE(nnx.Module):
     Dispatch and combine are one-hot einsums per batch row (GShard): an expert takes up to C
     tokens of a row, first choices first, then in order of position; a token over capacity
     skips that expert (its residual stream passes on). C = T (capacity_factor 0) drops
-    nothing. The (E, B, C, D) buffers are what an `expert` mesh axis would split.
+    nothing. The `expert` mesh axis splits the (E, B, C, D) buffers by expert.
     n_shared_experts adds one ordinary MLP, n_shared_experts experts wide, for every token.
     """
 
