@@ -99,6 +99,11 @@ def test_model_that_does_not_fit_the_mesh(toy64):
         sharding.check_model_fits_mesh(mesh, n_head=2, n_embd=64, batch_size=8)
     with pytest.raises(sharding.MeshError, match="batch_size=5 is not divisible by mesh_data x mesh_expert x mesh_fsdp"):
         sharding.check_model_fits_mesh(mesh, n_head=4, n_embd=64, batch_size=5)
+    experts_4 = sharding.make_mesh(1, 2, 1, expert=4)
+    for n_experts in (0, 6):  # a dense model, or experts that 4 devices can't share evenly
+        with pytest.raises(sharding.MeshError, match=f"mesh_expert=4 splits .* n_experts={n_experts}"):
+            sharding.check_model_fits_mesh(experts_4, n_head=4, n_embd=64, batch_size=8, n_experts=n_experts)
+    sharding.check_model_fits_mesh(experts_4, n_head=4, n_embd=64, batch_size=8, n_experts=8)
 
 
 def tensorboard_losses(out_dir) -> list[float]:
