@@ -134,7 +134,7 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores(toy64, tm
         for i in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "mesh data=2 x fsdp=4 x tensor=1" in outputs[0]
+    assert "mesh data=2 x expert=1 x fsdp=4 x tensor=1" in outputs[0]
 
     # The same 4 steps in this process on 8 devices, then 4 more resumed from the
     # two-process checkpoint, compared with 8 uninterrupted steps.
