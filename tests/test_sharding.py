@@ -319,11 +319,11 @@ def moe_one_device(toy64):
     return {"gelu": moe_losses(root, "one-gelu"), "swiglu": moe_losses(root, "one-swiglu", LLAMA_STYLE)}
 
 
-@pytest.mark.parametrize("layout", MOE_LAYOUTS)
-@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+@pytest.mark.parametrize("layout, mlp", [("expert=4 x fsdp=2", "gelu"), ("expert=2 x tensor=2 x data=2", "swiglu")])
 def test_moe_sharded_equals_one_device(toy64, moe_one_device, layout, mlp):
     """Experts split over `expert` (and within an expert over tensor / fsdp), tokens sent to them
-    and back: the same 6 losses as one device, and it learns."""
+    and back: the same 6 losses as one device, and it learns. Each layout and each expert kind
+    once (gelu, and swiglu on the Llama-style model)."""
     root, _ = toy64
     split = moe_losses(root, f"{layout}-{mlp}", LLAMA_STYLE if mlp == "swiglu" else None, **MOE_LAYOUTS[layout])
     np.testing.assert_allclose(split, moe_one_device[mlp], rtol=0, atol=1e-5)
