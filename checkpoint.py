@@ -335,8 +335,8 @@ def check_resumable(meta: dict, config: Config, tok) -> None:
         raise CheckpointError(
             f"the checkpoint in {config.out_dir} was trained with optimizer={trained_with!r}, and this "
             f"run asks for optimizer={config.optimizer!r}: resume with --optimizer={trained_with}, or "
-            f"export its weights (export_hf.py) and train them with the other optimizer in another "
-            f"--out_dir with --init_from=EXPORTED_DIR")
+            f"start the other optimizer in another --out_dir (the weights carry over through "
+            f"export_hf.py and --init_from=EXPORTED_DIR where export_hf.py can export the model)")
     saved = meta.get("tokenizer")  # absent in checkpoints older than the check
     identity = lambda description: {k: v for k, v in description.items() if k != "dir"}  # dirs move
     if saved and tok and identity(saved) != identity(tok.describe()):
