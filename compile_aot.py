@@ -28,6 +28,7 @@ import configurator
 import dataset
 import hardware
 import hf
+import pipeline
 import sharding
 import train
 from compiled_step import AotError
@@ -147,9 +148,10 @@ def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Tar
 def compile_step(config: configurator.Config, target: Target, vocab_size: int) -> "Result":
     """Lower and compile train.py's step for the target; running out of memory is a result too."""
     n_slices = len({getattr(d, "slice_index", 0) or 0 for d in target.devices})
-    if n_slices > 1 and config.dcn_data * config.dcn_fsdp * config.dcn_tensor * config.dcn_expert != n_slices:
-        raise AotError(f"the topology has {n_slices} slices: set dcn_data x dcn_fsdp x dcn_tensor x dcn_expert "
-                       f"to {n_slices} (e.g. --dcn_data={n_slices})")
+    dcn = [getattr(config, f"dcn_{axis}") for axis in sharding.MESH_AXES]
+    if n_slices > 1 and math.prod(dcn) != n_slices:
+        raise AotError(f"the topology has {n_slices} slices: set dcn_stage x dcn_data x dcn_expert x dcn_fsdp x "
+                       f"dcn_tensor to {n_slices} (e.g. --dcn_data={n_slices})")
     setup = train.make_setup(config, train.make_mesh(config, target.devices), vocab_size)
     estimate = estimate_memory(setup)
     start = time.perf_counter()
@@ -161,7 +163,8 @@ def compile_step(config: configurator.Config, target: Target, vocab_size: int) -
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         compiled, oom = None, str(e).strip()
-        arguments = estimate["parameters"] + estimate[state_terms(config)[0]] + estimate["batch"]
+        arguments = (estimate["parameters"] + estimate[state_terms(config)[0]] + estimate["batch"]
+                     - estimate["in host memory (offload)"])
         memory = oom_memory(oom, arguments)
     seconds = time.perf_counter() - start
     return Result(target, setup, lowered, compiled, seconds, memory, oom, estimate,
@@ -177,6 +180,9 @@ def compiler_memory(compiled, platform: str) -> dict:
               "temporaries": m.temp_size_in_bytes,
               "code": m.generated_code_size_in_bytes}
     memory["total"] = sum(memory.values())
+    host = m.host_argument_size_in_bytes + m.host_temp_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes
+    if host:  # offload: the state kept in host memory (and its traffic), outside the device's total
+        memory["host"] = host
     if platform != "cpu" and m.peak_memory_in_bytes:  # XLA:CPU's peak is not reliable
         memory["peak"] = m.peak_memory_in_bytes
     return memory
@@ -240,18 +246,30 @@ def estimate_memory(setup: train.Setup) -> dict:
     logits = 2 * tokens * m.padded_vocab_size / mesh["tensor"] * 4  # float32, + their gradient
     rerun = activation_bytes("none", **widths) * tokens if c.remat_policy != "none" else 0
     state, update = state_terms(c)
+    # A pipeline stage keeps its layers' activations for every tick it runs, idle ones included.
+    layers_kept = c.n_layer / mesh["stage"] / (1 - bubble(setup))
+    on_host = sum(per_device_bytes(setup.abstract_state[part]) for part in train.offloaded_parts(c, setup.mesh))
     return {
         "parameters": params,
         state: per_device_bytes(setup.abstract_state) - params,  # AdamW 8 B per parameter, Muon 4
         "batch": per_device_bytes(train.batch_struct(setup)),
         "gradients": params * (2 if c.gradient_accumulation_steps > 1 else 1),  # + the running sum
-        "activations": int(c.n_layer * activation_bytes(c.remat_policy, **widths) * tokens),
+        "activations": int(layers_kept * activation_bytes(c.remat_policy, **widths) * tokens),
         # live at different times: the loss's backward, then one remat'd layer's re-run
         "logits or a re-run layer": int(max(logits, rerun)),
         # the update and the new moments (Muon: new momentum, its orthogonalised copy and
         # Newton-Schulz's products), before they replace the old
         update: 3 * params,
+        "in host memory (offload)": on_host,  # part of the two state terms above, not on the device
     }
+
+
+def bubble(setup: train.Setup) -> float:
+    """The pipeline's idle share of each stage's time (0 without one)."""
+    c, stages = setup.config, setup.mesh.shape["stage"]
+    if stages == 1:
+        return 0.0
+    return pipeline.bubble_fraction(stages, c.pipeline_microbatches, pipeline.repeats(c.n_layer, stages, c.layers_per_stage))
 
 
 def estimated_temporaries(e: dict, config: configurator.Config) -> int:
@@ -385,7 +403,7 @@ def report(r: Result) -> str:
         f"{c.tokens_per_step:,} tokens per step",
         f"{'compiled' if r.compiled else 'XLA ran out of memory'} in {r.seconds:.1f} s", "",
         f"{'memory per device':<40}{'compiler':>12}{'estimate':>12}"]
-    state = e["parameters"] + e[state_terms(c)[0]] + e["batch"]
+    state = e["parameters"] + e[state_terms(c)[0]] + e["batch"] - e["in host memory (offload)"]
     rows = [("arguments: train state + batch", m.get("arguments"), state),
             ("outputs not donated to the arguments", m.get("outputs"), 0),
             ("temporaries: gradients, activations", m.get("temporaries"), estimated_temporaries(e, c)),
@@ -393,9 +411,17 @@ def report(r: Result) -> str:
             ("total", m.get("total"), state + estimated_temporaries(e, c))]
     if "peak" in m:
         rows.append(("peak (XLA's simulation of the buffers)", m["peak"], None))
+    if c.offload != "none":
+        rows.append(("host memory (offload)", m.get("host"), e["in host memory (offload)"]))
     lines += [f"  {label:<38}{size(got):>12}{size(est):>12}" for label, got, est in rows]
     lines.append("  estimate by term, largest first: " + ", ".join(
-        f"{k} {size(v)}" for k, v in sorted(e.items(), key=lambda kv: -kv[1])))
+        f"{k} {size(v)}" for k, v in sorted(e.items(), key=lambda kv: -kv[1]) if v))
+    stages, idle = setup.mesh.shape["stage"], bubble(setup)
+    if stages > 1:
+        R = pipeline.repeats(c.n_layer, stages, c.layers_per_stage)
+        schedule = "GPipe" if R == 1 else f"circular: {R} rounds of {c.n_layer // (stages * R)} layers per stage"
+        lines.append(f"pipeline: {stages} stages x {c.pipeline_microbatches} micro-batches ({schedule}); "
+                     f"bubble {idle:.1%} of each stage's time; memory per device is one stage's")
     hbm = r.target.hbm_bytes
     if r.oom:
         lines.append(f"verdict: DOES NOT FIT in {size(hbm)} per device; XLA: {r.oom.splitlines()[0]}")
@@ -418,8 +444,9 @@ def report(r: Result) -> str:
                      f"({r.xla_flops / r.flops:.2f}x; layers unrolled, x{A} micro-steps, remat "
                      f"recompute and non-matmul work included)")
     if r.target.peak_flops:
-        seconds = r.flops / r.target.peak_flops
-        lines.append(f"  at 100% MFU ({r.target.peak_source}): {seconds * 1e3:,.1f} ms per step, "
+        seconds = r.flops / r.target.peak_flops / (1 - idle)  # idle pipeline stages add time, not FLOPs
+        with_bubble = " with the pipeline's bubble" if idle else ""
+        lines.append(f"  at 100% MFU{with_bubble} ({r.target.peak_source}): {seconds * 1e3:,.1f} ms per step, "
                      f"{c.tokens_per_step / seconds:,.0f} tokens/s; at 40% MFU "
                      f"{seconds / 0.4 * 1e3:,.1f} ms")
     else:

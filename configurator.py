@@ -132,11 +132,19 @@ class Config:
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
     mesh_expert: int = 1  # splits a mixture of experts' experts (and the batch elsewhere)
+    mesh_stage: int = 1  # pipeline stages: each holds n_layer / mesh_stage layers (pipeline.py)
+    pipeline_microbatches: int = 1  # with mesh_stage > 1: the batch flows through the stages in this
+    #                                 many pieces; bubble = (stages-1) / (microbatches+stages-1)
+    layers_per_stage: int = 0  # 0 = n_layer / stages (GPipe); fewer: the circular schedule, a piece goes
+    #                            round the stages n_layer / (stages * this) times (smaller bubble)
+    offload: str = "none"  # keep in host memory between steps: 'none' | 'optimizer' (AdamW/Muon state) |
+    #                        'params_and_optimizer' (the float32 parameters too); needs a backend with it
     # multi-slice / multi-host: how many slices each axis spans over the slower network
     dcn_data: int = 1
     dcn_fsdp: int = 1
     dcn_tensor: int = 1
     dcn_expert: int = 1
+    dcn_stage: int = 1
     # multi-process start-up; empty = single process, or JAX's detection (SLURM, TPU pods)
     coordinator_address: str = ""  # host:port of process 0
     num_processes: int = 1
@@ -181,6 +189,11 @@ class Config:
                               f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
                               f"{self.rope_scaling_factor}, {self.rope_original_context}")
         check_choice("nan_policy", self.nan_policy, ("stop", "skip_step"))
+        check_choice("offload", self.offload, ("none", "optimizer", "params_and_optimizer"))
+        if self.mesh_stage * self.dcn_stage > 1 and self.n_experts and self.moe_dense_layers:
+            raise ConfigError(f"a pipeline (mesh_stage={self.mesh_stage}) runs one stack of equal layers, but "
+                              f"moe_dense_layers={self.moe_dense_layers} makes two: use moe_dense_layers=0 "
+                              f"or mesh_stage=1")
         for item in filter(None, (part.strip() for part in self.eval_tasks.split(","))):
             kind, _, path = item.partition(":")
             check_choice("eval_tasks", kind, EVAL_TASKS)
@@ -189,7 +202,8 @@ class Config:
         for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
                     "gradient_accumulation_steps", "eval_interval", "eval_iters",
                     "log_interval", "max_to_keep", "pad_vocab_to_multiple",
-                    "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "num_processes"):
+                    "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "dcn_stage", "num_processes",
+                    "mesh_stage", "pipeline_microbatches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
         if self.profile_steps and not re.fullmatch(r"\d+:\d+", self.profile_steps):
@@ -212,7 +226,7 @@ class Config:
         for key in ("vocab_size", "seed", "max_iters", "warmup_iters", "lr_decay_iters", "learning_rate",
                     "weight_decay", "grad_clip", "keep_best", "sample_tokens", "stack_dump_interval", "eval_tasks_limit",
                     "n_experts", "n_shared_experts", "moe_hidden", "moe_dense_layers", "capacity_factor",
-                    "router_aux_loss_coef", "router_z_loss_coef"):
+                    "router_aux_loss_coef", "router_z_loss_coef", "layers_per_stage"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(self, key)}")
         check_choice("optimizer", self.optimizer, ("adamw", "muon"))

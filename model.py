@@ -15,9 +15,10 @@ query attention), `bias=False` and `tie_embeddings=False` give today's architect
 is a small function or module below, picked once by name (ROTATIONS, NORMS, HEAD_NORMS, MLPS,
 ACTIVATIONS, SOFTCAPS), or a parameter that is there or not (wpe, lm_head_kernel, like the biases);
 the forward pass has no branches on them.
-`n_experts` > 0 turns the MLPs into a mixture of experts (MoE). Two more switches change how
-the step computes, not the weights: `attention` ('xla' or cuDNN's fused kernel) and
-`quantization` (int8/fp8 operands for the blocks' matmuls, quantization.py).
+`n_experts` > 0 turns the MLPs into a mixture of experts (MoE). Three more switches change how
+the step computes, not the weights: `attention` ('xla' or cuDNN's fused kernel),
+`quantization` (int8/fp8 operands for the blocks' matmuls, quantization.py) and
+`pipeline_stages` (the layer stack as a pipeline over the `stage` mesh axis, pipeline.py).
 
 For generation, `GPT.decode` runs new tokens against a KV cache (keys and values of the
 tokens seen before); the training forward `GPT.__call__` never touches it. hf.py maps Hugging
@@ -33,6 +34,7 @@ import numpy as np
 from flax import nnx
 from flax.core import spmd
 
+import pipeline
 import quantization
 
 
@@ -77,6 +79,9 @@ class GPTConfig:
     # how the step computes, not what it learns: a checkpoint works with any of these
     attention: str = "xla"  # training attention: 'xla' | 'cudnn' (fused flash kernel, GPU, bf16)
     quantization: str = "none"  # the blocks' dense matmuls: 'none' | 'int8' | 'fp8' (quantization.py)
+    pipeline_stages: int = 1  # > 1: the layer stack runs as a pipeline over the `stage` mesh axis
+    pipeline_microbatches: int = 1  # the batch is cut into this many micro-batches for it
+    layers_per_stage: int = 0  # 0 = n_layer / stages (GPipe); fewer: the circular schedule
 
     @property
     def padded_vocab_size(self) -> int:
@@ -635,26 +640,42 @@ class GPT(nnx.Module):
     def _run_stack(self, blocks, x_BTxD, batch_size: int, start_B, layer_keys, cache):
         config = self.config
         graphdef, stacked_state = nnx.split(blocks)
-        n_layers = jax.tree.leaves(stacked_state)[0].shape[0]
 
-        def one_layer(x_BTxD, layer_inputs):
-            layer_state, layer_key, layer_cache = layer_inputs
-            x_BTxD, layer_cache, stats = nnx.merge(graphdef, layer_state)(
-                x_BTxD, batch_size, start_B, layer_key, layer_cache)
-            return x_BTxD, (layer_cache, stats)
+        def one_layer(batch_size: int, start_B):
+            def layer(x_BTxD, layer_inputs):
+                layer_state, layer_key, layer_cache = layer_inputs
+                x_BTxD, layer_cache, stats = nnx.merge(graphdef, layer_state)(
+                    x_BTxD, batch_size, start_B, layer_key, layer_cache)
+                return x_BTxD, (layer_cache, stats)
+            if config.remat_policy == "none":
+                return layer
+            return jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat_policy])
 
-        if config.remat_policy != "none":
-            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[config.remat_policy])
-        if config.scan_layers:
-            x_BTxD, (cache, stats) = jax.lax.scan(one_layer, x_BTxD, (stacked_state, layer_keys, cache))
-        else:  # unrolled: same stacked weights, one copy of the layer per depth in the program
-            outputs = []
-            for i in range(n_layers):
-                layer_i = jax.tree.map(lambda a: a[i], (stacked_state, layer_keys, cache))
-                x_BTxD, layer_outputs = one_layer(x_BTxD, layer_i)
+        def run_layers(x_BTxD, layers, batch_size: int, start_B):
+            layer = one_layer(batch_size, start_B)
+            if config.scan_layers:
+                return jax.lax.scan(layer, x_BTxD, layers)
+            outputs = []  # unrolled: same stacked weights, one copy of the layer per depth in the program
+            for i in range(jax.tree.leaves(layers)[0].shape[0]):
+                x_BTxD, layer_outputs = layer(x_BTxD, jax.tree.map(lambda a: a[i], layers))
                 outputs.append(layer_outputs)
-            cache, stats = jax.tree.map(lambda *layers: jnp.stack(layers), *outputs)
-        return x_BTxD, cache, stats
+            return x_BTxD, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
+
+        if config.pipeline_stages == 1 or cache is not None:  # decoding never pipelines
+            x_BTxD, (cache, stats) = run_layers(x_BTxD, (stacked_state, layer_keys, cache), batch_size, start_B)
+            return x_BTxD, cache, stats
+
+        def micro_batch_layers(x_NxD, layers, microbatch):
+            state, keys = layers
+            keys = None if keys is None else jax.vmap(jax.random.fold_in, (0, None))(keys, microbatch)
+            rows = batch_size // config.pipeline_microbatches
+            x_NxD, (_, stats) = run_layers(x_NxD, (state, keys, None), rows, start_B[:rows])
+            return x_NxD, stats
+
+        x_BTxD, stats = pipeline.run(micro_batch_layers, (stacked_state, layer_keys), x_BTxD, batch_size,
+                                     stages=config.pipeline_stages, microbatches=config.pipeline_microbatches,
+                                     layers_per_stage=config.layers_per_stage, constrain=constrain)
+        return x_BTxD, None, stats
 
 
 def count_params(config: GPTConfig) -> int:

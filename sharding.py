@@ -1,6 +1,8 @@
 """Device mesh, the logical-to-mesh rules table, and host batches -> global arrays.
 
-Four mesh axes, each a different way to split the work:
+Five mesh axes, each a different way to split the work:
+  stage   split the layer stack into pipeline stages (pipeline.py: micro-batches flow through
+          them; only activations travel, between neighbouring stages)
   data    replicate the parameters, split the batch (gradients are all-reduced)
   expert  split a mixture of experts' experts, and the batch elsewhere (tokens travel to
           their experts' devices and back: all-to-all)
@@ -21,7 +23,7 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "expert", "fsdp", "tensor")
+MESH_AXES = ("stage", "data", "expert", "fsdp", "tensor")
 
 # logical axis name -> mesh axis (or axes, or None = replicated)
 RULES = (
@@ -32,7 +34,8 @@ RULES = (
     ("heads", "tensor"),
     ("mlp", "tensor"),
     ("experts", "expert"),  # a mixture of experts' expert axis (model.MoE)
-    ("layers", None),
+    ("layers", "stage"),  # a pipeline stage holds its layers (contiguous: GPipe; see pipeline.py)
+    ("stage", "stage"),  # the pipeline's per-stage activations
     ("qkv", None),
     ("head_dim", None),
     ("norm", None),  # small vectors (layer norms, biases of width n_embd) stay replicated
@@ -69,22 +72,24 @@ def resolve_mesh_shape(sizes: dict, n_devices: int) -> dict:
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None,
-              dcn: tuple[int, int, int] = (1, 1, 1), expert: int = 1, dcn_expert: int = 1) -> jax.sharding.Mesh:
-    """A (data, expert, fsdp, tensor) mesh. `dcn` (data, fsdp, tensor) and `dcn_expert` multiply
-    each axis across slices (or hosts).
+              dcn: tuple[int, int, int] = (1, 1, 1), expert: int = 1, dcn_expert: int = 1,
+              stage: int = 1, dcn_stage: int = 1) -> jax.sharding.Mesh:
+    """A (stage, data, expert, fsdp, tensor) mesh. `dcn` (data, fsdp, tensor), `dcn_expert` and
+    `dcn_stage` multiply each axis across slices (or hosts).
 
     Within a slice devices talk over the fast interconnect (ICI/NVLink); between slices
     over the data-center network, which is ~10x slower. So the mesh sizes are per slice, and
     `dcn` says how many slices each axis spans: typically only `data` (one gradient
-    all-reduce per step crosses the slow network).
+    all-reduce per step crosses the slow network), or `stage` (a pipeline sends only activations).
     """
     devices = jax.devices() if devices is None else devices
-    dcn = dict(zip(("data", "fsdp", "tensor"), dcn), expert=dcn_expert)
+    dcn = dict(zip(("data", "fsdp", "tensor"), dcn), expert=dcn_expert, stage=dcn_stage)
     dcn_shape = tuple(dcn[axis] for axis in MESH_AXES)
     n_slices = math.prod(dcn_shape)
     if len(devices) % n_slices:
         raise MeshError(f"{len(devices)} devices can't form dcn mesh {dcn} ({n_slices} slices)")
-    sizes = resolve_mesh_shape(dict(data=data, expert=expert, fsdp=fsdp, tensor=tensor), len(devices) // n_slices)
+    sizes = resolve_mesh_shape(dict(stage=stage, data=data, expert=expert, fsdp=fsdp, tensor=tensor),
+                               len(devices) // n_slices)
     ici = tuple(sizes.values())
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if n_slices == 1:
@@ -122,9 +127,11 @@ def _launched_as_several_processes() -> bool:
 
 
 def check_model_fits_mesh(mesh, *, n_head: int, n_embd: int, batch_size: int, n_kv_head: int = 0,
-                          mlp_hidden: int = 0, n_experts: int = 0) -> None:
+                          mlp_hidden: int = 0, n_experts: int = 0, n_layer: int = 0,
+                          microbatches: int = 1, layers_per_stage: int = 0) -> None:
     """Fail before compiling when the model's sizes can't be split the way the mesh asks.
-    n_kv_head and mlp_hidden: 0 = GPT-2's (n_head, 4 * n_embd); n_experts: 0 = dense."""
+    n_kv_head and mlp_hidden: 0 = GPT-2's (n_head, 4 * n_embd); n_experts: 0 = dense;
+    microbatches and layers_per_stage: the pipeline's, when mesh_stage > 1."""
     tensor, expert = mesh.shape["tensor"], mesh.shape["expert"]
     if expert > 1 and (not n_experts or n_experts % expert):
         raise MeshError(f"mesh_expert={expert} splits a mixture of experts' experts, but n_experts={n_experts} "
@@ -138,11 +145,32 @@ def check_model_fits_mesh(mesh, *, n_head: int, n_embd: int, batch_size: int, n_
     mlp_hidden = mlp_hidden or 4 * n_embd
     if mlp_hidden % tensor:
         raise MeshError(f"the MLP width {mlp_hidden} is not divisible by mesh_tensor={tensor}")
-    rows = batch_shards(mesh)
+    rows, split = batch_shards(mesh), " x ".join(f"mesh_{a}" for a in BATCH_AXES)
     if batch_size % rows:
-        split = " x ".join(f"mesh_{a}" for a in BATCH_AXES)
         raise MeshError(f"batch_size={batch_size} is not divisible by {split} = {rows}; use a batch_size "
                         f"that is a multiple of {rows}")
+    stages = mesh.shape["stage"]
+    if stages > 1:
+        check_pipeline(stages, n_layer, batch_size, rows, split, microbatches, layers_per_stage)
+
+
+def check_pipeline(stages: int, n_layer: int, batch_size: int, rows: int, split: str,
+                   microbatches: int, layers_per_stage: int) -> None:
+    if n_layer % stages:
+        raise MeshError(f"n_layer={n_layer} is not divisible by mesh_stage={stages}: each pipeline stage "
+                        f"holds as many layers; use a mesh_stage that divides n_layer")
+    per_stage = layers_per_stage or n_layer // stages
+    if n_layer % (stages * per_stage):
+        raise MeshError(f"layers_per_stage={layers_per_stage}: n_layer={n_layer} is not a multiple of "
+                        f"mesh_stage x layers_per_stage = {stages * per_stage}; use a divisor of "
+                        f"{n_layer // stages} (or 0 for GPipe)")
+    if per_stage < n_layer // stages and microbatches < stages:
+        raise MeshError(f"the circular pipeline (layers_per_stage={layers_per_stage} < n_layer / mesh_stage) "
+                        f"needs pipeline_microbatches >= mesh_stage={stages}, got {microbatches}")
+    if batch_size % (rows * microbatches):
+        raise MeshError(f"batch_size={batch_size} can't be cut into pipeline_microbatches={microbatches} "
+                        f"of rows split {split} = {rows} ways; use a batch_size that is a multiple of "
+                        f"{rows * microbatches}")
 
 
 BATCH_AXES = dict(RULES)["batch"]

@@ -45,14 +45,15 @@ class TrainingError(RuntimeError):
 def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
     return sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices,
                               dcn=(config.dcn_data, config.dcn_fsdp, config.dcn_tensor),
-                              expert=config.mesh_expert, dcn_expert=config.dcn_expert)
+                              expert=config.mesh_expert, dcn_expert=config.dcn_expert,
+                              stage=config.mesh_stage, dcn_stage=config.dcn_stage)
 
 
 def model_config(config: Config, vocab_size: int, platform: str) -> GPTConfig:
     """The model's half of the config, for devices of `platform` ('cpu', 'gpu', 'tpu')."""
-    fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "attention"}
+    fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "attention", "pipeline_stages"}
     return GPTConfig(vocab_size=vocab_size, attention=attention_implementation(config, platform),
-                     **{k: getattr(config, k) for k in fields})
+                     pipeline_stages=config.mesh_stage * config.dcn_stage, **{k: getattr(config, k) for k in fields})
 
 
 def attention_implementation(config: Config, platform: str) -> str:
@@ -73,8 +74,10 @@ class Setup:
     mesh: jax.sharding.Mesh
     graphdef: nnx.GraphDef
     optimizer: optax.GradientTransformation
-    state_shardings: dict  # {'params', 'opt_state', 'step'} -> NamedSharding trees
+    state_shardings: dict  # {'params', 'opt_state', 'step'} -> NamedSharding trees: where the state
+    #                        lives between steps (host memory for what `offload` names)
     abstract_state: dict  # the same tree of ShapeDtypeStructs (with shardings)
+    compute_shardings: dict  # the same, all in device memory: where the step computes with it
 
     @property
     def batch_sharding(self):  # (B, T)
@@ -91,7 +94,9 @@ def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
     gpt_config = model_config(config, vocab_size, mesh.devices.flat[0].platform)
     sharding.check_model_fits_mesh(mesh, n_head=config.n_head, n_embd=config.n_embd,
                                    batch_size=config.batch_size, n_kv_head=gpt_config.kv_heads,
-                                   mlp_hidden=gpt_config.mlp_hidden_size, n_experts=gpt_config.n_experts)
+                                   mlp_hidden=gpt_config.mlp_hidden_size, n_experts=gpt_config.n_experts,
+                                   n_layer=config.n_layer, microbatches=config.pipeline_microbatches,
+                                   layers_per_stage=config.layers_per_stage)
     abstract_model = nnx.eval_shape(lambda: GPT(gpt_config, jax.random.key(0)))
     graphdef, abstract_params = nnx.split(abstract_model)
     param_shardings = nnx.to_pure_dict(sharding.param_shardings(abstract_params, mesh))
@@ -100,12 +105,31 @@ def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     opt_shardings = state_shardings(optimizer, abstract_opt_state, param_shardings, replicated)
-    shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
+    compute = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
+    shardings = {name: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
+                 if name in offloaded_parts(config, mesh) else tree for name, tree in compute.items()}
     abstract = {"params": abstract_params, "opt_state": abstract_opt_state,
                 "step": jax.ShapeDtypeStruct((), jnp.int32)}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
-    return Setup(config, gpt_config, mesh, graphdef, optimizer, shardings, abstract)
+    return Setup(config, gpt_config, mesh, graphdef, optimizer, shardings, abstract, compute)
+
+
+def offloaded_parts(config: Config, mesh) -> tuple:
+    """The parts of the train state kept in host memory between steps (offload), where the
+    devices can address it; the step brings them to the device and back (a PCIe / host-link
+    transfer each way per step, in exchange for their device memory)."""
+    parts = {"none": (), "optimizer": ("opt_state",), "params_and_optimizer": ("params", "opt_state")}[config.offload]
+    device = mesh.devices.flat[0]
+    if parts and "pinned_host" not in {m.kind for m in device.addressable_memories()}:
+        raise configurator.ConfigError(f"offload={config.offload!r} keeps state in the host's pinned memory, "
+                                       f"which {device.platform} devices here can't address; use offload='none'")
+    return parts
+
+
+def on_device(tree, shardings):
+    """`tree` in device memory (a no-op for what is there already); inside a jitted step too."""
+    return jax.device_put(tree, shardings)
 
 
 def init_state(setup: Setup, params=None) -> dict:
@@ -145,7 +169,7 @@ def make_train_step(setup: Setup):
 
     def train_step(state, batch):
         x_AxBxT, y_AxBxT = batch
-        params = state["params"]
+        params = on_device(state["params"], setup.compute_shardings["params"])  # offload: from the host
         step_key = jax.random.fold_in(jax.random.key(config.seed), state["step"])
         grad_fn = jax.value_and_grad(lambda p, x, y, k: training_loss(setup, p, x, y, k), has_aux=True)
 
@@ -153,7 +177,7 @@ def make_train_step(setup: Setup):
             x_BxT, y_BxT, i = inputs
             key = jax.random.fold_in(step_key, i) if config.dropout > 0 else None
             (_, (loss, router)), grads = grad_fn(params, x_BxT, y_BxT, key)
-            grads = jax.lax.with_sharding_constraint(grads, setup.state_shardings["params"])
+            grads = jax.lax.with_sharding_constraint(grads, setup.compute_shardings["params"])
             return jax.tree.map(jnp.add, grad_sum, grads), (loss, router)
 
         # Gradient accumulation as a scan: one compiled loop, not one dispatch per micro-step.
@@ -162,13 +186,15 @@ def make_train_step(setup: Setup):
         grad_sum, (losses, router) = jax.lax.scan(micro_step, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro)))
         grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
         loss, grad_norm = losses.mean(), optax.tree.norm(grads)
-        updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
+        # Offloaded optimizer state comes to the device only now, after the backward passes.
+        old_opt_state = on_device(state["opt_state"], setup.compute_shardings["opt_state"])
+        updates, opt_state = setup.optimizer.update(grads, old_opt_state, params)
         # A non-finite step leaves parameters and optimizer state as they were, so a NaN
         # can never reach a checkpoint; nan_policy decides whether training goes on.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = {"params": keep_if_bad(optax.apply_updates(params, updates), params),
-                     "opt_state": keep_if_bad(opt_state, state["opt_state"]),
+                     "opt_state": keep_if_bad(opt_state, old_opt_state),
                      "step": state["step"] + 1}
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
                    "lr": learning_rate(config, state["step"])}
@@ -180,7 +206,7 @@ def make_train_step(setup: Setup):
 
 
 def make_eval_step(setup: Setup):
-    return lambda params, batch: cross_entropy(setup, params, *batch)
+    return lambda params, batch: cross_entropy(setup, on_device(params, setup.compute_shardings["params"]), *batch)
 
 
 def jit_train_step(setup: Setup):
@@ -325,7 +351,7 @@ def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step, tas
         run.log.close()
         stack_dumps.close()
     if config.sample_tokens and tok and jax.process_count() == 1 and not preemption.signal_name:
-        print("sample:\n" + sample_for_log(setup, run.state["params"], splits, tok))
+        print("sample:\n" + sample_for_log(setup, run.device_params(), splits, tok))
     return run.history
 
 
@@ -349,6 +375,10 @@ class Run:
         self.history, self.best_val, self.n_skipped = [], float("inf"), 0
         self.pending_finite = []  # per-step "loss and gradients were finite" flags, read at log time
 
+    def device_params(self):
+        """The parameters in device memory, for evals and samples (offload keeps them on the host)."""
+        return on_device(self.state["params"], self.setup.compute_shardings["params"])
+
     def evaluate(self, eval_step) -> float:
         """Train and val loss and the eval_tasks (printed and logged, with a sample if asked);
         returns the val loss."""
@@ -357,13 +387,13 @@ class Run:
         line = f"step {self.step} | train loss {losses['train']:.4f} | val loss {losses['val']:.4f}"
         values = {"eval/train_loss": losses["train"], "eval/val_loss": losses["val"]}
         for task in self.tasks:
-            result = evals.run_task(task, self.setup, self.state["params"], self.tok, self.scorer)
+            result = evals.run_task(task, self.setup, self.device_params(), self.tok, self.scorer)
             line += " | " + evals.headline(task, result)
             values |= evals.log_values(task, result)
         self.log.print(line)
         self.log.scalars(self.step, values)
         if self.config.sample_tokens and self.tok and jax.process_count() == 1:
-            self.log.text(self.step, "samples", sample_for_log(self.setup, self.state["params"], self.splits,
+            self.log.text(self.step, "samples", sample_for_log(self.setup, self.device_params(), self.splits,
                                                                self.tok))
         return losses["val"]
 

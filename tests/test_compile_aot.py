@@ -57,7 +57,7 @@ def random_state(setup, seed=0):
 def test_command_line_reports_and_saves(compiled):
     _, _, path, run = compiled
     assert run.returncode == 1, run.stderr[-2000:]  # 1 MiB of memory: does not fit
-    assert "train step for cpu:8 = 8 x cpu, mesh data=1 x expert=1 x fsdp=8 x tensor=1" in run.stdout
+    assert "train step for cpu:8 = 8 x cpu, mesh stage=1 x data=1 x expert=1 x fsdp=8 x tensor=1" in run.stdout
     assert "verdict: DOES NOT FIT" in run.stdout and "--remat_policy=" in run.stdout
     assert os.path.getsize(path) > 10_000 and f"saved {path}" in run.stdout
 
@@ -167,7 +167,7 @@ def test_xla_out_of_memory_messages_are_parsed():
 @pytest.mark.parametrize("change, message", [
     (dict(batch_size=16), "batch_size compiled 8, given 16"),
     (dict(learning_rate=1e-3), "learning_rate compiled 0.003, given 0.001"),  # baked into the program
-    (dict(mesh_data=8, mesh_fsdp=1), "mesh compiled data=1 x expert=1 x fsdp=8 x tensor=1, given data=8 x expert=1 x fsdp=1 x tensor=1"),
+    (dict(mesh_data=8, mesh_fsdp=1), "mesh compiled stage=1 x data=1 x expert=1 x fsdp=8 x tensor=1, given stage=1 x data=8 x expert=1 x fsdp=1 x tensor=1"),
 ])
 def test_a_different_run_is_refused_naming_the_field(compiled, change, message):
     root, config, path, _ = compiled
@@ -328,3 +328,15 @@ def test_help_lists_the_options_and_the_config_keys(capsys):
     assert excinfo.value.code == 0
     assert "compile_aot.py's own flags" in text and "  --topology (str, default '')\n        cpu:8 | gpu" in text
     assert "  --batch_size (int, default 12)" in text
+
+
+def test_report_gives_the_pipeline_bubble_and_the_step_time_with_it(compiled):
+    root, config, _, _ = compiled
+    config = dataclasses.replace(config, n_layer=4, mesh_fsdp=1, mesh_stage=2, pipeline_microbatches=4,
+                                 gradient_accumulation_steps=1)
+    r = compile_aot.compile_step(config, compile_aot.make_target("cpu:2"), 64)
+    text = compile_aot.report(r)
+    assert "pipeline: 2 stages x 4 micro-batches (GPipe); bubble 20.0% of each stage's time" in text
+    at_peak = r.flops / r.target.peak_flops / (1 - 1 / 5) * 1e3
+    assert f"at 100% MFU with the pipeline's bubble ({r.target.peak_source}): {at_peak:,.1f} ms" in text
+    assert r.collectives["collective-permute"][1] > 0  # the stages hand activations on

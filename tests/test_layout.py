@@ -3,7 +3,7 @@ files that say they stand alone really do.
 
 - No import cycles among the top-level modules, counting imports hidden inside functions
   (an import moved into a function to dodge a cycle is still a cycle).
-- configurator.py, sharding.py, and model.py (+ quantization.py) work copied alone into an
+- configurator.py, sharding.py, and model.py (+ quantization.py, pipeline.py) work copied alone into an
   empty folder, with the rest of the repo not importable.
 """
 
@@ -171,7 +171,7 @@ def test_sharding_works_copied_alone_into_an_empty_folder(tmp_path):
         import sharding
         from jax.sharding import NamedSharding
         mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-        assert dict(mesh.shape) == {{"data": 2, "expert": 1, "fsdp": 2, "tensor": 2}}, mesh.shape
+        assert dict(mesh.shape) == {{"stage": 1, "data": 2, "expert": 1, "fsdp": 2, "tensor": 2}}, mesh.shape
         # a (batch, mlp) activation: rows over data x fsdp (4), columns over tensor (2)
         spec = sharding.mesh_axes_for(("batch", "mlp"))
         x = jax.device_put(jnp.arange(8 * 6.0).reshape(8, 6), NamedSharding(mesh, spec))
@@ -184,7 +184,7 @@ def test_sharding_works_copied_alone_into_an_empty_folder(tmp_path):
 
 
 def test_model_with_quantization_works_copied_alone_into_an_empty_folder(tmp_path):
-    run_alone(tmp_path, ["model.py", "quantization.py"], f"""
+    run_alone(tmp_path, ["model.py", "quantization.py", "pipeline.py"], f"""
         import jax, jax.numpy as jnp
         from flax import nnx
         import model, quantization

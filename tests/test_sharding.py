@@ -71,13 +71,13 @@ def test_fsdp_stores_an_eighth_of_the_parameters_per_device(toy64):
         a.nbytes for a in opt_leaves)  # Adam moments are sharded like the parameters
 
 
-def sizes(data, fsdp, tensor, expert=1):
-    return dict(data=data, expert=expert, fsdp=fsdp, tensor=tensor)
+def sizes(data, fsdp, tensor, expert=1, stage=1):
+    return dict(stage=stage, data=data, expert=expert, fsdp=fsdp, tensor=tensor)
 
 
-@pytest.mark.parametrize("shape, n_devices, expected", [
-    ((-1, 1, 1), 8, (8, 1, 1, 1)), ((2, -1, 2), 8, (2, 1, 2, 2)), ((1, 4, 2), 8, (1, 1, 4, 2)),
-    ((1, 2, 1, -1), 8, (1, 4, 2, 1)),
+@pytest.mark.parametrize("shape, n_devices, expected", [  # expected in MESH_AXES order: stage first
+    ((-1, 1, 1), 8, (1, 8, 1, 1, 1)), ((2, -1, 2), 8, (1, 2, 1, 2, 2)), ((1, 4, 2), 8, (1, 1, 1, 4, 2)),
+    ((1, 2, 1, -1), 8, (1, 1, 4, 2, 1)), ((-1, 2, 1, 1, 2), 8, (2, 2, 1, 2, 1)),
 ])
 def test_resolve_mesh_shape(shape, n_devices, expected):
     assert tuple(sharding.resolve_mesh_shape(sizes(*shape), n_devices).values()) == expected
@@ -134,7 +134,7 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores(toy64, tm
         for i in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "mesh data=2 x expert=1 x fsdp=4 x tensor=1" in outputs[0]
+    assert "mesh stage=1 x data=2 x expert=1 x fsdp=4 x tensor=1" in outputs[0]
 
     # The same 4 steps in this process on 8 devices, then 4 more resumed from the
     # two-process checkpoint, compared with 8 uninterrupted steps.
@@ -211,8 +211,8 @@ def test_llama_style_model_sharded_equals_one_device(toy64):
     assert one_device[-1] < one_device[0] - 0.1  # it learns
     P = jax.sharding.PartitionSpec
     specs = setup.state_shardings["params"]
-    assert specs["blocks"]["attn"]["qkv_kernel"].spec == P(None, "fsdp", None, "tensor", None)  # (L, D, G+2, K, H)
-    assert specs["blocks"]["mlp"]["gate_kernel"].spec == P(None, "fsdp", "tensor")
+    assert specs["blocks"]["attn"]["qkv_kernel"].spec == P("stage", "fsdp", None, "tensor", None)  # (L, D, G+2, K, H)
+    assert specs["blocks"]["mlp"]["gate_kernel"].spec == P("stage", "fsdp", "tensor")
     assert specs["lm_head_kernel"].spec == P("fsdp", "tensor")
 
 
