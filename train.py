@@ -49,11 +49,12 @@ def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
                               stage=config.mesh_stage, dcn_stage=config.dcn_stage)
 
 
-def model_config(config: Config, vocab_size: int, platform: str) -> GPTConfig:
-    """The model's half of the config, for devices of `platform` ('cpu', 'gpu', 'tpu')."""
+def model_config(config: Config, vocab_size: int, platform: str, stages: int = 1) -> GPTConfig:
+    """The model's half of the config, for devices of `platform` ('cpu', 'gpu', 'tpu') and a
+    mesh with `stages` pipeline stages."""
     fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "attention", "pipeline_stages"}
     return GPTConfig(vocab_size=vocab_size, attention=attention_implementation(config, platform),
-                     pipeline_stages=config.mesh_stage * config.dcn_stage, **{k: getattr(config, k) for k in fields})
+                     pipeline_stages=stages, **{k: getattr(config, k) for k in fields})
 
 
 def attention_implementation(config: Config, platform: str) -> str:
@@ -91,7 +92,7 @@ class Setup:
 
 def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
     """Shapes and shardings of the train state, derived without allocating it."""
-    gpt_config = model_config(config, vocab_size, mesh.devices.flat[0].platform)
+    gpt_config = model_config(config, vocab_size, mesh.devices.flat[0].platform, mesh.shape["stage"])
     sharding.check_model_fits_mesh(mesh, n_head=config.n_head, n_embd=config.n_embd,
                                    batch_size=config.batch_size, n_kv_head=gpt_config.kv_heads,
                                    mlp_hidden=gpt_config.mlp_hidden_size, n_experts=gpt_config.n_experts,

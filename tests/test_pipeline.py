@@ -102,6 +102,19 @@ def test_a_checkpoint_moves_between_stage_counts(one_device):
     np.testing.assert_allclose(got, reference, rtol=0, atol=1e-5)
 
 
+def test_pipelined_experts_split_over_expert_and_fsdp_equal_the_pipeline_alone(one_device):
+    """A mixture of experts (capacity 1.25) through 2 stages: its experts split 2 ways and its
+    batch 2 more give the losses of the two stages alone (both pipelined: the balance loss is
+    the micro-batches' own)."""
+    root, _ = one_device
+    moe = dict(n_layer=4, n_experts=4, experts_per_token=2, capacity_factor=1.25, mesh_stage=2,
+               pipeline_microbatches=2)
+    alone = losses(config_for(root, "moe-stages", **moe))
+    split = losses(config_for(root, "moe-split", **moe, mesh_expert=2, mesh_fsdp=2))
+    np.testing.assert_allclose(split, alone, rtol=0, atol=1e-5)
+    assert alone[-1] < alone[0] - 0.1
+
+
 @pytest.mark.parametrize("keys, message", [
     (dict(mesh_stage=3), "n_layer=8 is not divisible by mesh_stage=3"),
     (dict(mesh_stage=2, layers_per_stage=3), "layers_per_stage=3: n_layer=8 is not a multiple of"),

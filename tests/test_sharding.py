@@ -352,5 +352,5 @@ def test_a_mesh_that_the_torus_cannot_factor_splits_a_physical_axis(monkeypatch)
 
     monkeypatch.setattr(jax, "make_mesh", refuse)
     mesh = sharding.make_mesh(1, 2, 1, expert=4)
-    assert dict(mesh.shape) == {"data": 1, "expert": 4, "fsdp": 2, "tensor": 1}
+    assert dict(mesh.shape) == {"stage": 1, "data": 1, "expert": 4, "fsdp": 2, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
