@@ -136,11 +136,9 @@ def test_pipeline_with_dense_first_layers_is_refused():
 # ---------------------------------------------------------------------- host offload
 
 @pytest.mark.parametrize("offload", ["optimizer", "params_and_optimizer"])
-def test_offloaded_state_lives_on_the_host_and_trains_like_one_device(tmp_path, offload):
-    make_dataset(tmp_path / "data", vocab_size=64)
-    base = small_config(tmp_path, n_embd=64, n_head=4, max_iters=4, eval_interval=2, mesh_data=1)
-    reference = losses(dataclasses.replace(base, out_dir=str(tmp_path / "one")))
-    config = dataclasses.replace(base, mesh_fsdp=8, offload=offload, out_dir=str(tmp_path / offload))
+def test_offloaded_state_lives_on_the_host_and_trains_like_one_device(one_device, offload):
+    root, reference = one_device
+    config = config_for(root, f"offload-{offload}", mesh_fsdp=8, offload=offload)
     np.testing.assert_allclose(losses(config), reference, rtol=0, atol=1e-5)
     setup = train.make_setup(config, train.make_mesh(config), 64)
     state = train.init_state(setup)
@@ -148,7 +146,7 @@ def test_offloaded_state_lives_on_the_host_and_trains_like_one_device(tmp_path, 
     kinds = {name: {a.sharding.memory_kind for a in jax.tree.leaves(state[name])} for name in ("params", "opt_state")}
     assert kinds == {"params": {"pinned_host" if offload == "params_and_optimizer" else "device"},
                      "opt_state": {"pinned_host"}}
-    resumed = dataclasses.replace(base, out_dir=config.out_dir, init_from="resume", max_iters=6)  # back on device
+    resumed = dataclasses.replace(config, init_from="resume", max_iters=8, offload="none")  # back on the device
     assert len(losses(resumed)) == 2
 
 
