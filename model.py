@@ -16,7 +16,7 @@ is a small function or module below, picked once by name (ROTATIONS, NORMS, HEAD
 ACTIVATIONS, SOFTCAPS), or a parameter that is there or not (wpe, lm_head_kernel, like the biases);
 the forward pass has no branches on them.
 `n_experts` > 0 turns the MLPs into a mixture of experts (MoE). Three more switches change how
-the step computes, not the weights: `attention` ('xla' or cuDNN's fused kernel),
+the step computes, not the weights: `attention` ('xla', 'einsum' or cuDNN's fused kernel),
 `quantization` (int8/fp8 operands for the blocks' matmuls, quantization.py) and
 `pipeline_stages` (the layer stack as a pipeline over the `stage` mesh axis, pipeline.py).
 
@@ -26,6 +26,7 @@ Face GPT-2 and Llama-family weights to and from this model's parameter layout.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -77,7 +78,8 @@ class GPTConfig:
     moe_dense_layers: int = 0  # the first layers keep a dense MLP (DeepSeek: 1-3)
     capacity_factor: float = 1.25  # > 0: an expert takes at most factor·T·k/E tokens of a row; 0 = all
     # how the step computes, not what it learns: a checkpoint works with any of these
-    attention: str = "xla"  # training attention: 'xla' | 'cudnn' (fused flash kernel, GPU, bf16)
+    attention: str = "xla"  # training attention: 'xla' | 'einsum' (written out with its backward:
+    #                         fastest on CPUs) | 'cudnn' (fused flash kernel, GPU, bf16)
     quantization: str = "none"  # the blocks' dense matmuls: 'none' | 'int8' | 'fp8' (quantization.py)
     pipeline_stages: int = 1  # > 1: the layer stack runs as a pipeline over the `stage` mesh axis
     pipeline_microbatches: int = 1  # the batch is cut into this many micro-batches for it
@@ -163,13 +165,39 @@ class LayerNorm(nnx.Module):
         self.eps = config.norm_eps
 
     def __call__(self, x_BxTxD):
-        x = x_BxTxD.astype(jnp.float32)  # statistics in float32, even under bfloat16
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...]
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y.astype(x_BxTxD.dtype)
+        return layer_norm(x_BxTxD, self.scale[...], None if self.bias is None else self.bias[...], self.eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x_xD, scale_D, bias_D, eps: float):
+    """(x - mean) / std * scale (+ bias) over the last axis, statistics in float32 even under
+    bfloat16. Its backward is written out (a few passes over x) rather than left to autodiff,
+    which made XLA:CPU run ~16 small kernels per norm."""
+    return _layer_norm_fwd(x_xD, scale_D, bias_D, eps)[0]
+
+
+def _layer_norm_fwd(x_xD, scale_D, bias_D, eps):
+    x = x_xD.astype(jnp.float32)
+    mean = x.mean(-1, keepdims=True)
+    rstd = jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + eps)
+    y = (x - mean) * rstd * scale_D
+    if bias_D is not None:
+        y = y + bias_D
+    return y.astype(x_xD.dtype), (x_xD, mean, rstd, scale_D, bias_D)
+
+
+def _layer_norm_bwd(eps, saved, dy_xD):
+    x_xD, mean, rstd, scale_D, bias_D = saved
+    xhat = (x_xD.astype(jnp.float32) - mean) * rstd
+    dy = dy_xD.astype(jnp.float32)
+    g = dy * scale_D
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    rows = tuple(range(dy.ndim - 1))
+    dbias = None if bias_D is None else dy.sum(rows)
+    return dx.astype(x_xD.dtype), (dy * xhat).sum(rows), dbias
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
 class RMSNorm(nnx.Module):
@@ -274,6 +302,47 @@ def causal_mask(start_B, T: int, S: int):
     return (jnp.arange(S) <= query_position_BxT[:, :, None])[:, None]
 
 
+def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH):
+    """Causal softmax attention written out ('einsum'), with its backward: scores in float32, heads shared
+    by groups of G = N / K query heads (grouped-query: keys and values repeated per group)."""
+    G = q_BxTxNxH.shape[2] // k_BxTxKxH.shape[2]
+    k_BxTxNxH, v_BxTxNxH = (jnp.repeat(x, G, axis=2) if G > 1 else x for x in (k_BxTxKxH, v_BxTxKxH))
+    return _attend(q_BxTxNxH * q_BxTxNxH.shape[-1] ** -0.5, k_BxTxNxH, v_BxTxNxH)
+
+
+@jax.custom_vjp
+def _attend(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH):
+    return _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH)[0]
+
+
+def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH):
+    # einsums straight on the projection's (B, T, N, H) layout: no transposed copies of q, k, v
+    T = q_BxTxNxH.shape[1]
+    s_BxNxTxS = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH, k_BxSxNxH, preferred_element_type=jnp.float32)
+    s_BxNxTxS = jnp.where(jnp.arange(T)[:, None] >= jnp.arange(T), s_BxNxTxS, -jnp.inf)
+    p_BxNxTxS = jnp.exp(s_BxNxTxS - s_BxNxTxS.max(-1, keepdims=True))
+    p_BxNxTxS = p_BxNxTxS / p_BxNxTxS.sum(-1, keepdims=True)
+    o_BxTxNxH = jnp.einsum("bnts,bsnh->btnh", p_BxNxTxS.astype(v_BxSxNxH.dtype), v_BxSxNxH)
+    return o_BxTxNxH, (q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, p_BxNxTxS, o_BxTxNxH)
+
+
+def _attend_bwd(saved, do_BxTxNxH):
+    """Softmax's backward needs rowsum(dP * P), which equals rowsum(dO * O) (FlashAttention's
+    trick): a (B, T, N) reduction over H instead of one over the (B, N, T, T) scores."""
+    q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, p_BxNxTxS, o_BxTxNxH = saved
+    dtype = q_BxTxNxH.dtype
+    delta_BxNxT = jnp.einsum("btnh,btnh->bnt", do_BxTxNxH, o_BxTxNxH, preferred_element_type=jnp.float32)
+    dv_BxSxNxH = jnp.einsum("bnts,btnh->bsnh", p_BxNxTxS.astype(dtype), do_BxTxNxH)
+    dp_BxNxTxS = jnp.einsum("btnh,bsnh->bnts", do_BxTxNxH, v_BxSxNxH, preferred_element_type=jnp.float32)
+    ds_BxNxTxS = (p_BxNxTxS * (dp_BxNxTxS - delta_BxNxT[..., None])).astype(dtype)
+    dq_BxTxNxH = jnp.einsum("bnts,bsnh->btnh", ds_BxNxTxS, k_BxSxNxH)
+    dk_BxSxNxH = jnp.einsum("bnts,btnh->bsnh", ds_BxNxTxS, q_BxTxNxH)
+    return dq_BxTxNxH, dk_BxSxNxH, dv_BxSxNxH
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
 class Attention(nnx.Module):
     """Causal self-attention; grouped-query when n_kv_head K < n_head N.
 
@@ -313,7 +382,9 @@ class Attention(nnx.Module):
         position_BxT = start_B[:, None] + jnp.arange(T)
         q_BxTxNxH = rotate(normalize(q_BxTxNxH, config), position_BxT, config)
         k_BxTxKxH = rotate(normalize(k_BxTxKxH, config), position_BxT, config)
-        if cache is None:
+        if cache is None and config.attention == "einsum":
+            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
+        elif cache is None:
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
                                                      implementation=config.attention)
         else:

@@ -16,7 +16,10 @@ AdamW with clipping on both sides, random tokens of a 65-character vocabulary.
 The two never run at the same time: rounds alternate which goes first, each times --steps
 steps, and each side's min and median over all rounds are compared. The CPU is shared, so
 the load average is printed (with a warning when others kept the cores busy); "ok" needs
-both the ratio of medians and the ratio of minimums at the target.
+both the ratio of medians and the ratio of minimums at the target. Each shape's row also gives
+the best rate of a 1024x1024 float32 matmul in JAX and in PyTorch, measured in the same run
+(the two frameworks' ceilings differ by CPU), and the header names the CPU model and its
+AVX-512/AMX flags: keep one table per CPU model (bench/NOTES.md).
 """
 
 import json
@@ -40,6 +43,7 @@ SHAPES = {
     "medium": (dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8), 1.3),  # its baby GPT, batch 8
 }
 VOCAB = 65  # shakespeare_char
+ISA_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 OWN_FLAGS = {"base": os.path.join(os.path.dirname(HERE), "config", "shakespeare_char.py"),  # the CPU config
              "shapes": "small,medium", "rounds": "6", "steps": "0", "warmup": "3",
              "nanogpt": "", "torch_python": "/work/torchvenv/bin/python", "json": "bench_compare.jsonl"}
@@ -62,15 +66,33 @@ class TorchWorker:
             if line.startswith(("{", "[")):
                 return json.loads(line)
 
-    def run(self, n: int) -> list[float]:
-        self.proc.stdin.write(f"steps {n}\n")
+    def ask(self, command: str):
+        self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         return self._read()
+
+    def run(self, n: int) -> list[float]:
+        return self.ask(f"steps {n}")
 
     def close(self):
         self.proc.stdin.write("quit\n")
         self.proc.stdin.close()
         self.proc.wait()
+
+
+def cpu_description() -> str:
+    """'AMD EPYC (family 26, model 2): avx512f avx512_bf16 avx512_vnni', from /proc/cpuinfo."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown CPU (no /proc/cpuinfo)"
+    flags = [f for f in ISA_FLAGS if f in info.get("flags", "").split()]
+    return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}): "
+            f"{' '.join(flags) or 'no AVX-512'}")
 
 
 def compare(name: str, flags: dict, nanomax_argv: list[str]) -> dict:
@@ -85,6 +107,7 @@ def compare(name: str, flags: dict, nanomax_argv: list[str]) -> dict:
     probe = ours.run(warm)[-1] if warm else ours.run(1)[0]
     theirs.run(max(1, warm))
     steps = int(flags["steps"]) or max(3, min(50, round(1.5 / probe)))
+    matmul = {"jax": bench.hardware.measure_cpu_peak_flops(), "torch": theirs.ask("matmul")["flops"]}
     times = {"nanomax": [], "torch": []}
     load = [os.getloadavg()[0]]
     for r in range(int(flags["rounds"])):
@@ -102,6 +125,7 @@ def compare(name: str, flags: dict, nanomax_argv: list[str]) -> dict:
         "pytorch": s["torch"] | {"tokens_per_s": tokens / s["torch"]["median_s"]},
         "ratio_median": s["torch"]["median_s"] / s["nanomax"]["median_s"],
         "ratio_min": s["torch"]["min_s"] / s["nanomax"]["min_s"],
+        "matmul_flops": matmul,
         "step_s": times,
     }
 
@@ -122,24 +146,27 @@ def main(argv: list[str]) -> None:
     ref = results[0]["torch"]
     print(f"nanomax (jax {jax.__version__}) vs PyTorch {ref['torch']} ({ref['model']}, {ref['threads']} threads), "
           f"CPU x {os.cpu_count()}; float32, one step = fwd + bwd + clip + AdamW")
+    print(f"CPU: {cpu_description()}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"nanomax: {os.path.relpath(flags['base']) if flags['base'] else 'Config defaults'}"
           f"{' ' + ' '.join(nanomax_argv) if nanomax_argv else ''}")
     print(f"{'shape':<8} {'L x D, T, B':<16} {'nanomax ms min/med':>19} {'PyTorch ms min/med':>19} "
-          f"{'ratio med':>9} {'ratio min':>9} {'target':>7} {'load':>10}")
+          f"{'ratio med':>9} {'ratio min':>9} {'target':>7} {'load':>10} {'matmul GFLOP/s JAX/PyTorch':>27}")
     for r in results:
         n, t = r["nanomax"], r["pytorch"]
         ok = "ok" if min(r["ratio_median"], r["ratio_min"]) >= r["target"] else "BELOW"
         print(f"{r['shape']:<8} {r['n_layer']}x{r['n_embd']}, {r['block_size']}, {r['batch_size']:<5} "
               f"{n['min_s'] * 1e3:>8.1f} / {n['median_s'] * 1e3:>7.1f} {t['min_s'] * 1e3:>8.1f} / "
               f"{t['median_s'] * 1e3:>7.1f} {r['ratio_median']:>8.2f}x {r['ratio_min']:>8.2f}x "
-              f"{r['target']:>5.1f}x {ok:<5} {r['load_average'][0]:.1f}-{r['load_average'][1]:.1f}")
+              f"{r['target']:>5.1f}x {ok:<5} {r['load_average'][0]:.1f}-{r['load_average'][1]:.1f} "
+              f"{r['matmul_flops']['jax'] / 1e9:>14.0f} / {r['matmul_flops']['torch'] / 1e9:.0f}")
     busiest = max(max(r["load_average"]) for r in results)
     if busiest > os.cpu_count() + 0.5:  # this run itself keeps about cpu_count threads busy
         print(f"warning: load average reached {busiest:.1f} on {os.cpu_count()} cores: other processes "
               f"took CPU time, and PyTorch's spinning threads lose more to that than XLA's; rerun on "
               f"a quiet machine before trusting the ratio")
     if flags["json"]:
-        stamp = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": bench.git_revision(), "argv": argv}
+        stamp = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": bench.git_revision(), "argv": argv,
+                 "cpu": cpu_description(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
         with open(flags["json"], "a") as f:
             for r in results:
                 f.write(json.dumps(stamp | r) + "\n")

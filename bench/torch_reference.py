@@ -16,7 +16,9 @@ Run with nanoGPT's own model.py instead (fetched by you, never committed here):
 It runs in its own virtual environment (PyTorch is not a nanomax dependency):
     python3 -m venv /work/torchvenv && /work/torchvenv/bin/pip install torch==2.13.0 numpy
 As a worker, `python bench/torch_reference.py --serve --n_layer=4 ...` reads commands on stdin:
-`steps K` trains K steps and answers one JSON line with the seconds of each; `quit` ends.
+`steps K` trains K steps and answers one JSON line with the seconds of each; `matmul` answers
+{"flops": best FLOP/s of a 1024x1024 float32 matmul} (the CPU's ceiling, as compare_cpu.py measures
+JAX's); `quit` ends.
 """
 
 import argparse
@@ -127,6 +129,18 @@ def train_step(model, optimizer, x, y, grad_clip=1.0):
     return loss
 
 
+def matmul_flops(n: int = 1024, runs: int = 20) -> float:
+    """Best FLOP/s of an n x n float32 matmul over `runs` runs: PyTorch's side of the matmul ceiling."""
+    a = torch.ones(n, n)
+    a @ a
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size"):
@@ -165,6 +179,8 @@ def main(argv):
         cmd = line.split()
         if cmd and cmd[0] == "steps":
             print(json.dumps(timed(int(cmd[1]))), flush=True)
+        elif cmd and cmd[0] == "matmul":
+            print(json.dumps({"flops": matmul_flops()}), flush=True)
         elif cmd and cmd[0] == "quit":
             break
 

@@ -798,3 +798,34 @@ def test_moe_counts_total_and_active_parameters_and_flops_on_the_active_ones():
     per_sparse_layer = 32 * 4 + 2 * 3 * 32 * 24 - 3 * 32 * 128
     assert model.active_params(config) == model.count_params(dense) + 2 * per_sparse_layer
     assert model.flops_per_token(config) == 6 * (model.matmul_params(config) - idle) + 12 * 3 * 16 * 32
+
+
+@pytest.mark.parametrize("n_head, n_kv_head", [(4, 4), (4, 2)])
+def test_written_out_attention_and_its_backward_equal_xla(n_head, n_kv_head):
+    """'einsum' (its own backward: rowsum(dO·O) instead of a reduction over the T x T scores)
+    gives XLA's attention and gradients, multi-head and grouped-query."""
+    kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (2, 12, n_head, 8))
+    k, v = (jax.random.normal(key, (2, 12, n_kv_head, 8)) for key in (kk, kv))
+    dy = jax.random.normal(kd, q.shape)
+    xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    ours, our_pullback = jax.vjp(model.causal_attention, q, k, v)
+    theirs, their_pullback = jax.vjp(xla, q, k, v)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+    for a, b in zip(our_pullback(dy), their_pullback(dy)):  # dq, dk, dv
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def test_layer_norm_backward_equals_autodiff_of_its_formula():
+    x = jax.random.normal(jax.random.key(0), (6, 16)) * 3 + 1
+    scale, bias = jax.random.normal(jax.random.key(1), (16,)), jax.random.normal(jax.random.key(2), (16,))
+
+    def formula(x, scale, bias):
+        mean = x.mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + 1e-5) * scale + bias
+
+    loss = lambda norm: lambda *args: jnp.sum(jnp.sin(norm(*args)))
+    ours = jax.grad(loss(lambda x, s, b: model.layer_norm(x, s, b, 1e-5)), argnums=(0, 1, 2))(x, scale, bias)
+    reference = jax.grad(loss(formula), argnums=(0, 1, 2))(x, scale, bias)
+    for a, b in zip(ours, reference):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
