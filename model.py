@@ -317,9 +317,9 @@ def _attend(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH):
 
 def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH):
     # einsums straight on the projection's (B, T, N, H) layout: no transposed copies of q, k, v
-    T = q_BxTxNxH.shape[1]
+    B, T = q_BxTxNxH.shape[:2]
     s_BxNxTxS = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH, k_BxSxNxH, preferred_element_type=jnp.float32)
-    s_BxNxTxS = jnp.where(jnp.arange(T)[:, None] >= jnp.arange(T), s_BxNxTxS, -jnp.inf)
+    s_BxNxTxS = jnp.where(causal_mask(jnp.zeros(B, jnp.int32), T, T), s_BxNxTxS, -jnp.inf)
     p_BxNxTxS = jnp.exp(s_BxNxTxS - s_BxNxTxS.max(-1, keepdims=True))
     p_BxNxTxS = p_BxNxTxS / p_BxNxTxS.sum(-1, keepdims=True)
     o_BxTxNxH = jnp.einsum("bnts,bsnh->btnh", p_BxNxTxS.astype(v_BxSxNxH.dtype), v_BxSxNxH)
