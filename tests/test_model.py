@@ -800,13 +800,15 @@ def test_moe_counts_total_and_active_parameters_and_flops_on_the_active_ones():
     assert model.flops_per_token(config) == 6 * (model.matmul_params(config) - idle) + 12 * 3 * 16 * 32
 
 
-@pytest.mark.parametrize("n_head, n_kv_head", [(4, 4), (4, 2)])
-def test_written_out_attention_and_its_backward_equal_xla(n_head, n_kv_head):
-    """'einsum' (its own backward: rowsum(dO·O) instead of a reduction over the T x T scores)
-    gives XLA's attention and gradients, multi-head and grouped-query."""
+@pytest.mark.parametrize("n_head, n_kv_head, T", [(4, 4, 12), (4, 2, 12), (4, 4, 40), (4, 2, 150)])
+def test_written_out_attention_and_its_backward_equal_xla(n_head, n_kv_head, T):
+    """'einsum' (its own backward: rowsum(dO·O) instead of a reduction over the T x T scores; 2 and
+    4 query blocks of uneven size at T = 40 and 150) gives XLA's attention and gradients,
+    multi-head and grouped-query."""
     kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(kq, (2, 12, n_head, 8))
-    k, v = (jax.random.normal(key, (2, 12, n_kv_head, 8)) for key in (kk, kv))
+    assert len(model.query_blocks(T)) == {12: 1, 40: 2, 150: 4}[T]
+    q = jax.random.normal(kq, (2, T, n_head, 8))
+    k, v = (jax.random.normal(key, (2, T, n_kv_head, 8)) for key in (kk, kv))
     dy = jax.random.normal(kd, q.shape)
     xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     ours, our_pullback = jax.vjp(model.causal_attention, q, k, v)
