@@ -22,7 +22,7 @@ the best rate of a 1024x1024 float32 matmul in JAX and in PyTorch, measured in t
 AVX-512/AMX flags: keep one table per CPU model (bench/NOTES.md). A PyTorch whose matmul is
 well below JAX's makes the ratio flatter nanomax, and the run says so. PyTorch's MKL takes its
 slow generic path on AMD CPUs; --torch_preload=LIB puts a library in front of the worker only
-(LD_PRELOAD), such as bench/NOTES.md's three-line shim that lets MKL use AVX-512 there.
+(LD_PRELOAD), such as bench/NOTES.md's one-line MKL shim that lets MKL use AVX-512 there.
 """
 
 import json
