@@ -802,9 +802,9 @@ def test_moe_counts_total_and_active_parameters_and_flops_on_the_active_ones():
 
 @pytest.mark.parametrize("n_head, n_kv_head, T", [(4, 4, 12), (4, 2, 12), (4, 4, 40), (4, 2, 150)])
 def test_written_out_attention_and_its_backward_equal_xla(n_head, n_kv_head, T):
-    """'einsum' (its own backward: rowsum(dO·O) instead of a reduction over the T x T scores; 2 and
-    4 query blocks of uneven size at T = 40 and 150) gives XLA's attention and gradients,
-    multi-head and grouped-query."""
+    """'einsum' (its own backward: rowsum(dO·O) instead of a reduction over the T x T scores; one
+    query block at T = 12, two at 40, four of uneven size at 150) gives XLA's attention and
+    gradients, multi-head and grouped-query."""
     kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
     assert len(model.query_blocks(T)) == {12: 1, 40: 2, 150: 4}[T]
     q = jax.random.normal(kq, (2, T, n_head, 8))
