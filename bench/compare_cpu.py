@@ -20,9 +20,10 @@ both the ratio of medians and the ratio of minimums at the target. Each shape's 
 the best rate of a 1024x1024 float32 matmul in JAX and in PyTorch, measured in the same run
 (the two frameworks' ceilings differ by CPU), and the header names the CPU model and its
 AVX-512/AMX flags: keep one table per CPU model (bench/NOTES.md). A PyTorch whose matmul runs
-below 80% of JAX's makes the ratio flatter nanomax: such a row gets "?", not a verdict. PyTorch's MKL takes its
-slow generic path on AMD CPUs; --torch_preload=LIB puts a library in front of the worker only
-(LD_PRELOAD), such as bench/NOTES.md's one-line MKL shim that lets MKL use AVX-512 there.
+below 80% of JAX's makes the ratio flatter nanomax: such a row gets "?", not a verdict.
+PyTorch's MKL takes its slow generic path on AMD CPUs; --torch_preload=LIB puts a library in
+front of the worker only (LD_PRELOAD), such as bench/NOTES.md's one-line MKL shim that lets MKL
+use AVX-512 there.
 """
 
 import json
