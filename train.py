@@ -59,7 +59,7 @@ def model_config(config: Config, vocab_size: int, platform: str, stages: int = 1
 
 def attention_implementation(config: Config, platform: str) -> str:
     """'auto' means cuDNN's fused attention where it exists (NVIDIA GPUs, bfloat16), the written-out
-    one on CPUs (13-16% faster steps there, bench/NOTES.md), else XLA's."""
+    one on CPUs (the faster step there, bench/NOTES.md), else XLA's."""
     if config.attention == "cudnn" and platform != "gpu":
         raise configurator.ConfigError(f"attention='cudnn' needs NVIDIA GPUs, but this run's devices are "
                                        f"{platform}; use attention='auto' or 'xla'")
