@@ -19,6 +19,7 @@ from tensorboard.util import tensor_util
 import checkpoint
 import configurator
 import dataset
+import hardware
 import optimizer
 import plot
 import sharding
@@ -98,6 +99,26 @@ def test_tensorboard_events_profile_and_saved_config(toy):
     assert len(traces) == 1
     saved = json.loads(open(os.path.join(config.out_dir, "config.json")).read())
     assert saved["n_layer"] == 2 and saved["dataset"] == "toy"
+
+
+def test_mfu_divides_by_the_best_cpu_peak_measured_so_far(toy, monkeypatch):
+    """A busy moment at start-up makes the measured CPU peak low and MFU high: each evaluation
+    measures it again, and the steps after it divide by the best rate seen."""
+    rates = iter([1e9, 4e9, 2e9])  # start-up, the evaluations after steps 4 and 8
+    monkeypatch.setattr(hardware, "measure_cpu_peak_flops", lambda: next(rates))
+    config = small_config(toy, tensorboard=True)
+    train.train(config, ONE_DEVICE)
+    events = EventAccumulator(os.path.join(config.out_dir, "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+
+    def logged(tag):
+        return {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in events.Tensors(tag)}
+
+    mfu, tokens_per_s = logged("train/mfu"), logged("train/tokens_per_sec")
+    implied_peak = {step: tokens_per_s[step] / mfu[step] for step in mfu}  # peak / flops per token
+    assert sorted(implied_peak) == list(range(1, 8))  # step 0 compiles: no MFU
+    for step in range(1, 8):
+        assert implied_peak[step] == pytest.approx(implied_peak[1] * (1 if step < 4 else 4), rel=1e-5)
 
 
 def test_learning_rate_schedule():
