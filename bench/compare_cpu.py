@@ -19,11 +19,11 @@ the load average is printed (with a warning when others kept the cores busy); "o
 both the ratio of medians and the ratio of minimums at the target. Each shape's row also gives
 the best rate of a 1024x1024 float32 matmul in JAX and in PyTorch, measured in the same run
 (the two frameworks' ceilings differ by CPU), and the header names the CPU model and its
-AVX-512/AMX flags: keep one table per CPU model (bench/NOTES.md). A PyTorch whose matmul runs
-below 80% of JAX's makes the ratio flatter nanomax: such a row gets "?", not a verdict.
-PyTorch's MKL takes its slow generic path on AMD CPUs; --torch_preload=LIB puts a library in
-front of the worker only (LD_PRELOAD), such as bench/NOTES.md's one-line MKL shim that lets MKL
-use AVX-512 there.
+vector units (AVX2, AVX-512, AMX): keep one table per CPU model (bench/NOTES.md). A PyTorch
+whose matmul runs below 80% of JAX's makes the ratio flatter nanomax: such a row gets "?", not
+a verdict. PyTorch's MKL takes its slow generic path on AMD CPUs; --torch_preload=LIB puts a
+library in front of the worker only (LD_PRELOAD), such as bench/NOTES.md's one-line MKL shim
+that lets MKL use its fast kernels there.
 """
 
 import json
@@ -47,7 +47,7 @@ SHAPES = {
     "medium": (dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=8), 1.2),  # its baby GPT, batch 8
 }
 VOCAB = 65  # shakespeare_char
-ISA_FLAGS = ("avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 OWN_FLAGS = {"base": os.path.join(os.path.dirname(HERE), "config", "shakespeare_char.py"),  # the CPU config
              "shapes": "small,medium", "rounds": "6", "steps": "0", "warmup": "3",
              "nanogpt": "", "torch_python": "/work/torchvenv/bin/python", "torch_preload": "",
@@ -98,7 +98,7 @@ def cpu_description() -> str:
         return "unknown CPU (no /proc/cpuinfo)"
     flags = [f for f in ISA_FLAGS if f in info.get("flags", "").split()]
     return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}): "
-            f"{' '.join(flags) or 'no AVX-512'}")
+            f"{' '.join(flags) or 'no AVX2'}")
 
 
 def compare(name: str, flags: dict, nanomax_argv: list[str]) -> dict:
