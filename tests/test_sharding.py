@@ -228,7 +228,8 @@ def test_quantized_step_sharded_equals_one_device(toy64, mode, layout):
     """Scales of a sharded operand (e.g. the MLP's hidden units split over `tensor`) are
     reduced across devices, so every layout quantizes as one device does: the first step's
     loss agrees to float precision. After a few updates, float sums taken in another order
-    round a few values to the neighbouring 8-bit level, so later losses agree to 1e-4."""
+    round a few values to the neighbouring 8-bit level, so later losses drift apart a little:
+    within 1e-4 on AVX-512 CPUs, 1.3e-4 by the fifth fp8 step on an AVX2-only AMD Zen 3."""
     root, _ = toy64
 
     def losses(data, fsdp, tensor):
@@ -238,7 +239,7 @@ def test_quantized_step_sharded_equals_one_device(toy64, mode, layout):
 
     one_device, split = losses(1, 1, 1), losses(*LAYOUTS[layout])
     np.testing.assert_allclose(split[0], one_device[0], rtol=0, atol=1e-5)
-    np.testing.assert_allclose(split, one_device, rtol=1e-4)
+    np.testing.assert_allclose(split, one_device, rtol=5e-4)
 
 
 MUON = dict(optimizer="muon", muon_learning_rate=0.03)
