@@ -136,9 +136,8 @@ class TrainBench:
         return seconds
 
     def result(self, seconds: list[float]) -> dict:
-        peak, peak_source = self.peak, self.peak_source
-        if self.devices[0].platform == "cpu":  # measured again: a busy moment at start-up makes MFU look high
-            peak = max(peak, hardware.peak_flops(self.devices)[0])
+        peak, peak_source = hardware.best_peak_flops(self.devices, self.peak), self.peak_source
+        if self.devices[0].platform == "cpu":
             peak_source += ", the best of before and after the timed steps"
         memory, memory_source = peak_memory(self.devices)
         if memory is None:  # CPU: what the compiler planned (arguments + temporaries) instead

@@ -60,6 +60,12 @@ def peak_flops(devices) -> tuple[float | None, str]:
     return chip.bf16_flops * len(devices), f"{chip.kinds[0]} datasheet bf16 x {len(devices)}"
 
 
+def best_peak_flops(devices, peak: float | None) -> float | None:
+    """On CPUs the peak is a measured matmul rate and a busy moment makes one measurement low (and
+    MFU high): the best of `peak` and a new measurement. A datasheet peak comes back as it is."""
+    return max(peak, measure_cpu_peak_flops()) if devices[0].platform == "cpu" else peak
+
+
 def peak_bandwidth(devices) -> tuple[float | None, str]:
     """Memory bandwidth of all `devices` together, and where the number comes from."""
     if devices[0].platform == "cpu":  # simulated CPU devices share the host's memory

@@ -385,7 +385,8 @@ class Run:
         """Train and val loss and the eval_tasks (printed and logged, with a sample if asked);
         returns the val loss."""
         self.check_finite()
-        self.remeasure_cpu_peak()
+        # A CPU's peak is measured again at each evaluation (not billed to the steps); MFU uses the best.
+        self.peak = hardware.best_peak_flops(self.setup.mesh.devices.flatten().tolist(), self.peak)
         losses = estimate_losses(eval_step, self.state["params"], self.splits, self.setup, self.rows)
         line = f"step {self.step} | train loss {losses['train']:.4f} | val loss {losses['val']:.4f}"
         values = {"eval/train_loss": losses["train"], "eval/val_loss": losses["val"]}
@@ -399,14 +400,6 @@ class Run:
             self.log.text(self.step, "samples", sample_for_log(self.setup, self.device_params(), self.splits,
                                                                self.tok))
         return losses["val"]
-
-    def remeasure_cpu_peak(self) -> None:
-        """On CPUs the peak is a measured matmul rate, and a busy moment at start-up would make
-        every logged MFU read high: each evaluation (not billed to training steps) measures it
-        again, and MFU divides by the best rate seen."""
-        devices = self.setup.mesh.devices.flatten().tolist()
-        if devices[0].platform == "cpu":
-            self.peak = max(self.peak, hardware.peak_flops(devices)[0])
 
     def save_if_due(self, val_loss: float, last: bool) -> None:
         """At the end, and after an evaluation: always, or when val loss improved."""

@@ -1,7 +1,19 @@
 """Tests run on the CPU with 8 simulated devices, so sharding is exercised without a GPU."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must happen before JAX initializes its backends (i.e. before the first JAX operation).
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+# Many tests compile the same small programs, and the train.py runs they start compile them again:
+# a compilation cache for this session (inherited by those processes) compiles each program once.
+# It starts empty, so every program is still compiled by this run.
+_compilation_cache = tempfile.mkdtemp(prefix="nanomax-tests-xla-cache-")
+atexit.register(shutil.rmtree, _compilation_cache, ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _compilation_cache
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"

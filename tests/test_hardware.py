@@ -29,6 +29,17 @@ def test_peaks_are_per_chip_times_the_devices_used():
     assert hardware.peak_bandwidth(devices) == (8 * 4.8e12, "H200 datasheet x 8")
 
 
+def test_only_a_measured_cpu_peak_is_measured_again_and_the_best_kept(monkeypatch):
+    rates = iter([3e9, 1e9])
+    monkeypatch.setattr(hardware, "measure_cpu_peak_flops", lambda: next(rates))
+    cpus = [types.SimpleNamespace(platform="cpu", device_kind="cpu")] * 8
+    assert hardware.best_peak_flops(cpus, 2e9) == 3e9
+    assert hardware.best_peak_flops(cpus, 2e9) == 2e9
+    h200s = [types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")]
+    assert hardware.best_peak_flops(h200s, 989e12) == 989e12  # no measurement taken
+    assert hardware.best_peak_flops([types.SimpleNamespace(platform="gpu", device_kind="?")], None) is None
+
+
 def test_tpu_generations_describe_their_slices():
     assert {g: (c.torus_dims, c.cores_per_chip) for g, c in hardware.TPU_GENERATIONS.items()} == {
         "v4": (3, 2), "v5e": (2, 1), "v5p": (3, 2), "v6e": (2, 1)}
