@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from configurator import Config
+from configurator import ROLES, Config, resume_values
 from dataset import dataset_dir
 import hf
 from tokenizer import tokenizer_from_description
@@ -40,13 +40,6 @@ from tokenizer import tokenizer_from_description
 class CheckpointError(ValueError):
     """A missing, damaged or incompatible checkpoint, or an out_dir that can't be used; the
     message says what is wrong and what to do."""
-
-
-# Config keys that decide the shapes of the saved arrays.
-MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "qkv_bias", "pad_vocab_to_multiple",
-              "pos_embedding", "norm", "mlp", "mlp_hidden", "n_kv_head", "tie_embeddings", "qk_norm",
-              "logit_softcap", "n_experts", "experts_per_token", "n_shared_experts", "moe_hidden",
-              "moe_dense_layers")
 
 
 def checkpoint_dir(out_dir: str) -> str:
@@ -329,14 +322,7 @@ def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: 
 
 def check_resumable(meta: dict, config: Config, tok) -> None:
     """The checkpoint's model and vocabulary are this run's, and it has steps left to train."""
-    check_model_shape(meta["config"], config)
-    trained_with = meta["config"].get("optimizer", "adamw")  # older checkpoints: AdamW, the only one then
-    if trained_with != config.optimizer:  # its state is another tree: it can't continue another optimizer
-        raise CheckpointError(
-            f"the checkpoint in {config.out_dir} was trained with optimizer={trained_with!r}, and this "
-            f"run asks for optimizer={config.optimizer!r}: resume with --optimizer={trained_with}, or "
-            f"start the other optimizer in another --out_dir (the weights carry over through "
-            f"export_hf.py and --init_from=EXPORTED_DIR where export_hf.py can export the model)")
+    check_model(saved_config(meta), config)
     saved = meta.get("tokenizer")  # absent in checkpoints older than the check
     identity = lambda description: {k: v for k, v in description.items() if k != "dir"}  # dirs move
     if saved and tok and identity(saved) != identity(tok.describe()):
@@ -358,13 +344,47 @@ def checkpoint_meta(setup, tok) -> dict:
             "tokenizer": tok.describe() if tok else None}
 
 
-def check_model_shape(saved_config: dict, config: Config) -> None:
-    saved = {k: saved_config.get(k, getattr(Config, k)) for k in MODEL_KEYS}  # older: defaults
-    differ = [f"{k}: checkpoint {saved[k]!r}, config {getattr(config, k)!r}"
-              for k in MODEL_KEYS if saved[k] != getattr(config, k)]
+def saved_config(meta: dict) -> dict:
+    """A checkpoint's config, with the vocabulary size its model has (the config may say 0: the dataset's)."""
+    return {**meta["config"], "vocab_size": meta.get("vocab_size") or meta["config"].get("vocab_size", 0)}
+
+
+def check_model(saved_values: dict, config: Config) -> None:
+    """Every model key of the run equals the checkpoint's (train.py's command line takes them from
+    there; a run started another way must give the same)."""
+    saved = {k: saved_values.get(k, getattr(Config, k)) for k in ROLES["model"]}  # older checkpoints: defaults
+    ours = {k: getattr(config, k) for k in ROLES["model"]}
+    ours["vocab_size"] = config.vocab_size or saved["vocab_size"]  # 0: the dataset's, checked with its tokenizer
+    differ = [f"{k}: checkpoint {saved[k]!r}, config {ours[k]!r}" for k in ROLES["model"] if saved[k] != ours[k]]
     if differ:
-        raise CheckpointError("the checkpoint's model differs from the config ("
-                              + "; ".join(differ) + "): use the checkpoint's values")
+        raise CheckpointError("the checkpoint's model differs from the config (" + "; ".join(differ)
+                              + "): leave these keys out, and a resumed run takes them from its checkpoint")
+
+
+def with_checkpoint_keys(values: dict) -> dict:
+    """configurator's `complete` hook for init_from='resume': the model and compute keys not given
+    come from the newest checkpoint in out_dir (configurator.resume_values)."""
+    if values.get("init_from") != "resume":
+        return values
+    saved = newest_saved_config(values.get("out_dir", Config.out_dir))
+    return values if saved is None else resume_values(values, saved)
+
+
+def newest_saved_config(out_dir: str) -> dict | None:
+    """The config stored with the newest checkpoint whose meta reads back, None if there is none.
+    Read as the plain JSON file Orbax's JsonSave writes: this runs before JAX starts (a multi-process
+    run may not touch JAX before jax.distributed.initialize)."""
+    directory = checkpoint_dir(out_dir)
+    steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True) \
+        if os.path.isdir(directory) else []
+    for step in steps:
+        try:
+            with open(os.path.join(directory, str(step), "meta", "metadata"), encoding="utf-8") as f:
+                meta = json.load(f)
+            return saved_config(meta)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # damaged: restore_latest names it, and takes the next one
+    return None
 
 
 def load_pretrained(setup, directory: str) -> dict:

@@ -49,7 +49,8 @@ class Config:
     block_size: int = 1024
     vocab_size: int = 0  # 0 = take it from the dataset's meta.json
     pad_vocab_to_multiple: int = 1  # 64 pads GPT-2's 50257 to 50304 for faster matmuls
-    dropout: float = 0.0
+    dropout: float = 0.0  # nanoGPT's: on the embeddings, the attention probabilities and each block's outputs;
+    #                      > 0 trains through the written-out attention (XLA's and cuDNN's kernels have none)
     bias: bool = True
     qkv_bias: bool = False  # biases on the query, key and value projections only (Qwen2)
     dtype: str = "float32"  # compute dtype: 'float32' | 'bfloat16'; params stay float32
@@ -276,6 +277,58 @@ class Config:
 
 
 EVAL_TASKS = ("hellaswag", "choice", "perplexity")  # evals.py's
+
+# Every key's role, which decides what a run that continues a checkpoint (init_from='resume'), and
+# sample.py, eval.py and export_hf.py, do with it:
+#   model      what the weights compute: the checkpoint's value; giving another one is an error
+#   compute    how a step computes that same model: the checkpoint's unless given, a change said once
+#   optimizer  how training updates the weights, and data: which tokens each step sees; both as
+#              given, a change from the checkpoint's run said once
+#   run        where the run reads and writes, how it evaluates, logs, saves and lays out devices
+ROLES = {
+    "model": ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_to_multiple", "bias",
+              "qkv_bias", "pos_embedding", "rope_theta", "rope_scaling", "rope_scaling_factor",
+              "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context", "norm", "norm_eps",
+              "mlp", "mlp_hidden", "n_kv_head", "tie_embeddings", "qk_norm", "zero_init_proj", "logit_softcap",
+              "n_experts", "experts_per_token", "n_shared_experts", "moe_hidden", "moe_dense_layers",
+              "capacity_factor"),
+    "compute": ("dtype", "scan_layers", "remat_policy", "attention", "quantization"),
+    "optimizer": ("optimizer", "batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
+                  "beta1", "beta2", "grad_clip", "decay_lr", "warmup_iters", "lr_decay_iters", "min_lr",
+                  "muon_learning_rate", "muon_momentum", "muon_weight_decay", "dropout",
+                  "router_aux_loss_coef", "router_z_loss_coef"),
+    "data": ("dataset", "data_dir", "seed", "overfit_batch"),
+    "run": ("out_dir", "init_from", "overwrite_out_dir", "max_iters", "eval_interval", "eval_iters",
+            "eval_only", "eval_tasks", "eval_tasks_limit", "log_interval", "always_save_checkpoint",
+            "max_to_keep", "keep_best", "nan_policy", "stack_dump_interval", "profile_steps", "tensorboard",
+            "sample_tokens", "mesh_data", "mesh_fsdp", "mesh_tensor", "mesh_expert", "mesh_stage",
+            "pipeline_microbatches", "layers_per_stage", "offload", "dcn_data", "dcn_fsdp", "dcn_tensor",
+            "dcn_expert", "dcn_stage", "coordinator_address", "num_processes", "process_id",
+            "compiled_train_step"),
+}
+ROLE = {key: role for role, keys in ROLES.items() for key in keys}
+
+
+def resume_values(given: dict, saved: dict) -> dict:
+    """The values of a run that continues a checkpoint whose config was `saved`: the model and
+    compute keys that were not given are the checkpoint's; a model key given with another value
+    is an error naming both, since the weights would no longer mean what they were trained for."""
+    conflicts = [f"{k}={given[k]!r} (the checkpoint's: {saved[k]!r})" for k in ROLES["model"]
+                 if k in given and k in saved and given[k] != saved[k]]
+    if conflicts:
+        raise ConfigError(f"{', '.join(conflicts)}: a resumed run keeps the model of its checkpoint; drop "
+                          f"{'this key' if len(conflicts) == 1 else 'these keys'}, or train the other model "
+                          f"from the start in another --out_dir")
+    inherited = {k: saved[k] for k in ROLES["model"] + ROLES["compute"] if k in saved and k not in given}
+    return {**given, **inherited}
+
+
+def changes_since(config, saved: dict) -> list[str]:
+    """'key: old -> new' for each compute, optimizer and data key whose value differs from `saved`
+    (a checkpoint's config): what a resumed run says once."""
+    keys = ROLES["compute"] + ROLES["optimizer"] + ROLES["data"]
+    return [f"{k} {saved[k]!r} -> {getattr(config, k)!r}" for k in keys if k in saved and saved[k] != getattr(config, k)]
+
 
 # A Hugging Face hub model id: 'gpt2', 'gpt2-medium' or 'organisation/model'.
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

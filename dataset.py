@@ -64,9 +64,9 @@ def open_split(config: Config, split: str, vocab_size: int) -> np.ndarray:
         raise DataError(f"{path} has {n_bytes} bytes, not a whole number of {dtype} tokens: "
                         f"{_prepare_hint(config)} again")
     tokens = np.memmap(path, dtype=dtype, mode="r")
-    if len(tokens) < config.block_size + 2:
-        raise DataError(f"{path} holds {len(tokens)} tokens, fewer than block_size+2 = "
-                        f"{config.block_size + 2}: lower --block_size or add data")
+    if len(tokens) < config.block_size + 1:
+        raise DataError(f"{path} holds {len(tokens)} tokens, fewer than block_size+1 = "
+                        f"{config.block_size + 1} (one row and its targets): lower --block_size or add data")
     bad = first_token_at_least(tokens, vocab_size)
     if bad is not None:
         raise DataError(f"{path} holds token id {tokens[bad]} >= vocab_size {vocab_size} (at token "
@@ -97,7 +97,8 @@ def batch_for_step(tokens: np.ndarray, config: Config, step: int, split: str, ro
     """
     rng = np.random.default_rng((config.seed, SPLIT_STREAMS[split], stream, step))
     T = config.block_size
-    starts = rng.integers(0, len(tokens) - T - 1, size=(n_micro, config.batch_size))[:, rows]
+    # A row starting at s reads tokens s .. s+T: every start up to len - T - 1, so the last token is a target too.
+    starts = rng.integers(0, len(tokens) - T, size=(n_micro, config.batch_size))[:, rows]
     window = starts[..., None] + np.arange(T + 1)
     seq = tokens[window].astype(np.int32)
     return seq[..., :-1], seq[..., 1:]

@@ -100,15 +100,10 @@ def prefill(graphdef, params, prompt_BxP, prompt_len_B, wanted_B, index_B, key, 
 
 
 def weights_in_compute_dtype(graphdef, params):
-    """The matrices (embeddings included) cast to the compute dtype; norm scales and biases kept.
-
-    The model casts float32 weights where it uses them; inside the decode loop that would
-    read float32 weights for every token, twice the bytes of a bfloat16 model. Casting once
-    (prefill and decode alike) also rounds the embedding rows before the position table is
-    added, so bfloat16 samples can differ slightly from a forward pass on float32 weights.
-    """
-    dtype = jnp.dtype(nnx.merge(graphdef, params).config.dtype)
-    return jax.tree.map(lambda p: p.astype(dtype) if p.ndim >= 2 else p, params)
+    """model.cast_for_inference in the model's compute dtype. The model casts float32 weights where
+    it uses them; inside the decode loop that would read float32 weights for every token, twice the
+    bytes of a bfloat16 model. Cast once, they compute exactly what the float32 ones compute."""
+    return model.cast_for_inference(params, jnp.dtype(nnx.merge(graphdef, params).config.dtype))
 
 
 def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, on_token=None) -> dict:

@@ -302,12 +302,20 @@ def causal_mask(start_B, T: int, S: int):
     return (jnp.arange(S) <= query_position_BxT[:, :, None])[:, None]
 
 
-def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH):
+def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dropout_rate: float = 0.0, dropout_key=None):
     """Causal softmax attention written out ('einsum'), with its backward: scores in float32, heads shared
-    by groups of G = N / K query heads (grouped-query: keys and values repeated per group)."""
+    by groups of G = N / K query heads (grouped-query: keys and values repeated per group). With a
+    dropout_key, attention probabilities are dropped at dropout_rate (nanoGPT's attn_dropout)."""
     G = q_BxTxNxH.shape[2] // k_BxTxKxH.shape[2]
     k_BxTxNxH, v_BxTxNxH = (jnp.repeat(x, G, axis=2) if G > 1 else x for x in (k_BxTxKxH, v_BxTxKxH))
-    return _attend(q_BxTxNxH * q_BxTxNxH.shape[-1] ** -0.5, k_BxTxNxH, v_BxTxNxH)
+    key = dropout_key if dropout_rate > 0 else None
+    return _attend(q_BxTxNxH * q_BxTxNxH.shape[-1] ** -0.5, k_BxTxNxH, v_BxTxNxH, key, dropout_rate)
+
+
+def attention_keep_mask(key, rate: float, shape_BxNxTxS):
+    """Which attention probabilities survive dropout: drawn from the key alone, so the backward pass
+    draws the same mask again instead of keeping it."""
+    return jax.random.bernoulli(key, 1.0 - rate, shape_BxNxTxS)
 
 
 def query_blocks(T: int) -> list[tuple[int, int]]:
@@ -319,14 +327,22 @@ def query_blocks(T: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-@jax.custom_vjp
-def _attend(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH):
-    return _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attend(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate: float):
+    return _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate)[0]
 
 
-def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH):
+def _dropped(p_BxNxCxS, keep_mask, start: int, end: int, rate: float):
+    """The probabilities of query block [start, end) after dropout (unchanged without a mask)."""
+    if keep_mask is None:
+        return p_BxNxCxS
+    return jnp.where(keep_mask[:, :, start:end, :end], p_BxNxCxS / (1.0 - rate), 0.0)
+
+
+def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate):
     # einsums straight on the projection's (B, T, N, H) layout: no transposed copies of q, k, v
-    B, T = q_BxTxNxH.shape[:2]
+    (B, T, N, _), S = q_BxTxNxH.shape, k_BxSxNxH.shape[1]
+    keep_BxNxTxS = None if dropout_key is None else attention_keep_mask(dropout_key, dropout_rate, (B, N, T, S))
     outputs, probabilities = [], []
     for start, end in query_blocks(T):
         s_BxNxCxS = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH[:, start:end], k_BxSxNxH[:, :end],
@@ -334,30 +350,37 @@ def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH):
         s_BxNxCxS = jnp.where(causal_mask(jnp.full(B, start), end - start, end), s_BxNxCxS, -jnp.inf)
         p_BxNxCxS = jnp.exp(s_BxNxCxS - s_BxNxCxS.max(-1, keepdims=True))
         p_BxNxCxS = p_BxNxCxS / p_BxNxCxS.sum(-1, keepdims=True)
-        outputs.append(jnp.einsum("bnts,bsnh->btnh", p_BxNxCxS.astype(v_BxSxNxH.dtype), v_BxSxNxH[:, :end]))
+        used_BxNxCxS = _dropped(p_BxNxCxS, keep_BxNxTxS, start, end, dropout_rate)
+        outputs.append(jnp.einsum("bnts,bsnh->btnh", used_BxNxCxS.astype(v_BxSxNxH.dtype), v_BxSxNxH[:, :end]))
         probabilities.append(p_BxNxCxS)
     o_BxTxNxH = jnp.concatenate(outputs, axis=1)
-    return o_BxTxNxH, (q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH)
+    return o_BxTxNxH, (q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH, dropout_key)
 
 
-def _attend_bwd(saved, do_BxTxNxH):
+def _attend_bwd(dropout_rate, saved, do_BxTxNxH):
     """Softmax's backward needs rowsum(dP * P), which equals rowsum(dO * O) (FlashAttention's
-    trick): a (B, T, N) reduction over H instead of one over the (B, N, T, T) scores."""
-    q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH = saved
-    dtype, blocks = q_BxTxNxH.dtype, query_blocks(q_BxTxNxH.shape[1])
+    trick): a (B, T, N) reduction over H instead of one over the (B, N, T, T) scores. With dropout
+    P is the dropped P' = P * mask / (1 - rate) in O and dV, and dP = dP' * mask / (1 - rate); the
+    trick still holds, as rowsum(dP * P) = rowsum(dP' * P')."""
+    q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH, dropout_key = saved
+    (B, T, N, _), S = q_BxTxNxH.shape, k_BxSxNxH.shape[1]
+    keep_BxNxTxS = None if dropout_key is None else attention_keep_mask(dropout_key, dropout_rate, (B, N, T, S))
+    dtype, blocks = q_BxTxNxH.dtype, query_blocks(T)
     delta_BxNxT = jnp.einsum("btnh,btnh->bnt", do_BxTxNxH, o_BxTxNxH, preferred_element_type=jnp.float32)
     dq_blocks, dk_blocks, dv_blocks = [], [0] * len(blocks), [0] * len(blocks)
     for i, ((start, end), p_BxNxCxS) in enumerate(zip(blocks, probabilities)):
         do_BxCxNxH = do_BxTxNxH[:, start:end]
-        dv_BxSxNxH = jnp.einsum("bnts,btnh->bsnh", p_BxNxCxS.astype(dtype), do_BxCxNxH)
+        used_BxNxCxS = _dropped(p_BxNxCxS, keep_BxNxTxS, start, end, dropout_rate)
+        dv_BxSxNxH = jnp.einsum("bnts,btnh->bsnh", used_BxNxCxS.astype(dtype), do_BxCxNxH)
         dp_BxNxCxS = jnp.einsum("btnh,bsnh->bnts", do_BxCxNxH, v_BxSxNxH[:, :end], preferred_element_type=jnp.float32)
+        dp_BxNxCxS = _dropped(dp_BxNxCxS, keep_BxNxTxS, start, end, dropout_rate)
         ds_BxNxCxS = (p_BxNxCxS * (dp_BxNxCxS - delta_BxNxT[:, :, start:end, None])).astype(dtype)
         dq_blocks.append(jnp.einsum("bnts,bsnh->btnh", ds_BxNxCxS, k_BxSxNxH[:, :end]))
         dk_BxSxNxH = jnp.einsum("bnts,btnh->bsnh", ds_BxNxCxS, q_BxTxNxH[:, start:end])
         for j, (key_start, key_end) in enumerate(blocks[:i + 1]):  # keys [0, end), by block
             dk_blocks[j] += dk_BxSxNxH[:, key_start:key_end]
             dv_blocks[j] += dv_BxSxNxH[:, key_start:key_end]
-    return tuple(jnp.concatenate(parts, axis=1) for parts in (dq_blocks, dk_blocks, dv_blocks))
+    return (*(jnp.concatenate(parts, axis=1) for parts in (dq_blocks, dk_blocks, dv_blocks)), None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -402,8 +425,10 @@ class Attention(nnx.Module):
         position_BxT = start_B[:, None] + jnp.arange(T)
         q_BxTxNxH = rotate(normalize(q_BxTxNxH, config), position_BxT, config)
         k_BxTxKxH = rotate(normalize(k_BxTxKxH, config), position_BxT, config)
-        if cache is None and config.attention == "einsum":
-            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH)
+        k_probs, k_out = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
+        dropping = k_probs is not None and config.dropout > 0  # only the written-out attention drops probabilities
+        if cache is None and (config.attention == "einsum" or dropping):
+            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, config.dropout, k_probs)
         elif cache is None:
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
                                                      implementation=config.attention)
@@ -414,7 +439,7 @@ class Attention(nnx.Module):
                                                      mask=causal_mask(start_B, T, cache.k.shape[1]))
         y_BTxD = linear(y_BxTxNxH.reshape(B * T, N * H), self.out_kernel.reshape(N * H, D), self.out_bias,
                         config.quantization)
-        return dropout(y_BTxD, config.dropout, dropout_key), cache
+        return dropout(y_BTxD, config.dropout, k_out), cache
 
 
 def gelu(h):
@@ -659,8 +684,7 @@ class GPT(nnx.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {config.block_size}")
         x_BxTxD = self._embed_tokens(idx_BxT)
         if self.wpe is not None:
-            x_BxTxD = x_BxTxD + self.wpe[...][:T]
-        x_BxTxD = x_BxTxD.astype(config.dtype)
+            x_BxTxD = x_BxTxD + self.wpe[...][:T].astype(config.dtype)
         # Between the matmuls, activations are 2-D (B*T, D): XLA:CPU's fast matmul path wants
         # one contracting dimension, and a weight gradient over (B, T) is 2x slower there.
         x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
@@ -681,18 +705,21 @@ class GPT(nnx.Module):
         config = self.config
         B, T = idx_BxT.shape
         x_BxTxD = self._embed_tokens(idx_BxT)
-        if self.wpe is not None:
-            x_BxTxD = x_BxTxD + self.wpe[...][start_B[:, None] + jnp.arange(T)]  # per row: any prompt length
-        x_BTxD = constrain(x_BxTxD.astype(config.dtype).reshape(B * T, -1), ("batch", "embed_act"))
+        if self.wpe is not None:  # per row: any prompt length
+            x_BxTxD = x_BxTxD + self.wpe[...][start_B[:, None] + jnp.arange(T)].astype(config.dtype)
+        x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
         x_BTxD, cache, _ = self._run_blocks(x_BTxD, B, start_B, None, cache)
         last_B = jnp.full((B,), T - 1) if last_B is None else last_B
         x_BxD = x_BTxD.reshape(B, T, -1)[jnp.arange(B), last_B]  # the vocab matmul for B rows only
         return self._mask_padding(self._unembed(self.ln_f(x_BxD))), cache
 
     def _embed_tokens(self, idx_BxT):
-        """Rows of wte. The table is first gathered over `fsdp` (it stays split over `tensor` by
-        vocabulary): a lookup in a table split by width made XLA replicate it on every device."""
-        return constrain(self.wte[...], ("vocab", "embed_act"))[idx_BxT]
+        """Rows of wte in the compute dtype: rounded before the position rows are added, as weights
+        cast for inference (cast_for_inference) hold them. The lookup itself is in float32, so that
+        its backward sums the gradients of repeated tokens in float32. The table is first gathered
+        over `fsdp` (it stays split over `tensor` by vocabulary): a lookup in a table split by width
+        made XLA replicate it on every device."""
+        return constrain(self.wte[...], ("vocab", "embed_act"))[idx_BxT].astype(self.config.dtype)
 
     def _unembed(self, x_NxD):
         """Float32 logits (N, padded vocab), through the tied embedding or lm_head_kernel, soft-capped
@@ -767,6 +794,21 @@ class GPT(nnx.Module):
                                      stages=config.pipeline_stages, microbatches=config.pipeline_microbatches,
                                      layers_per_stage=config.layers_per_stage, constrain=constrain)
         return x_BTxD, None, stats
+
+
+def cast_for_inference(params, dtype):
+    """Parameters as the forward pass computes with them, cast once: the weight matrices and the
+    embedding tables in the compute dtype (where the forward pass rounds them, at each use), the norm
+    scales, the biases and a mixture of experts' router kept in float32 (which it uses as they are,
+    or casts itself). A forward pass on the result computes exactly what it computes on the float32
+    parameters, and a decode loop reads half the bytes at bfloat16. Works on the parameters' pure
+    dict (nnx.to_pure_dict), stacked layers included."""
+    def cast(path, p):
+        name = path[-1].key
+        is_matrix = name in ("wte", "wpe") or (name.endswith("_kernel") and name != "router_kernel")
+        return p.astype(dtype) if is_matrix else p
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def count_params(config: GPTConfig) -> int:

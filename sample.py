@@ -18,7 +18,6 @@ import checkpoint
 import configurator
 import dataset
 import hf
-import model
 import sharding
 import train
 from generate import decode_sample, encode_prompt, generate, stop_token_ids, weights_in_compute_dtype
@@ -26,9 +25,9 @@ from quantization import MODES as QUANTIZATION_MODES
 from tokenizer import gpt2_tokenizer, hf_tokenizer, load_tokenizer, tokenizer_from_description
 
 
-# What rebuilds a checkpoint's model: the model's fields, and where an older checkpoint's
+# What rebuilds a checkpoint's model: its model and compute keys, and where an older checkpoint's
 # vocabulary is (newer ones carry it).
-MODEL_KEYS = {f.name for f in dataclasses.fields(model.GPTConfig)} | {"data_dir", "dataset"}
+MODEL_KEYS = {*configurator.ROLES["model"], *configurator.ROLES["compute"], "data_dir", "dataset"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -397,6 +397,8 @@ def prepare_command(dataset_dir) -> str:
         name = Path(dataset_dir).name
         if name != "text" and (REPO_ROOT / "data" / name / "prepare.py").is_file():
             return f"python data/{name}/prepare.py"
+        if name.startswith("fineweb_edu_"):  # data/fineweb/prepare.py's out_dir for --sample
+            return f"python data/fineweb/prepare.py --sample={name.removeprefix('fineweb_edu_').upper()}"
         out_dir = command_path(dataset_dir)
     except (OSError, ValueError, TypeError):  # a hint must not hide the error it explains
         out_dir = dataset_dir

@@ -10,6 +10,7 @@ compile_aot.py and bench.py build and run exactly these functions.
 """
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -196,7 +197,7 @@ def make_train_step(setup: Setup):
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = {"params": keep_if_bad(optax.apply_updates(params, updates), params),
-                     "opt_state": keep_if_bad(opt_state, old_opt_state),
+                     "opt_state": schedules_from(opt_state, keep_if_bad(opt_state, old_opt_state)),
                      "step": state["step"] + 1}
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
                    "lr": learning_rate(config, state["step"])}
@@ -205,6 +206,15 @@ def make_train_step(setup: Setup):
         return new_state, metrics
 
     return train_step
+
+
+def schedules_from(new_opt_state, opt_state):
+    """opt_state with the learning-rate schedules' counts of new_opt_state. A skipped step keeps the
+    moments and Adam's bias correction as they were (no update was applied), but the schedule
+    goes on with the step, so the learning rate of step s is always lr(s), the one logged."""
+    is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)
+    return jax.tree.map(lambda kept, new: new if is_schedule(kept) else kept, opt_state, new_opt_state,
+                        is_leaf=is_schedule)
 
 
 def make_eval_step(setup: Setup):
@@ -241,17 +251,19 @@ def lower(setup: Setup):
 # ----------------------------------------------------------------------------- checkpoints
 
 def start_state(setup: Setup, tok, log) -> tuple:
-    """(checkpoint manager, train state): resumed from out_dir, or fresh (from scratch or from
-    pretrained weights) in an out_dir that holds no other run. The out_dir lock is held."""
+    """(checkpoint manager, train state, the checkpoint's meta or None): resumed from out_dir, or
+    fresh (from scratch or from pretrained weights) in an out_dir that holds no other run. The
+    out_dir lock is held."""
     config = setup.config
     if config.init_from != "resume":
         checkpoint.start_fresh(config, log)
         manager = checkpoint.checkpoint_manager(config)
         pretrained = None if config.init_from == "scratch" else checkpoint.load_pretrained(
             setup, hf.resolve(config.init_from))  # a Hugging Face model: fine-tune it
-        return manager, init_state(setup, pretrained)
+        return manager, init_state(setup, pretrained), None
     def abstract_for(meta):
         checkpoint.check_resumable(meta, config, tok)
+        check_optimizer_state(setup, meta["config"])
         return {k: setup.abstract_state[k] for k in ("params", "opt_state")}
 
     manager = checkpoint.checkpoint_manager(config)
@@ -260,8 +272,38 @@ def start_state(setup: Setup, tok, log) -> tuple:
     except BaseException:
         manager.close()
         raise
+    changes = configurator.changes_since(config, restored.meta["config"])
+    if changes:
+        log(f"resuming step {restored.step} with changes from the checkpoint's run: {', '.join(changes)}")
     step = checkpoint.step_array(restored.step, setup.state_shardings["step"])
-    return manager, {**restored.items, "step": step}
+    return manager, {**restored.items, "step": step}, restored.meta
+
+
+def check_optimizer_state(setup: Setup, saved: dict) -> None:
+    """The checkpoint's optimizer state has the tree this run's optimizer makes. Another optimizer,
+    or grad_clip switched between 0 and > 0, makes another tree, which Orbax could only call damage:
+    name the keys whose checkpoint value would make the saved tree."""
+    config = setup.config
+    saved = {k: saved.get(k, getattr(Config, k)) for k in configurator.ROLES["optimizer"]}  # older: defaults
+
+    def tree_with(keys):  # the optimizer state's tree had the run these keys of the checkpoint
+        try:
+            changed_config = dataclasses.replace(config, **{k: saved[k] for k in keys})
+        except configurator.ConfigError:  # not a config on its own: can't tell
+            return ours
+        return jax.tree.structure(jax.eval_shape(make_optimizer(changed_config).init, setup.abstract_state["params"]))
+
+    ours = jax.tree.structure(setup.abstract_state["opt_state"])
+    changed = [k for k in configurator.ROLES["optimizer"] if saved[k] != getattr(config, k)]
+    if not changed or tree_with(changed) == ours:
+        return
+    culprits = [k for k in changed if tree_with([k]) != ours] or changed
+    raise CheckpointError(
+        f"the checkpoint in {config.out_dir} holds the state of another optimizer than this run's ("
+        + "; ".join(f"{k}: checkpoint {saved[k]!r}, config {getattr(config, k)!r}" for k in culprits)
+        + "): resume with the checkpoint's values, or start the new optimizer in another --out_dir (the "
+        "weights carry over through export_hf.py and --init_from=EXPORTED_DIR where export_hf.py can export "
+        "the model)")
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -315,9 +357,9 @@ def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step, tas
     """Evaluate every eval_interval steps (and at the end), save, train, log; stop at max_iters
     or on a signal. The out_dir lock is held."""
     config = setup.config
-    manager, state = start_state(setup, tok, print if jax.process_index() == 0 else lambda *a: None)
+    manager, state, resumed = start_state(setup, tok, print if jax.process_index() == 0 else lambda *a: None)
     lock.claim()
-    run = Run(setup, splits, tok, manager, state, tasks)
+    run = Run(setup, splits, tok, manager, state, tasks, best_val=best_val_loss(resumed))
     monitor.print_summary(run.log, setup, splits, run.peak_text)
     if config.optimizer == "muon":
         run.log.print(groups_summary(setup.abstract_state["params"]))
@@ -361,7 +403,7 @@ class Run:
     """The loop's state between steps: the train state and step, what is logged, the best
     validation loss, the non-finite steps, and the decisions about them."""
 
-    def __init__(self, setup: Setup, splits: dict, tok, manager, state: dict, tasks=()):
+    def __init__(self, setup: Setup, splits: dict, tok, manager, state: dict, tasks=(), best_val=float("inf")):
         self.setup, self.config, self.splits, self.tok, self.manager = setup, setup.config, splits, tok, manager
         self.tasks, self.scorer = tasks, evals.make_scorer(setup) if tasks else None
         self.state = state
@@ -374,7 +416,7 @@ class Run:
         self.rows = sharding.local_batch_rows(setup.batch_sharding, self.config.batch_size)
         self.profile_start, self.profile_stop = monitor.parse_profile_steps(self.config.profile_steps)
         self.meta = checkpoint.checkpoint_meta(setup, tok)
-        self.history, self.best_val, self.n_skipped = [], float("inf"), 0
+        self.history, self.best_val, self.n_skipped = [], best_val, 0
         self.pending_finite = []  # per-step "loss and gradients were finite" flags, read at log time
 
     def device_params(self):
@@ -418,7 +460,9 @@ class Run:
                 f"every step since step {self.start_step} was non-finite and skipped "
                 f"(nan_policy=skip_step), so no checkpoint was saved. Check the data and lower "
                 f"learning_rate")
-        checkpoint.save(self.manager, self.state, self.meta | {"val_loss": val_loss}, val_loss)
+        best = min(self.best_val, float("inf") if val_loss is None else val_loss)
+        meta = self.meta | {"val_loss": val_loss, "best_val_loss": best if math.isfinite(best) else None}
+        checkpoint.save(self.manager, self.state, meta, val_loss)
 
     def save_and_wait(self, val_loss: float | None) -> None:
         self.check_finite()
@@ -494,6 +538,15 @@ class Run:
         self.n_skipped += int((~finite).sum())
 
 
+def best_val_loss(meta: dict | None) -> float:
+    """The lowest validation loss of the run a checkpoint belongs to (checkpoints from before it was
+    stored: their own), so that a resumed run with always_save_checkpoint=False saves only past it."""
+    if meta is None:
+        return float("inf")
+    best = meta.get("best_val_loss", meta.get("val_loss"))
+    return float("inf") if best is None else float(best)
+
+
 def sample_for_log(setup: Setup, params, splits: dict, tok) -> str:
     prompt = tok.decode(splits["val"][:1])  # one token, which every vocabulary can encode
     return generate.sample_text(setup, params, tok, setup.config.sample_tokens, prompt)[0]
@@ -505,9 +558,15 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def complete_config(values: dict) -> dict:
+    """configurator's `complete` hook for training: the model keys not given come from a Hugging Face
+    model's config.json (init_from=DIR or a hub name), or from the checkpoint resumed."""
+    return checkpoint.with_checkpoint_keys(hf.with_model_keys(values))
+
+
 def main(argv: list[str]) -> None:
     hardware.keep_freed_host_memory()
-    config = configurator.load_config_or_exit(argv, complete=hf.with_model_keys)
+    config = configurator.load_config_or_exit(argv, complete=complete_config)
     try:
         sharding.initialize_distributed(config.coordinator_address, config.num_processes,
                                         config.process_id)

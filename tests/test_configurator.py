@@ -265,6 +265,26 @@ def test_architecture_defaults_are_gpt2_and_every_model_field_is_a_config_key():
     assert 0 < llama.n_kv_head < llama.n_head
 
 
+def test_every_key_has_exactly_one_role_and_resuming_keeps_the_model_keys():
+    """A key added to Config without a role fails here: what a resumed run does with it must be
+    decided, not left to chance (configurator.ROLES)."""
+    listed = [key for keys in configurator.ROLES.values() for key in keys]
+    assert sorted(listed) == sorted(f.name for f in dataclasses.fields(Config)), "each key once, in one role"
+    import model  # every field that shapes or defines the network is a model or compute key
+    for field in dataclasses.fields(model.GPTConfig):
+        if hasattr(DEFAULTS, field.name) and field.name != "dropout":
+            assert configurator.ROLE[field.name] in ("model", "compute", "run"), field.name
+    saved = {**dataclasses.asdict(DEFAULTS), "rope_theta": 500000.0, "dtype": "bfloat16", "learning_rate": 1e-3}
+    values = configurator.resume_values({"init_from": "resume", "dtype": "float32"}, saved)
+    assert values["rope_theta"] == 500000.0  # model: the checkpoint's
+    assert values["dtype"] == "float32"  # compute: as given...
+    assert "learning_rate" not in values  # optimizer: as given (here, the default)
+    changes = configurator.changes_since(Config(**values), saved)
+    assert changes == ["dtype 'bfloat16' -> 'float32'", "learning_rate 0.001 -> 0.0006"]  # ...and said
+    with pytest.raises(ConfigError, match=r"rope_theta=10000.0 \(the checkpoint's: 500000.0\).*drop this key"):
+        configurator.resume_values({"rope_theta": 10000.0}, saved)
+
+
 def test_every_config_file_loads_and_the_fast_run_trains_the_default_runs_model_size_on_its_data():
     for path in sorted((ROOT / "config").glob("*.py")):
         load_config([str(path)])

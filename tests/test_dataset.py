@@ -38,10 +38,18 @@ def test_batch_is_a_pure_function_of_seed_and_step(toy):
     assert not np.array_equal(x1, x3)
 
 
+def test_the_last_token_of_a_split_is_a_target(toy):
+    """A split of block_size + 1 tokens is one row: its inputs, then its targets up to the last token."""
+    config = small_config(toy)
+    tokens = np.arange(config.block_size + 1, dtype=np.uint16)
+    x, y = dataset.batch_for_step(tokens, config, 0, "train", np.arange(config.batch_size), n_micro=1)
+    assert (x[..., 0] == 0).all() and (y[..., -1] == config.block_size).all()
+
+
 @pytest.mark.parametrize("problem, message", [
     ("missing", "not found: run `python data/text/prepare.py --input_dir=YOUR_TEXT --out_dir="),
     ("odd_bytes", "not a whole number of uint16 tokens"),
-    ("too_short", "fewer than block_size+2"),
+    ("too_short", "fewer than block_size+1"),
     ("bad_ids", "token id 70 >= vocab_size 65"),
 ])
 def test_bad_data_is_one_clear_error(toy, problem, message):

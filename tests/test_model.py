@@ -400,6 +400,23 @@ def test_bfloat16_compute():
     assert 0 < diff < 0.02  # really computed in bfloat16 (measured ~2e-3), and close
 
 
+@pytest.mark.parametrize("name", ["gelu, top-2 of 4", "swiglu, top-1, a shared expert, first layer dense"])
+def test_weights_cast_for_inference_compute_exactly_what_training_computes(name):
+    """cast_for_inference rounds the matrices and embedding tables to bfloat16, as the forward pass
+    does where it uses them, and leaves norm scales, biases and the router float32: the same
+    logits to the last bit (GPT-2 layout with biases, and a Llama layout; both with experts)."""
+    gpt = randomize(make(MOE_VARIANTS[name], dtype="bfloat16"))
+    graphdef, state = nnx.split(gpt)
+    params = nnx.to_pure_dict(state)
+    cast = model.cast_for_inference(params, jnp.bfloat16)
+    run = lambda p: np.asarray(nnx.merge(graphdef, p)(tokens()))
+    np.testing.assert_array_equal(run(cast), run(params))
+    for path, p in jax.tree_util.tree_leaves_with_path(cast):
+        name = path[-1].key
+        kept = name in ("scale", "router_kernel") or "bias" in name
+        assert p.dtype == (jnp.float32 if kept else jnp.bfloat16), jax.tree_util.keystr(path)
+
+
 # --- decoding with a KV cache ---------------------------------------------------------------
 
 @pytest.mark.parametrize("base, scan_layers", [
@@ -816,6 +833,32 @@ def test_written_out_attention_and_its_backward_equal_xla(n_head, n_kv_head, T):
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
     for a, b in zip(our_pullback(dy), their_pullback(dy)):  # dq, dk, dv
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+
+
+def test_attention_dropout_and_its_backward_equal_autodiff_of_the_formula():
+    """nanoGPT's attention dropout in the written-out attention (two query blocks at T = 40,
+    grouped-query): probabilities dropped by the mask attention_keep_mask draws from the key and
+    the survivors scaled by 1 / (1 - rate); its backward draws the same mask again."""
+    T, rate, key = 40, 0.25, jax.random.key(9)
+    kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (2, T, 4, 8))
+    k, v = (jax.random.normal(x, (2, T, 2, 8)) for x in (kk, kv))
+    dy = jax.random.normal(kd, q.shape)
+
+    def formula(q, k, v):
+        k, v = (jnp.repeat(x, 2, axis=2) for x in (k, v))
+        scores = jnp.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(8)
+        p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf))
+        p = jnp.where(model.attention_keep_mask(key, rate, p.shape), p / (1 - rate), 0.0)
+        return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+    ours, our_pullback = jax.vjp(lambda q, k, v: model.causal_attention(q, k, v, rate, key), q, k, v)
+    theirs, their_pullback = jax.vjp(formula, q, k, v)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+    for a, b in zip(our_pullback(dy), their_pullback(dy)):  # dq, dk, dv
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+    assert np.abs(ours - model.causal_attention(q, k, v)).max() > 0.1  # it does drop
+    np.testing.assert_array_equal(model.causal_attention(q, k, v, 0.0, key), model.causal_attention(q, k, v))
 
 
 def test_layer_norm_backward_equals_autodiff_of_its_formula():

@@ -222,12 +222,12 @@ def test_muon_resume_gives_the_same_losses_as_an_uninterrupted_run(toy):
 
 def test_switching_optimizer_at_resume_is_refused(toy):
     train.train(small_config(toy, max_iters=4), ONE_DEVICE)
-    with pytest.raises(checkpoint.CheckpointError,
-                       match="trained with optimizer='adamw', and this run asks for optimizer='muon'"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"another optimizer than this run's \(optimizer: "
+                                                         r"checkpoint 'adamw', config 'muon'\).*export_hf.py"):
         train.train(small_config(toy, init_from="resume", optimizer="muon"), ONE_DEVICE)
     # A checkpoint from before the key existed was trained with AdamW.
-    older = {"config": {k: v for k, v in dataclasses.asdict(small_config(toy)).items() if k != "optimizer"},
-             "step": 4}
-    checkpoint.check_resumable(older, small_config(toy, init_from="resume"), None)
-    with pytest.raises(checkpoint.CheckpointError, match="--optimizer=adamw"):
-        checkpoint.check_resumable(older, small_config(toy, init_from="resume", optimizer="muon"), None)
+    older = {k: v for k, v in dataclasses.asdict(small_config(toy)).items() if k != "optimizer"}
+    setup = lambda name: train.make_setup(small_config(toy, optimizer=name), sharding.make_mesh(devices=ONE_DEVICE), 65)
+    train.check_optimizer_state(setup("adamw"), older)
+    with pytest.raises(checkpoint.CheckpointError, match="optimizer: checkpoint 'adamw', config 'muon'"):
+        train.check_optimizer_state(setup("muon"), older)

@@ -187,12 +187,13 @@ LLAMA_STYLE = dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head
 
 
 def test_llama_style_model_sharded_equals_one_device(toy64):
-    """RoPE, RMSNorm, SwiGLU, 2 key/value heads for 4 query heads, untied output: tensor=2 x
-    fsdp=4 gives one device's losses, and tensor really splits the key/value heads."""
+    """RoPE, RMSNorm, SwiGLU, 2 key/value heads for 4 query heads, untied output, and dropout (the
+    attention probabilities' too): tensor=2 x fsdp=4 gives one device's losses, and tensor really
+    splits the key/value heads."""
     root, _ = toy64
 
     def setup_and_losses(data, fsdp, tensor):
-        config = dataclasses.replace(sharded_config(root, data, fsdp, tensor), **LLAMA_STYLE)
+        config = dataclasses.replace(sharded_config(root, data, fsdp, tensor), dropout=0.1, **LLAMA_STYLE)
         mesh = sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[:data * fsdp * tensor])
         setup = train.make_setup(config, mesh, 64)
         state, train_step = train.init_state(setup), train.jit_train_step(setup)

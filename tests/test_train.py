@@ -69,12 +69,30 @@ def test_overfit_single_batch_on_gpt2_vocab(tmp_path):
     assert losses[-1] < 0.1
 
 
-def test_resume_gives_the_same_losses_as_an_uninterrupted_run(toy):
+def as_flags(config: Config, *keys) -> list[str]:
+    return [f"--{k}={getattr(config, k)}" for k in keys]
+
+
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(toy, capsys):
+    """Resumed from the command line without the model's flags: RoPE's base and its llama3 scaling
+    and the norm's eps come from the checkpoint, not from the defaults."""
+    model = dict(pos_embedding="rope", rope_theta=500000.0, rope_scaling="llama3", rope_original_context=64,
+                 norm="rmsnorm", norm_eps=1e-6)
     common = dict(dropout=0.1, gradient_accumulation_steps=2)
-    straight = train.train(small_config(toy, out_dir=str(toy / "a"), **common), ONE_DEVICE)
-    first = train.train(small_config(toy, out_dir=str(toy / "b"), max_iters=4, **common), ONE_DEVICE)
-    rest = train.train(small_config(toy, out_dir=str(toy / "b"), init_from="resume", **common),
-                       ONE_DEVICE)
+    straight = train.train(small_config(toy, out_dir=str(toy / "a"), **model, **common), ONE_DEVICE)
+    first = train.train(small_config(toy, out_dir=str(toy / "b"), max_iters=4, **model, **common), ONE_DEVICE)
+    run_keys = ("data_dir", "dataset", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters",
+                "learning_rate", "warmup_iters", "lr_decay_iters", "min_lr", "eval_interval", "eval_iters",
+                "tensorboard", *common)
+    argv = [*as_flags(small_config(toy, **common), *run_keys), f"--out_dir={toy / 'b'}", "--init_from=resume",
+            "--router_z_loss_coef=0.002"]  # a change that can't change the losses (no experts), to be said
+    resumed = configurator.load_config(argv, complete=train.complete_config)
+    assert resumed == small_config(toy, out_dir=str(toy / "b"), init_from="resume", router_z_loss_coef=0.002,
+                                   vocab_size=65, **model, **common)  # the model's vocabulary, not "the data's"
+    capsys.readouterr()
+    rest = train.train(resumed, ONE_DEVICE)
+    assert "resuming step 4 with changes from the checkpoint's run: router_z_loss_coef 0.001 -> 0.002" in (
+        capsys.readouterr().out)
     assert [s for s, _ in first + rest] == list(range(8))
     np.testing.assert_allclose([l for _, l in first + rest], [l for _, l in straight],
                                rtol=0, atol=1e-6)
@@ -148,6 +166,19 @@ def test_resume_errors_name_the_problem(toy):
         train.train(small_config(toy, init_from="resume", n_layer=3), ONE_DEVICE)
     with pytest.raises(checkpoint.CheckpointError, match="qk_norm: checkpoint False, config True"):
         train.train(small_config(toy, init_from="resume", qk_norm=True), ONE_DEVICE)  # same shapes, another model
+    with pytest.raises(checkpoint.CheckpointError, match="another optimizer than this run's "
+                                                         r"\(grad_clip: checkpoint 1.0, config 0.0\)"):
+        train.train(small_config(toy, init_from="resume", grad_clip=0.0), ONE_DEVICE)  # not "damaged"
+
+
+def test_a_resume_saves_only_past_the_best_validation_loss_of_its_run(toy, monkeypatch):
+    config = small_config(toy, always_save_checkpoint=False, max_iters=12)
+    train.train(dataclasses.replace(config, max_iters=4), ONE_DEVICE)  # saved at step 4
+    estimate_losses = train.estimate_losses
+    worse = lambda *args: {split: loss + 1.0 for split, loss in estimate_losses(*args).items()}
+    monkeypatch.setattr(train, "estimate_losses", worse)
+    train.train(dataclasses.replace(config, init_from="resume"), ONE_DEVICE)
+    assert checkpoint.checkpoint_manager(config, read_only=True).all_steps() == [4, 12]  # not 8: worse
 
 
 def test_command_line_errors_exit_with_one_line(toy):
@@ -286,6 +317,23 @@ def test_nan_policy_skip_step_leaves_the_parameters_untouched(toy, monkeypatch, 
     jax.tree.map(np.testing.assert_array_equal, restored_params(skipping), restored_params(clean))
 
 
+def test_after_a_skipped_step_the_logged_learning_rate_is_the_applied_one(toy, monkeypatch):
+    """wte's padding rows get no gradient, so AdamW moves them by weight decay alone,
+    w' = w (1 - lr * weight_decay): each step's applied lr can be read back from them."""
+    poison_step(monkeypatch, 1)
+    config = small_config(toy, pad_vocab_to_multiple=128, nan_policy="skip_step", warmup_iters=2, lr_decay_iters=5)
+    setup = train.make_setup(config, sharding.make_mesh(devices=ONE_DEVICE), 65)
+    state, train_step = train.init_state(setup), train.jit_train_step(setup)
+    tokens, rows = dataset.open_split(config, "train", 65), np.arange(config.batch_size)
+    for step in range(5):
+        before = np.asarray(state["params"]["wte"][65:])
+        state, metrics = train_step(state, dataset.batch_for_step(tokens, config, step, "train", rows, 1))
+        applied = (1 - np.asarray(state["params"]["wte"][65:]) / before).mean() / config.weight_decay
+        assert bool(metrics["finite"]) == (step != 1)
+        assert applied == pytest.approx(float(metrics["lr"]) if step != 1 else 0.0, rel=1e-3, abs=1e-9), step
+    assert float(metrics["lr"]) == pytest.approx(float(optimizer.learning_rate(config, 4)))
+
+
 def test_nan_policy_stop_keeps_the_last_good_checkpoint(toy, monkeypatch):
     poison_step(monkeypatch, 5)
     config = small_config(toy, max_iters=8, eval_interval=4, nan_policy="stop")
@@ -327,9 +375,9 @@ BAD_INPUTS = [  # (how to break things, extra flags, the message expected)
     (lambda toy: bin_path(toy).write_bytes(b""), [], "has 0 bytes"),
     (lambda toy: bin_path(toy, "val").write_bytes(b"abc"), [], "val.bin has 3 bytes"),
     (lambda toy: np.full(1000, 99, np.uint16).tofile(bin_path(toy)), [], "token id 99 >= vocab_size 65"),
-    (None, ["--block_size=30000"], "fewer than block_size+2"),
+    (None, ["--block_size=30000"], "fewer than block_size+1"),
     (None, ["--init_from=resume", "--out_dir={toy}/empty"], "no checkpoint in"),
-    (None, ["--init_from=resume", "--n_layer=3"], "n_layer: checkpoint 2, config 3"),
+    (None, ["--init_from=resume", "--n_layer=3"], "n_layer=3 (the checkpoint's: 2): a resumed run keeps the model"),
     (None, ["--mesh_data=3"], "= 3 devices, but there are 8"),
     (None, ["--batch_size=4", "--mesh_data=8"], "batch_size=4 is not divisible by mesh_data x mesh_expert x mesh_fsdp"),
 ]
