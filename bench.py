@@ -37,6 +37,7 @@ import dataset
 import generate
 import hardware
 import hf
+import inference
 import optimizer
 import sharding
 import train
@@ -293,7 +294,7 @@ def run(argv: list[str]) -> dict:
         result = bench_train(config, options, devices)
     else:
         result = bench_decode(config, options, devices)
-    mc = train.model_config(config, result["vocab_size"], devices[0].platform)
+    mc = inference.model_config(config, result["vocab_size"], devices[0].platform)
     record = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git": git_revision(), "argv": argv, "mode": options.mode, "options": dataclasses.asdict(options),

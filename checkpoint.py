@@ -407,7 +407,7 @@ def load_pretrained(setup, directory: str) -> dict:
         return jax.make_array_from_callback(abstract.shape, abstract.sharding,
                                             lambda index: weights.read(path, abstract.shape, index))
 
-    return jax.tree_util.tree_map_with_path(load, setup.abstract_state["params"])
+    return jax.tree_util.tree_map_with_path(load, setup.abstract_params)
 
 
 def step_array(step: int, sharding) -> jax.Array:

@@ -19,7 +19,7 @@ import configurator
 import evals
 import sharding
 from generate import weights_in_compute_dtype
-from sample import load_for_inference, load_hf
+from inference import default_dtype, load_checkpoint, load_hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +54,9 @@ def load_model(cfg: EvalConfig):
         raise evals.EvalError(f"--devices={cfg.devices}, but there are {jax.device_count()}")
     mesh = sharding.make_mesh(len(devices), 1, 1, devices=devices)
     if cfg.init_from == "resume":
-        setup, params, step, tok = load_for_inference(cfg.out_dir, mesh)
+        setup, params, step, tok = load_checkpoint(cfg.out_dir, mesh)
         return setup, params, tok, f"step {step} of {cfg.out_dir}"
-    dtype = cfg.dtype if cfg.dtype != "auto" else "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    setup, params, tok = load_hf(cfg.init_from, mesh, dtype=dtype)
+    setup, params, tok = load_hf(cfg.init_from, mesh, dtype=default_dtype(cfg.dtype))
     return setup, params, tok, cfg.init_from
 
 

@@ -183,7 +183,7 @@ def make_scorer(setup):
 
     batch = setup.batch_sharding
     replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-    return jax.jit(score, in_shardings=(setup.state_shardings["params"], batch, batch),
+    return jax.jit(score, in_shardings=(setup.param_shardings, batch, batch),
                    out_shardings=(replicated, replicated))
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 import configurator
 import hf
-from sample import load_for_inference
+from inference import load_checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ def export(cfg: ExportConfig, log=print) -> list:
     """Writes cfg.to from the newest intact checkpoint in cfg.out_dir; returns its file names."""
     if jax.process_count() > 1:
         raise hf.HFError("export_hf.py runs as a single process: run it on one host")
-    setup, params, step, tok = load_for_inference(cfg.out_dir)
+    setup, params, step, tok = load_checkpoint(cfg.out_dir)
     c = setup.model_config
     hf.check_architecture(c)  # before anything is converted
     tensors = hf.to_hf_tensors(jax.tree.map(np.asarray, params), c)

@@ -9,25 +9,15 @@ The generation itself (prefill + decode in one compiled loop) is generate.py's.
 """
 
 import dataclasses
-import os
 import sys
 
 import jax
 
-import checkpoint
 import configurator
-import dataset
-import hf
 import sharding
-import train
 from generate import decode_sample, encode_prompt, generate, stop_token_ids, weights_in_compute_dtype
+from inference import default_dtype, load_checkpoint, load_hf
 from quantization import MODES as QUANTIZATION_MODES
-from tokenizer import gpt2_tokenizer, hf_tokenizer, load_tokenizer, tokenizer_from_description
-
-
-# What rebuilds a checkpoint's model: its model and compute keys, and where an older checkpoint's
-# vocabulary is (newer ones carry it).
-MODEL_KEYS = {*configurator.ROLES["model"], *configurator.ROLES["compute"], "data_dir", "dataset"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,64 +80,6 @@ class StreamPrinter:
         print()
 
 
-# ----------------------------------------------------------------------------- loading
-
-def load_for_inference(out_dir: str, mesh=None, quantization: str = "none"):
-    """Setup, parameters, step and tokenizer of the newest intact checkpoint in out_dir. Its
-    config and vocabulary come with it, but for how the matmuls and the attention compute:
-    those are chosen here, for these devices."""
-    mesh = mesh or sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    setups = []
-
-    def abstract_for(meta):
-        # Only the keys that describe the model: the rest (init_from may name a directory that is
-        # gone by now, a learning rate that a later version checks more strictly) doesn't matter here.
-        kept = {k: v for k, v in meta["config"].items() if k in MODEL_KEYS}
-        config = configurator.config_from_dict({**kept, "attention": "auto", "quantization": quantization,
-                                                "batch_size": sharding.batch_shards(mesh)})
-        setups.append(train.make_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config)))
-        return {"params": setups[-1].abstract_state["params"]}
-
-    manager = checkpoint.checkpoint_manager(configurator.Config(out_dir=out_dir), read_only=True)
-    try:
-        restored = checkpoint.restore_latest(manager, out_dir, abstract_for, move_damaged=False,
-                                             log=lambda line: print(line, file=sys.stderr))
-    finally:
-        manager.close()
-    setup = setups[-1]
-    if restored.meta.get("tokenizer"):
-        tok = tokenizer_from_description(restored.meta["tokenizer"],
-                                         search_dirs=[os.path.join(out_dir, "tokenizer")])
-    else:  # checkpoints written before the vocabulary was stored with them
-        tok = load_tokenizer(dataset.dataset_dir(setup.config))
-        print(f"note: this checkpoint does not carry its vocabulary; using "
-              f"{dataset.dataset_dir(setup.config)}/meta.json, which must be the one it was trained on",
-              file=sys.stderr)
-    return setup, restored.items["params"], restored.step, tok
-
-
-def load_hf(name: str, mesh, quantization: str = "none", dtype: str = "float32"):
-    """Setup, parameters and tokenizer of a Hugging Face model: a directory, or a hub name
-    (downloaded into the Hugging Face cache if it is not there yet)."""
-    directory = hf.resolve(name)
-    model = hf.read_config(directory)
-    values = hf.fill_model_keys({"init_from": name}, model, directory, default_block_size=model.max_context)
-    config = configurator.Config(**values, batch_size=sharding.batch_shards(mesh),
-                                 quantization=quantization, dtype=dtype)
-    setup = train.make_setup(config, mesh, model.keys["vocab_size"])
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        tok = hf_tokenizer(directory)
-    elif model.model_type == "gpt2":  # GPT-2 directories from before tokenizer.json
-        tok = gpt2_tokenizer()
-    else:
-        raise hf.HFError(f"{directory} has no tokenizer.json: nanomax needs the model's tokenizer to "
-                         f"turn prompts into ids")
-    if tok.vocab_size > model.keys["vocab_size"]:
-        raise hf.HFError(f"{directory}: the tokenizer has {tok.vocab_size} tokens but the model only "
-                         f"{model.keys['vocab_size']} (vocab_size in config.json): they are not a pair")
-    return setup, checkpoint.load_pretrained(setup, directory), tok
-
-
 def main(argv):
     cfg = configurator.load_config_or_exit(argv, SampleConfig)
     try:
@@ -157,12 +89,10 @@ def main(argv):
         mesh = sharding.make_mesh(cfg.mesh_data, 1, cfg.mesh_tensor,
                                   devices=jax.devices()[:cfg.mesh_data * cfg.mesh_tensor])
         if cfg.init_from == "resume":
-            setup, params, step, tok = load_for_inference(cfg.out_dir, mesh, cfg.quantization)
+            setup, params, step, tok = load_checkpoint(cfg.out_dir, mesh, cfg.quantization)
             print(f"loaded step {step} from {cfg.out_dir}", file=sys.stderr)
         else:
-            dtype = cfg.dtype if cfg.dtype != "auto" else (
-                "float32" if jax.default_backend() == "cpu" else "bfloat16")
-            setup, params, tok = load_hf(cfg.init_from, mesh, cfg.quantization, dtype)
+            setup, params, tok = load_hf(cfg.init_from, mesh, cfg.quantization, default_dtype(cfg.dtype))
             print(f"loaded {cfg.init_from} ({tok.summary()})", file=sys.stderr)
         params = weights_in_compute_dtype(setup.graphdef, params)  # once: bfloat16 halves the memory
         texts = [cfg.start]

@@ -29,6 +29,7 @@ import evals
 import generate
 import hardware
 import hf
+import inference
 import monitor
 import sharding
 from checkpoint import CheckpointError
@@ -50,25 +51,6 @@ def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
                               stage=config.mesh_stage, dcn_stage=config.dcn_stage)
 
 
-def model_config(config: Config, vocab_size: int, platform: str, stages: int = 1) -> GPTConfig:
-    """The model's half of the config, for devices of `platform` ('cpu', 'gpu', 'tpu') and a
-    mesh with `stages` pipeline stages."""
-    fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "attention", "pipeline_stages"}
-    return GPTConfig(vocab_size=vocab_size, attention=attention_implementation(config, platform),
-                     pipeline_stages=stages, **{k: getattr(config, k) for k in fields})
-
-
-def attention_implementation(config: Config, platform: str) -> str:
-    """'auto' means cuDNN's fused attention where it exists (NVIDIA GPUs, bfloat16), the written-out
-    one on CPUs (the faster step there, bench/NOTES.md), else XLA's."""
-    if config.attention == "cudnn" and platform != "gpu":
-        raise configurator.ConfigError(f"attention='cudnn' needs NVIDIA GPUs, but this run's devices are "
-                                       f"{platform}; use attention='auto' or 'xla'")
-    if config.attention == "auto":
-        return {"gpu": "cudnn" if config.dtype == "bfloat16" else "xla", "cpu": "einsum"}.get(platform, "xla")
-    return config.attention
-
-
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """Everything that describes the computation but holds no arrays."""
@@ -83,6 +65,14 @@ class Setup:
     compute_shardings: dict  # the same, all in device memory: where the step computes with it
 
     @property
+    def abstract_params(self):  # as inference.ModelSetup has them (checkpoint.load_pretrained)
+        return self.abstract_state["params"]
+
+    @property
+    def param_shardings(self):  # in device memory, where evaluations compute (evals.make_scorer)
+        return self.compute_shardings["params"]
+
+    @property
     def batch_sharding(self):  # (B, T)
         return sharding.batch_sharding(self.mesh)
 
@@ -93,17 +83,10 @@ class Setup:
 
 
 def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
-    """Shapes and shardings of the train state, derived without allocating it."""
-    gpt_config = model_config(config, vocab_size, mesh.devices.flat[0].platform, mesh.shape["stage"])
-    sharding.check_model_fits_mesh(mesh, n_head=config.n_head, n_embd=config.n_embd,
-                                   batch_size=config.batch_size, n_kv_head=gpt_config.kv_heads,
-                                   mlp_hidden=gpt_config.mlp_hidden_size, n_experts=gpt_config.n_experts,
-                                   n_layer=config.n_layer, microbatches=config.pipeline_microbatches,
-                                   layers_per_stage=config.layers_per_stage)
-    abstract_model = nnx.eval_shape(lambda: GPT(gpt_config, jax.random.key(0)))
-    graphdef, abstract_params = nnx.split(abstract_model)
-    param_shardings = nnx.to_pure_dict(sharding.param_shardings(abstract_params, mesh))
-    abstract_params = nnx.to_pure_dict(abstract_params)
+    """Shapes and shardings of the train state, derived without allocating it: the model's
+    (inference.model_setup), and the optimizer state's on top."""
+    model = inference.model_setup(config, mesh, vocab_size)
+    param_shardings, abstract_params = model.param_shardings, model.abstract_params
     optimizer = make_optimizer(config)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -115,7 +98,7 @@ def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
                 "step": jax.ShapeDtypeStruct((), jnp.int32)}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
-    return Setup(config, gpt_config, mesh, graphdef, optimizer, shardings, abstract, compute)
+    return Setup(config, model.model_config, mesh, model.graphdef, optimizer, shardings, abstract, compute)
 
 
 def offloaded_parts(config: Config, mesh) -> tuple:

@@ -15,6 +15,7 @@ import pytest
 
 import checkpoint
 import plot
+import inference
 import sample
 import train
 from checkpoint import CheckpointError
@@ -119,7 +120,7 @@ def test_samples_use_the_vocabulary_stored_with_the_checkpoint(copy_of_run8, tmp
     root, config, _ = copy_of_run8
     trained_chars = json.loads((root / "data" / "toy" / "meta.json").read_text())["chars"]
     rewrite_vocabulary(root, "".join(chr(0x400 + i) for i in range(65)))  # re-prepared since
-    *_, tok = sample.load_for_inference(config.out_dir)
+    *_, tok = inference.load_checkpoint(config.out_dir)
     assert tok.chars == trained_chars
     shutil.rmtree(root / "data")  # and the dataset gone: sampling needs only the checkpoint
     monkeypatch.chdir(tmp_path)  # from another working directory
@@ -217,7 +218,7 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(copy_of_
 def test_a_damaged_latest_checkpoint_is_skipped_when_sampling(copy_of_run8, capfd):
     root, config, _ = copy_of_run8
     truncate_array_files(root / "out" / "checkpoints" / "8")
-    _, _, step, _ = sample.load_for_inference(config.out_dir)
+    _, _, step, _ = inference.load_checkpoint(config.out_dir)
     err = capfd.readouterr().err
     assert step == 4
     assert "warning: damaged checkpoint step 8 (" in err and "using step 4, the newest intact one" in err

@@ -10,7 +10,7 @@ import tokenizers
 
 import dataset
 import generate
-import sample
+import inference
 import train
 from dataset_writer import write_dataset
 from test_train import ONE_DEVICE, make_dataset, small_config
@@ -107,7 +107,7 @@ def test_a_vocabulary_over_65536_tokens_trains_resumes_and_samples_from_uint32_f
     rest = train.train(dataclasses.replace(config, out_dir=str(tmp_path / "b"), init_from="resume"), ONE_DEVICE)
     assert first + rest == whole
 
-    setup, params, _, run_tok = sample.load_for_inference(config.out_dir)
+    setup, params, _, run_tok = inference.load_checkpoint(config.out_dir)
     prompt = [int(i) for i in phrases[0, :4]]
     new = generate.generate(setup, params, [prompt], 12, temperature=0).tokens[0]
     assert len(new) == 12 and run_tok.encode(run_tok.decode(prompt + new)) == prompt + new

@@ -12,6 +12,7 @@ import pytest
 
 import export_hf
 import hf
+import inference
 import sample
 import train
 from configurator import Config
@@ -52,7 +53,7 @@ def test_a_llama_directory_with_its_tokenizer_end_to_end(tmp_path, capsys):
 
     # The checkpoint samples without the dataset, through the tokenizer it was trained with.
     shutil.rmtree(tmp_path / "data")
-    setup, params, _, saved_tok = sample.load_for_inference(run.out_dir)
+    setup, params, _, saved_tok = inference.load_checkpoint(run.out_dir)
     assert saved_tok.describe()["sha256"] == tok.describe()["sha256"]
     _, loaded = load(model_dir, block_size=16)
     assert_trees_equal(jax.tree.map(np.asarray, params), loaded)

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+import inference
 import sample
 import train
 from configurator import Config
@@ -49,7 +50,7 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
                     batch_size=2, max_iters=1, learning_rate=0.0, min_lr=0.0, warmup_iters=0,
                     eval_interval=1, eval_iters=1, tensorboard=False)
     train.train(config, jax.devices()[:1])
-    setup, params, step, tok = sample.load_for_inference(config.out_dir)
+    setup, params, step, tok = inference.load_checkpoint(config.out_dir)
     assert setup.model_config.quantization == "none"  # trained quantized or not: chosen when sampling
     _, loaded = load(hf_dir, block_size=16)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):

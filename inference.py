@@ -1,0 +1,143 @@
+"""A model for inference: its setup (config, mesh, shardings; no optimizer), parameters and tokenizer,
+from a training checkpoint or a Hugging Face model. sample.py, eval.py, export_hf.py, engine.py
+and serve.py load through here; train.py builds its own Setup on top of model_setup().
+
+    setup, params, step, tok = load_checkpoint("out-shakespeare-char")
+    setup, params, tok = load_hf("gpt2", mesh)
+"""
+
+import dataclasses
+import os
+import sys
+
+import jax
+from flax import nnx
+
+import checkpoint
+import configurator
+import dataset
+import hf
+import sharding
+from configurator import ROLES, Config
+from model import GPT, GPTConfig
+from tokenizer import gpt2_tokenizer, hf_tokenizer, load_tokenizer, tokenizer_from_description
+
+# What rebuilds a checkpoint's model: its model and compute keys, and where an older checkpoint's
+# vocabulary is (newer ones carry it).
+MODEL_KEYS = {*ROLES["model"], *ROLES["compute"], "data_dir", "dataset"}
+
+
+def attention_implementation(config: Config, platform: str) -> str:
+    """'auto' means cuDNN's fused attention where it exists (NVIDIA GPUs, bfloat16), the written-out
+    one on CPUs (the faster step there, bench/NOTES.md), else XLA's."""
+    if config.attention == "cudnn" and platform != "gpu":
+        raise configurator.ConfigError(f"attention='cudnn' needs NVIDIA GPUs, but this run's devices are "
+                                       f"{platform}; use attention='auto' or 'xla'")
+    if config.attention == "auto":
+        return {"gpu": "cudnn" if config.dtype == "bfloat16" else "xla", "cpu": "einsum"}.get(platform, "xla")
+    return config.attention
+
+
+def model_config(config: Config, vocab_size: int, platform: str, stages: int = 1) -> GPTConfig:
+    """The model's half of the config, for devices of `platform` ('cpu', 'gpu', 'tpu') and a
+    mesh with `stages` pipeline stages."""
+    fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "attention", "pipeline_stages"}
+    return GPTConfig(vocab_size=vocab_size, attention=attention_implementation(config, platform),
+                     pipeline_stages=stages, **{k: getattr(config, k) for k in fields})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSetup:
+    """The model on a mesh, without arrays: what generation and evaluation need."""
+    config: Config
+    model_config: GPTConfig
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    param_shardings: dict  # NamedSharding per parameter
+    abstract_params: dict  # ShapeDtypeStruct per parameter, with its sharding
+
+    @property
+    def batch_sharding(self):  # (B, T)
+        return sharding.batch_sharding(self.mesh)
+
+
+def model_setup(config: Config, mesh, vocab_size: int) -> ModelSetup:
+    """Shapes and shardings of the model's parameters on `mesh`, derived without allocating them."""
+    gpt_config = model_config(config, vocab_size, mesh.devices.flat[0].platform, mesh.shape["stage"])
+    sharding.check_model_fits_mesh(mesh, n_head=config.n_head, n_embd=config.n_embd,
+                                   batch_size=config.batch_size, n_kv_head=gpt_config.kv_heads,
+                                   mlp_hidden=gpt_config.mlp_hidden_size, n_experts=gpt_config.n_experts,
+                                   n_layer=config.n_layer, microbatches=config.pipeline_microbatches,
+                                   layers_per_stage=config.layers_per_stage)
+    graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: GPT(gpt_config, jax.random.key(0))))
+    param_shardings = nnx.to_pure_dict(sharding.param_shardings(abstract_params, mesh))
+    abstract_params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                   nnx.to_pure_dict(abstract_params), param_shardings)
+    return ModelSetup(config, gpt_config, mesh, graphdef, param_shardings, abstract_params)
+
+
+def one_device_mesh():
+    return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none"):
+    """(setup, parameters, step, tokenizer) of the newest intact checkpoint in out_dir. Its model
+    and compute keys and its vocabulary come with it, but for how the matmuls and the attention
+    compute: those are chosen here, for these devices."""
+    mesh = mesh or one_device_mesh()
+    setups = []
+
+    def abstract_for(meta):
+        # Only the keys that describe the model: the rest (init_from may name a directory that is
+        # gone by now, a learning rate that a later version checks more strictly) doesn't matter here.
+        kept = {k: v for k, v in meta["config"].items() if k in MODEL_KEYS}
+        config = configurator.config_from_dict({**kept, "attention": "auto", "quantization": quantization,
+                                                "batch_size": sharding.batch_shards(mesh)})
+        setups.append(model_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config)))
+        return {"params": setups[-1].abstract_params}
+
+    manager = checkpoint.checkpoint_manager(Config(out_dir=out_dir), read_only=True)
+    try:
+        restored = checkpoint.restore_latest(manager, out_dir, abstract_for, move_damaged=False,
+                                             log=lambda line: print(line, file=sys.stderr))
+    finally:
+        manager.close()
+    setup = setups[-1]
+    if restored.meta.get("tokenizer"):
+        tok = tokenizer_from_description(restored.meta["tokenizer"],
+                                         search_dirs=[os.path.join(out_dir, "tokenizer")])
+    else:  # checkpoints written before the vocabulary was stored with them
+        tok = load_tokenizer(dataset.dataset_dir(setup.config))
+        print(f"note: this checkpoint does not carry its vocabulary; using "
+              f"{dataset.dataset_dir(setup.config)}/meta.json, which must be the one it was trained on",
+              file=sys.stderr)
+    return setup, restored.items["params"], restored.step, tok
+
+
+def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "float32"):
+    """(setup, parameters, tokenizer) of a Hugging Face model: a directory, or a hub name
+    (downloaded into the Hugging Face cache if it is not there yet)."""
+    mesh = mesh or one_device_mesh()
+    directory = hf.resolve(name)
+    model = hf.read_config(directory)
+    values = hf.fill_model_keys({"init_from": name}, model, directory, default_block_size=model.max_context)
+    config = Config(**values, batch_size=sharding.batch_shards(mesh), quantization=quantization, dtype=dtype)
+    setup = model_setup(config, mesh, model.keys["vocab_size"])
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        tok = hf_tokenizer(directory)
+    elif model.model_type == "gpt2":  # GPT-2 directories from before tokenizer.json
+        tok = gpt2_tokenizer()
+    else:
+        raise hf.HFError(f"{directory} has no tokenizer.json: nanomax needs the model's tokenizer to "
+                         f"turn prompts into ids")
+    if tok.vocab_size > model.keys["vocab_size"]:
+        raise hf.HFError(f"{directory}: the tokenizer has {tok.vocab_size} tokens but the model only "
+                         f"{model.keys['vocab_size']} (vocab_size in config.json): they are not a pair")
+    return setup, checkpoint.load_pretrained(setup, directory), tok
+
+
+def default_dtype(dtype: str) -> str:
+    """A Hugging Face model's compute dtype for 'auto': bfloat16 on GPUs and TPUs, float32 on CPUs."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
