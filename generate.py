@@ -33,24 +33,29 @@ import sharding
 
 # ----------------------------------------------------------------------------- one token
 
-def sample_logits(logits_BxV, keys_B, temperature: float, top_k: int = 0, top_p: float = 1.0):
-    """One token id per row (row b draws with keys_B[b]): greedy at temperature 0, else from
-    softmax(logits / temperature) over the top_k most likely tokens, and of those the fewest
-    whose probability mass reaches top_p."""
-    if temperature == 0:
-        return jnp.argmax(logits_BxV, axis=-1)
-    logits_BxV = logits_BxV / temperature
-    draw = jax.vmap(jax.random.categorical)
-    if not top_k and top_p >= 1:
-        return draw(keys_B, logits_BxV)
+def sample_logits(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B):
+    """One token id per row, each row with its own settings (arrays of B): greedy at temperature 0,
+    else drawn with keys_B[b] from softmax(logits / temperature) over the top_k most likely tokens
+    (0: all), and of those the fewest whose probability mass reaches top_p. Filtered tokens are
+    masked, not removed, so every row draws over the whole vocabulary in its own order: its token
+    depends on its own settings and key alone, never on the other rows'."""
     V = logits_BxV.shape[-1]
-    logits_BxK, ids_BxK = jax.lax.top_k(logits_BxV, min(top_k or V, V))  # most likely first
-    if top_p < 1:
-        probs_BxK = jax.nn.softmax(logits_BxK, axis=-1)
-        mass_before_BxK = jnp.cumsum(probs_BxK, axis=-1) - probs_BxK  # 0 for the most likely: kept
-        logits_BxK = jnp.where(mass_before_BxK < top_p, logits_BxK, -jnp.inf)
-    choice_B = draw(keys_B, logits_BxK)
-    return jnp.take_along_axis(ids_BxK, choice_B[:, None], axis=-1)[:, 0]
+    scaled_BxV = logits_BxV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+
+    def filtered(scaled_BxV):
+        sorted_BxV = jax.lax.top_k(scaled_BxV, V)[0]  # most likely first
+        rank_V = jnp.arange(V)
+        in_top_k_BxV = rank_V < jnp.where(top_k_B > 0, top_k_B, V)[:, None]
+        probs_BxV = jax.nn.softmax(jnp.where(in_top_k_BxV, sorted_BxV, -jnp.inf), axis=-1)
+        mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV  # 0 for the most likely: kept
+        kept_B = jnp.sum(in_top_k_BxV & (mass_before_BxV < top_p_B[:, None]), axis=-1)
+        lowest_kept_Bx1 = jnp.take_along_axis(sorted_BxV, kept_B[:, None] - 1, axis=-1)
+        return jnp.where(scaled_BxV >= lowest_kept_Bx1, scaled_BxV, -jnp.inf)
+
+    any_filter = jnp.any((top_k_B > 0) | (top_p_B < 1))  # the sort is skipped when no row filters
+    scaled_BxV = jax.lax.cond(any_filter, filtered, lambda x: x, scaled_BxV)
+    drawn_B = jax.vmap(jax.random.categorical)(keys_B, scaled_BxV)
+    return jnp.where(temperature_B > 0, drawn_B, jnp.argmax(logits_BxV, axis=-1))
 
 
 def _add_token(state: dict, logits_BxV, sampling: tuple):
@@ -61,7 +66,7 @@ def _add_token(state: dict, logits_BxV, sampling: tuple):
     # or the segment it falls in.
     draw_key = lambda i, b: jax.random.fold_in(jax.random.fold_in(state["key"], i), b)
     keys_B = jax.vmap(draw_key)(state["index"], rows_B)
-    token_B = sample_logits(logits_BxV, keys_B, *sampling)
+    token_B = sample_logits(logits_BxV, keys_B, *(jnp.full(B, setting) for setting in sampling))
     adding_B = ~state["done"]
     write_at_B = jnp.where(adding_B, state["length"], S)  # S is out of bounds: finished rows drop it
     tokens_BxS = state["tokens"].at[rows_B, write_at_B].set(token_B, mode="drop")

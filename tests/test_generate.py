@@ -96,11 +96,18 @@ def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p(top_p, top_k, kept):
     n = 4000
     logits_BxV = jnp.tile(jnp.log(jnp.asarray(probs, jnp.float32)), (n, 1))
     keys_B = jax.random.split(jax.random.key(0), n)
-    drawn = np.asarray(generate.sample_logits(logits_BxV, keys_B, 1.0, top_k, top_p))
+    per_row = lambda value, dtype: jnp.full(n, value, dtype)
+    drawn = np.asarray(generate.sample_logits(logits_BxV, keys_B, per_row(1.0, jnp.float32),
+                                              per_row(top_k, jnp.int32), per_row(top_p, jnp.float32)))
     assert set(drawn.tolist()) == kept
     kept_probs = probs[sorted(kept)] / probs[sorted(kept)].sum()  # renormalized over the kept set
     frequencies = np.bincount(drawn, minlength=5)[sorted(kept)] / n
     np.testing.assert_allclose(frequencies, kept_probs, atol=0.03)
+    # Rows with other settings (greedy, unfiltered) beside them draw what they draw alone.
+    mixed = generate.sample_logits(logits_BxV[:3], keys_B[:3], jnp.array([1.0, 0.0, 1.0]),
+                                   jnp.array([top_k, 0, 0]), jnp.array([top_p, 1.0, 1.0]))
+    alone = generate.sample_logits(logits_BxV[2:3], keys_B[2:3], jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
+    assert mixed.tolist() == [drawn[0], 3, int(alone[0])]
 
 
 def test_the_seed_decides_the_text(one_device):

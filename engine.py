@@ -1,0 +1,328 @@
+"""Serving without HTTP: decode slots over one KV cache, refilled as requests finish (continuous
+batching), in the shape of MaxText's engine (JetStream):
+
+    prefill  one request's prompt, right-padded to a bucket of lengths (powers of two up to
+             block_size), through the model into a cache of the bucket's length; samples the
+             request's first token
+    insert   that cache and token into a free slot: a row of the engine's (L, slots, S, K, H) cache
+    step     one new token for every slot at once; a slot nobody uses computes too (the shapes
+             never change) and its token is dropped
+
+Every program is compiled ahead of time at start-up (a prefill and an insert per bucket, one
+step), so serving never compiles. Sampling settings (temperature, top_k, top_p) and keys live
+in per-slot arrays, so requests with different settings share one step. A request's i-th token
+is drawn with the key fold_in(fold_in(key(seed), i), 0), as generate.py draws its first row's:
+what a request gets does not depend on what runs beside it.
+
+The engine's loop runs in a thread of its own. submit() queues a request from any thread; the
+request's on_token and on_finish callbacks are called from the engine's thread.
+"""
+
+import collections
+import dataclasses
+import functools
+import itertools
+import random
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import generate
+import hardware
+import model
+import sharding
+
+
+class EngineError(ValueError):
+    """A request the engine cannot take; the message says why (a full queue, a long prompt, ...)."""
+
+
+class QueueFull(EngineError):
+    pass
+
+
+class ShuttingDown(EngineError):
+    pass
+
+
+FINISH_REASONS = ("stop", "length", "abort")  # a stop token; max_tokens or the context; cancelled or shut down
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    prompt: list  # token ids
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = no top-k filtering
+    top_p: float = 1.0
+    seed: int | None = None  # None: a random one
+    stop_ids: tuple = ()  # the request ends at one of these tokens (which is not passed on)
+    on_token: Callable[[int], None] | None = None  # each new token, stop tokens excluded
+    on_finish: Callable[[str], None] | None = None  # one of FINISH_REASONS, once, last
+    # Kept by the engine:
+    id: int = 0
+    tokens: list = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cancelled: bool = False  # set by cancel(): the loop frees its slot at the next step
+
+
+def prompt_buckets(block_size: int, smallest: int = 16) -> list[int]:
+    """The padded prompt lengths: powers of two from `smallest`, and block_size last."""
+    buckets = [b for b in (2 ** i for i in range(4, 31)) if smallest <= b < block_size]
+    return buckets + [block_size]
+
+
+class Engine:
+    """`slots` requests decode at once; more wait in a queue of at most max_queue."""
+
+    def __init__(self, setup, params, slots: int = 8, max_queue: int = 64, log=print):
+        self.config, self.mesh, self.graphdef = setup.model_config, setup.mesh, setup.graphdef
+        self.slots, self.max_queue, self.log = slots, max_queue, log
+        self.context = self.config.block_size
+        self.buckets = prompt_buckets(self.context)
+        self.params = generate.weights_in_compute_dtype(setup.graphdef, params)
+        self.ids = itertools.count(1)
+        self.queue: collections.deque = collections.deque()
+        self.running: list[Request | None] = [None] * slots
+        self.wake = threading.Condition()
+        self.accepting, self.stopping, self.failure = True, False, None
+        self.tokens_out, self.steps, self.aborted = 0, 0, 0
+        c = self.config
+        self.weight_bytes = sum(a.nbytes for a in jax.tree.leaves(self.params))
+        self.kv_bytes_per_token = 2 * c.n_layer * c.kv_heads * (c.n_embd // c.n_head) * jnp.dtype(c.dtype).itemsize
+        self.kv_bytes = self.kv_bytes_per_token * slots * self.context
+        self.memory_bandwidth = hardware.peak_bandwidth(self.mesh.devices.flatten().tolist())[0]
+        start = time.perf_counter()
+        self._compile()
+        self.compile_s = time.perf_counter() - start
+        self.compiles_before_serving = _compile_count()
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------------- programs
+
+    def _compile(self):
+        S, replicated = self.context, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        cfg, graphdef = self.config, self.graphdef
+        one = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+        settings = (one(jnp.int32), one(jnp.float32), one(jnp.int32), one(jnp.float32))  # seed, temp, top_k, top_p
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params)
+        with sharding.activate(self.mesh):
+            self.state = jax.jit(functools.partial(_empty_state, cfg, self.slots, S))()
+            state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
+            active = one(jnp.bool_, (self.slots,))
+            self.step_program = jax.jit(functools.partial(_step, graphdef), donate_argnums=1).lower(
+                params, state, active).compile()
+            self.prefill_programs, self.insert_programs = {}, {}
+            for P in self.buckets:
+                prefill = jax.jit(functools.partial(_prefill, graphdef)).lower(
+                    params, one(jnp.int32, (1, P)), one(jnp.int32), *settings).compile()
+                first_token, prefix = prefill.out_info
+                insert = jax.jit(_insert, donate_argnums=0).lower(
+                    state, prefix, first_token, one(jnp.int32), one(jnp.int32), *settings).compile()
+                self.prefill_programs[P], self.insert_programs[P] = prefill, insert
+
+    # ------------------------------------------------------------------------- requests
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request (from any thread); EngineError if it can't be taken."""
+        if not 0 < len(request.prompt) < self.context:
+            raise EngineError(f"the prompt is {len(request.prompt)} tokens; this model's context is "
+                              f"{self.context} tokens, with at least one left to generate")
+        if request.max_tokens < 1:
+            raise EngineError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        with self.wake:
+            if not self.accepting:
+                raise ShuttingDown(self.failure or "the server is shutting down")
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"{len(self.queue)} requests are waiting already (max_queue); try again later")
+            request.id, request.submitted_at = next(self.ids), time.perf_counter()
+            if request.seed is None:
+                request.seed = random.getrandbits(31)
+            self.queue.append(request)
+            self.wake.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request (its client went away): its slot is free by the next step."""
+        with self.wake:
+            request.cancelled = True
+            if request in self.queue:
+                self.queue.remove(request)
+                self._finish(request, "abort")
+            self.wake.notify()
+
+    def stop(self) -> None:
+        """Take no more requests; the loop ends the queued and running ones ('abort', with their
+        text so far) and returns. Does not wait: see shutdown()."""
+        with self.wake:
+            self.accepting, self.stopping = False, True
+            self.wake.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self.stop()
+        self.thread.join(timeout)
+
+    def stats(self) -> dict:
+        with self.wake:
+            return {"slots": self.slots, "busy": sum(r is not None for r in self.running),
+                    "queued": len(self.queue), "tokens": self.tokens_out, "steps": self.steps, "aborted": self.aborted,
+                    "compiles_while_serving": _compile_count() - self.compiles_before_serving}
+
+    # ------------------------------------------------------------------------- the loop
+
+    def _loop(self):
+        try:
+            self._serve()
+        except Exception as e:  # noqa: BLE001 - a failed device step must not leave requests waiting forever
+            self.log(f"engine: stopped by {type(e).__name__}: {e}")
+            with self.wake:
+                self.accepting, self.failure = False, f"the engine stopped ({type(e).__name__}: {e})"
+                ended, self.running = [*self.queue, *filter(None, self.running)], [None] * self.slots
+                self.queue.clear()
+            for request in ended:
+                self._finish(request, "abort")
+
+    def _serve(self):
+        while True:
+            with self.wake:
+                while not self.stopping and not self.queue and not any(self.running):
+                    self.wake.wait()
+                if self.stopping:
+                    for request in [*self.queue, *filter(None, self.running)]:
+                        self._finish(request, "abort")
+                    self.queue.clear()
+                    self.running = [None] * self.slots
+                    return
+                admitted = []
+                while self.queue and None in self.running:
+                    slot = self.running.index(None)
+                    self.running[slot] = self.queue.popleft()
+                    admitted.append(slot)
+            for slot in admitted:  # device work outside the lock: submit() never waits for it
+                self._start(slot)
+            self._step()
+
+    def _start(self, slot: int) -> None:
+        request = self.running[slot]
+        P = len(request.prompt)
+        bucket = next(b for b in self.buckets if b >= P)
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :P] = request.prompt
+        settings = (np.int32(request.seed), np.float32(request.temperature), np.int32(request.top_k),
+                    np.float32(request.top_p))
+        token, prefix = self.prefill_programs[bucket](self.params, tokens, np.int32(P), *settings)
+        self.state = self.insert_programs[bucket](self.state, prefix, token, np.int32(slot), np.int32(P), *settings)
+        self._take(slot, int(np.asarray(token)[0]))  # np: indexing a jax.Array would compile
+
+    def _step(self) -> None:
+        active = np.array([r is not None for r in self.running])
+        if not active.any():
+            return
+        self.state, tokens = self.step_program(self.params, self.state, active)
+        tokens = np.asarray(tokens)  # waits for the step: the host needs the tokens to stream them
+        self.steps += 1
+        for slot in np.flatnonzero(active):
+            self._take(int(slot), int(tokens[slot]))
+
+    def _take(self, slot: int, token: int) -> None:
+        """A slot's new token: pass it on, or end the request (a stop token, its length, a cancel)."""
+        request = self.running[slot]
+        if request.cancelled:
+            return self._free(slot, "abort")
+        if token in request.stop_ids:
+            return self._free(slot, "stop")
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        request.tokens.append(token)
+        self.tokens_out += 1
+        if request.on_token:
+            request.on_token(token)
+        if len(request.tokens) >= request.max_tokens or len(request.prompt) + len(request.tokens) >= self.context:
+            self._free(slot, "length")
+
+    def _free(self, slot: int, reason: str) -> None:
+        with self.wake:
+            request, self.running[slot] = self.running[slot], None
+        self._finish(request, reason)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason, request.finished_at = reason, time.perf_counter()
+        self.aborted += reason == "abort"
+        if request.on_finish:
+            request.on_finish(reason)
+
+
+# ----------------------------------------------------------------------------- device programs
+
+def _empty_state(config, slots: int, length: int) -> dict:
+    """The slots' cache and per-slot arrays: newest token and its position, the number of the next
+    new token (for its key), the seed and the sampling settings."""
+    zeros = lambda dtype: jnp.zeros((slots,), dtype)
+    return {"cache": model.init_cache(config, slots, length), "token": zeros(jnp.int32),
+            "position": zeros(jnp.int32), "index": zeros(jnp.int32), "seed": zeros(jnp.int32),
+            "temperature": zeros(jnp.float32), "top_k": zeros(jnp.int32), "top_p": jnp.ones((slots,))}
+
+
+def _draw(logits_BxV, seed_B, index_B, temperature_B, top_k_B, top_p_B):
+    """Each row's token number index_B[b], with generate.py's key for its row 0."""
+    keys_B = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), 0))(
+        seed_B, index_B)
+    return generate.sample_logits(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B)
+
+
+def _prefill(graphdef, params, tokens_1xP, length, seed, temperature, top_k, top_p):
+    """(first token (1,), the prompt's cache (L, 1, P, K, H)) for a prompt right-padded to P."""
+    gpt = nnx.merge(graphdef, params)
+    cache = model.init_cache(gpt.config, 1, tokens_1xP.shape[1])
+    logits_1xV, cache = gpt.decode(tokens_1xP, cache, jnp.zeros(1, jnp.int32), last_B=(length - 1)[None])
+    row = lambda x: x[None]
+    token = _draw(logits_1xV[:, :gpt.config.vocab_size], row(seed), jnp.zeros(1, jnp.int32), row(temperature),
+                  row(top_k), row(top_p))
+    return token, cache
+
+
+def _insert(state, prefix, token_1, slot, length, seed, temperature, top_k, top_p) -> dict:
+    """The slot's row of the cache starts with the prompt's; its newest token is the prefill's (at
+    position `length`), its next one is token number 1."""
+    put = lambda big, small: jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (0, slot, 0, 0, 0))
+    cache = model.KVCache(put(state["cache"].k, prefix.k), put(state["cache"].v, prefix.v))
+    return {**state, "cache": cache, "token": state["token"].at[slot].set(token_1[0]),
+            "position": state["position"].at[slot].set(length),
+            "index": state["index"].at[slot].set(1), "seed": state["seed"].at[slot].set(seed),
+            "temperature": state["temperature"].at[slot].set(temperature),
+            "top_k": state["top_k"].at[slot].set(top_k), "top_p": state["top_p"].at[slot].set(top_p)}
+
+
+def _step(graphdef, params, state, active_B):
+    """Feed each slot's newest token, sample the next; slots not in use keep their place."""
+    gpt = nnx.merge(graphdef, params)
+    logits_BxV, cache = gpt.decode(state["token"][:, None], state["cache"], state["position"])
+    token_B = _draw(logits_BxV[:, :gpt.config.vocab_size], state["seed"], state["index"], state["temperature"],
+                    state["top_k"], state["top_p"])
+    step = active_B.astype(jnp.int32)
+    return {**state, "cache": cache, "token": jnp.where(active_B, token_B, state["token"]),
+            "position": state["position"] + step, "index": state["index"] + step}, token_B
+
+
+def _compile_count() -> int:
+    return _COMPILES[0]
+
+
+_COMPILES = [0]  # XLA compilations in this process, counted through jax.monitoring
+
+
+def _count_compile(event: str, *args, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)

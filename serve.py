@@ -1,0 +1,534 @@
+"""An OpenAI-compatible HTTP server over engine.py (Starlette on uvicorn).
+
+    python serve.py --out_dir=out-shakespeare-char              # a trained checkpoint
+    python serve.py --init_from=gpt2 --slots=16 --port=8000     # a Hugging Face model
+    curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "ROMEO:", "max_tokens": 40, "temperature": 0}'
+
+Routes: POST /v1/completions and POST /v1/chat/completions (with "stream": true, Server-Sent
+Events ending in `data: [DONE]`), GET /v1/models, GET /health (503 until the engine's programs are
+compiled, then 200 with the engine's numbers). Errors have OpenAI's shape, {"error": {"message",
+"type", "param", "code"}}: 400 for a bad request, 404 for another model's name, 429 when the queue
+is full, 503 while starting or stopping. The model loads before the server listens (a bad
+out_dir is one line, no server); the programs compile in a thread while /health already answers;
+device work runs in the engine's thread, never on the event loop. SIGTERM (or Ctrl-C) stops
+taking requests, ends those in flight with their text so far (finish_reason "abort"), and exits 0.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+import chat
+import configurator
+import engine
+import generate
+import inference
+from quantization import MODES as QUANTIZATION_MODES
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    init_from: str = "resume"  # 'resume' (the newest intact checkpoint in out_dir), or a Hugging Face
+    #                            model: a directory or a hub name ('gpt2', 'HuggingFaceTB/SmolLM2-135M')
+    out_dir: str = "out"
+    host: str = "127.0.0.1"  # '0.0.0.0' serves other machines too
+    port: int = 8000
+    slots: int = 8  # requests decoding at once: rows of one KV cache
+    max_queue: int = 64  # requests waiting for a slot; past that, 429
+    model_name: str = ""  # the id clients send as "model"; '' = out_dir's or init_from's last part
+    dtype: str = "auto"  # a Hugging Face model's compute dtype: 'auto' = bfloat16 on GPUs and TPUs,
+    #                      float32 on CPUs; a checkpoint keeps the one it trained in
+    quantization: str = "none"  # the blocks' matmuls: 'none' | 'int8' | 'fp8'
+    log_interval: float = 10.0  # seconds between summary lines while busy (0 = none)
+
+    def __post_init__(self):
+        for key in ("slots", "max_queue"):
+            if getattr(self, key) < 1:
+                raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 < self.port < 65536:
+            raise configurator.ConfigError(f"port must be in 1..65535, got {self.port}")
+        configurator.check_choice("quantization", self.quantization, QUANTIZATION_MODES)
+        configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
+
+
+class APIError(Exception):
+    """An error for the client, in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def kind(self) -> str:
+        return {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable"}.get(self.status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+@dataclasses.dataclass
+class Sampling:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    n: int
+    seed: int | None
+    stop: list
+    stream: bool
+    include_usage: bool
+
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
+          "stream_options", "user"}
+# Accepted at their neutral value only: a request that asks for more gets a 400 naming the key.
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "best_of": 1, "suffix": None,
+           "logprobs": None, "top_logprobs": None, "tools": None, "tool_choice": None, "response_format": None}
+
+
+def _get(body: dict, key: str, kinds, default, check=None, hint: str = ""):
+    value = body.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise APIError(400, f"'{key}' must be {hint or ' or '.join(k.__name__ for k in kinds)}, got {value!r}", key)
+    if check is not None and not check(value):
+        raise APIError(400, f"'{key}' must be {hint}, got {value!r}", key)
+    return value
+
+
+def parse_sampling(body: dict, known: set, default_max_tokens: int) -> Sampling:
+    for key in body:
+        if key not in known | COMMON | NEUTRAL.keys():
+            raise APIError(400, f"unknown parameter '{key}'", key)
+        if key in NEUTRAL and body[key] not in (NEUTRAL[key], None, [], {}):
+            raise APIError(400, f"'{key}' is not supported by this server (only its default)", key)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+    options = _get(body, "stream_options", (dict,), {})
+    return Sampling(
+        max_tokens=_get(body, "max_tokens", (int,), default_max_tokens, lambda v: v >= 1, "an integer >= 1"),
+        temperature=float(_get(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")),
+        top_p=float(_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
+        top_k=_get(body, "top_k", (int,), 0, lambda v: v >= 0, "an integer >= 0 (0: no top-k)"),
+        n=_get(body, "n", (int,), 1, lambda v: 1 <= v <= 16, "an integer in [1, 16]"),
+        seed=_get(body, "seed", (int,), None) if body.get("seed") is not None else None,
+        stop=stop, stream=_get(body, "stream", (bool,), False),
+        include_usage=bool(options.get("include_usage", False)))
+
+
+# ----------------------------------------------------------------------------- text from tokens
+
+class TextStream:
+    """A request's new tokens as text: holds back an unfinished UTF-8 character and any tail that
+    could be the start of a stop string; the text ends before the first stop string."""
+
+    def __init__(self, tok, stop: list):
+        self.tok, self.stop, self.ids, self.sent, self.stopped = tok, stop, [], 0, False
+        self.text = ""
+
+    def add(self, token: int) -> str:
+        """The text that can be passed on now."""
+        self.ids.append(token)
+        self.text = self.tok.decode(self.ids)
+        found = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.text, self.stopped = self.text[:min(found)], True
+            return self._release(len(self.text))
+        safe = len(self.text.rstrip("\ufffd"))  # a character whose bytes are not all there yet
+        for s in self.stop:
+            for k in range(min(len(s) - 1, safe), 0, -1):
+                if self.text[:safe].endswith(s[:k]):
+                    safe -= k
+                    break
+        return self._release(safe)
+
+    def finish(self) -> str:
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        piece = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return piece
+
+
+class Generation:
+    """One engine request seen from the event loop: its tokens arrive on an asyncio queue."""
+
+    def __init__(self, server: "Server", prompt: list, sampling: Sampling, index: int):
+        loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
+        put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        seed = None if sampling.seed is None else sampling.seed + index  # n > 1: each its own
+        self.server, self.text = server, TextStream(server.tok, sampling.stop)
+        self.request = engine.Request(prompt, min(sampling.max_tokens, server.context - len(prompt)),
+                                      sampling.temperature, sampling.top_k, sampling.top_p, seed,
+                                      tuple(server.tok.stop_tokens), on_token=put,
+                                      on_finish=lambda reason: put(("finish", reason)))
+        self.finish_reason = None
+        try:
+            server.engine.submit(self.request)
+        except engine.QueueFull as e:
+            raise APIError(429, str(e), code="queue_full") from None
+        except engine.ShuttingDown as e:
+            raise APIError(503, str(e)) from None
+        except engine.EngineError as e:
+            raise APIError(400, str(e), "prompt") from None
+
+    async def pieces(self):
+        """The new text, piece by piece, until the request ends (finish_reason is then set)."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, tuple):
+                self.finish_reason = "stop" if self.text.stopped else item[1]
+                rest = self.text.finish()
+                if rest:
+                    yield rest
+                return
+            if self.text.stopped:
+                continue  # past a stop string: the engine is being told to stop
+            piece = self.text.add(item)
+            if self.text.stopped:
+                self.server.engine.cancel(self.request)
+            if piece:
+                yield piece
+
+    def cancel(self):
+        if self.finish_reason is None:
+            self.server.engine.cancel(self.request)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.request.tokens)
+
+
+# ----------------------------------------------------------------------------- the server
+
+class Server:
+    """The model, its tokenizer and the engine (None until compiled), and the request log."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        if cfg.init_from == "resume":
+            setup, params, step, self.tok = inference.load_checkpoint(cfg.out_dir, quantization=cfg.quantization)
+            source = f"step {step} of {cfg.out_dir}"
+        else:
+            setup, params, self.tok = inference.load_hf(cfg.init_from, quantization=cfg.quantization,
+                                                        dtype=inference.default_dtype(cfg.dtype))
+            source = cfg.init_from
+        self.setup, self.params = setup, params
+        self.context = setup.model_config.block_size
+        self.name = cfg.model_name or os.path.basename(os.path.normpath(
+            cfg.out_dir if cfg.init_from == "resume" else cfg.init_from))
+        self.created = int(time.time())
+        self.engine: engine.Engine | None = None
+        self.stopping = False
+        print(f"loaded {source} as '{self.name}' ({self.tok.summary()}, {setup.model_config.dtype}, "
+              f"context {self.context})", flush=True)
+
+    def start_engine(self) -> None:
+        """Compile the engine's programs (in a thread: /health answers 503 meanwhile)."""
+        self.engine = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue)
+        e = self.engine
+        print(f"ready: {e.slots} slots x {self.context} tokens, KV cache {e.kv_bytes / 2**20:,.1f} MiB "
+              f"({e.kv_bytes_per_token:,} bytes per token), weights {e.weight_bytes / 2**20:,.1f} MiB; "
+              f"{len(e.buckets)} prompt buckets ({', '.join(map(str, e.buckets))}) compiled in {e.compile_s:.1f} s",
+              flush=True)
+
+    def ready(self) -> engine.Engine:
+        if self.stopping:
+            raise APIError(503, "the server is shutting down")
+        if self.engine is None:
+            raise APIError(503, "the model is still compiling: try again in a moment (GET /health says when)")
+        return self.engine
+
+    def check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.name:
+            raise APIError(404, f"the model '{model}' does not exist; this server has '{self.name}'", "model",
+                           "model_not_found")
+
+    def log_request(self, generations: list) -> None:
+        for g in generations:
+            r = g.request
+            ttft = (r.first_token_at - r.submitted_at) * 1e3 if r.first_token_at else float("nan")
+            decode_s = (r.finished_at or time.perf_counter()) - (r.first_token_at or r.submitted_at)
+            rate = (len(r.tokens) - 1) / decode_s if len(r.tokens) > 1 and decode_s > 0 else float("nan")
+            print(f"request {r.id}: {len(r.prompt)} prompt + {len(r.tokens)} completion tokens, "
+                  f"ttft {ttft:.0f} ms, {rate:,.1f} tok/s, {g.finish_reason}", flush=True)
+
+
+def make_app(server: Server) -> Starlette:
+
+    async def health(request: HTTPRequest):
+        if server.engine is None or server.stopping:
+            return JSONResponse({"status": "stopping" if server.stopping else "loading"}, status_code=503)
+        e = server.engine
+        return JSONResponse({"status": "ok", "model": server.name, "context": server.context,
+                             "weight_bytes": e.weight_bytes, "kv_bytes_per_token": e.kv_bytes_per_token,
+                             "memory_bandwidth": e.memory_bandwidth, **e.stats()})
+
+    async def models(request: HTTPRequest):
+        return JSONResponse({"object": "list", "data": [
+            {"id": server.name, "object": "model", "created": server.created, "owned_by": "nanomax",
+             "max_model_len": server.context}]})
+
+    async def completions(request: HTTPRequest):
+        return await handle(request, chat_mode=False)
+
+    async def chat_completions(request: HTTPRequest):
+        return await handle(request, chat_mode=True)
+
+    async def handle(request: HTTPRequest, chat_mode: bool):
+        generations = []
+        try:
+            server.ready()
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise APIError(400, "the body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise APIError(400, "the body must be a JSON object")
+            server.check_model(body)
+            if chat_mode:
+                sampling = parse_sampling(body, {"messages"}, default_max_tokens=server.context)
+                prompts = [chat_prompt(body)]
+            else:
+                sampling = parse_sampling(body, {"prompt", "echo"}, default_max_tokens=16)
+                prompts = completion_prompts(body)
+            echo = _get(body, "echo", (bool,), False)
+            for i, ids in enumerate(prompts):
+                if not 0 < len(ids) < server.context:
+                    raise APIError(400, f"prompt {i} is {len(ids)} tokens; this model's context is "
+                                        f"{server.context} tokens, with at least one left to generate", "prompt",
+                                   "context_length_exceeded" if ids else None)
+            for ids in prompts:
+                for k in range(sampling.n):
+                    generations.append(Generation(server, ids, sampling, k))
+        except APIError as e:
+            for g in generations:  # a full queue part of the way: none of them runs
+                g.cancel()
+            return error_response(e)
+        reply = Reply(server, chat_mode, generations, prompts, sampling, echo)
+        if sampling.stream:
+            return StreamingResponse(reply.events(), media_type="text/event-stream")
+        return await reply.whole()
+
+    def completion_prompts(body: dict) -> list:
+        prompt = body.get("prompt")
+        is_ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in p)
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif is_ids(prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+            prompts = prompt
+        else:
+            raise APIError(400, "'prompt' must be a string, a list of strings, or token ids", "prompt")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError(400, "the prompt is empty", "prompt")
+                out.append(encode(p, with_bos=True))
+            else:
+                if not all(0 <= t < server.tok.vocab_size for t in p):
+                    raise APIError(400, f"token ids must be in [0, {server.tok.vocab_size})", "prompt")
+                out.append(list(p))
+        return out
+
+    def chat_prompt(body: dict) -> list:
+        try:
+            text = chat.render(server.tok, body.get("messages"))
+        except chat.ChatError as e:
+            raise APIError(400, str(e), "messages") from None
+        return encode(text, with_bos=False)  # a template that wants BOS writes it itself
+
+    def encode(text: str, with_bos: bool) -> list:
+        try:
+            return generate.encode_prompt(server.tok, text) if with_bos else server.tok.encode(text)
+        except (ValueError, KeyError) as e:
+            raise APIError(400, f"the prompt can't be encoded with this model's vocabulary ({e})", "prompt") from None
+
+    return Starlette(routes=[
+        Route("/health", health), Route("/v1/models", models),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"])])
+
+
+class Reply:
+    """A completion's answer, whole or as Server-Sent Events, in OpenAI's shapes."""
+
+    def __init__(self, server, chat_mode, generations, prompts, sampling, echo):
+        self.server, self.chat, self.generations, self.prompts = server, chat_mode, generations, prompts
+        self.sampling, self.echo = sampling, echo and not chat_mode
+        self.id = ("chatcmpl-" if chat_mode else "cmpl-") + uuid.uuid4().hex[:24]
+        self.object = "chat.completion" if chat_mode else "text_completion"
+        self.created = int(time.time())
+
+    def usage(self) -> dict:
+        prompt = sum(len(self.prompts[i // self.sampling.n]) for i in range(len(self.generations)))
+        completion = sum(g.completion_tokens for g in self.generations)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def prefix(self, i: int) -> str:
+        return self.server.tok.decode(self.prompts[i // self.sampling.n]) if self.echo else ""
+
+    def choice(self, i: int, text: str, finish_reason, first: bool = False, streaming: bool = False) -> dict:
+        if not self.chat:
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if not streaming:
+            return {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    async def whole(self):
+        texts = [""] * len(self.generations)
+
+        async def collect(i, g):
+            async for piece in g.pieces():
+                texts[i] += piece
+
+        try:
+            await asyncio.gather(*(collect(i, g) for i, g in enumerate(self.generations)))
+        finally:
+            for g in self.generations:
+                g.cancel()
+        self.server.log_request(self.generations)
+        choices = [self.choice(i, self.prefix(i) + t, g.finish_reason) for i, (g, t) in
+                   enumerate(zip(self.generations, texts))]
+        return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
+                             "model": self.server.name, "choices": choices, "usage": self.usage()})
+
+    async def events(self):
+        """SSE: a chunk per piece of text of any choice, a last chunk per choice with its
+        finish_reason, usage if asked, then [DONE]. An error after the start is a data event."""
+        chunk = lambda **fields: "data: " + json.dumps({
+            "id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created, "model": self.server.name, **fields}) + "\n\n"
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, g):
+            try:
+                first = True
+                if self.echo:
+                    await queue.put((i, self.prefix(i), None, False))
+                async for piece in g.pieces():
+                    await queue.put((i, piece, None, first))
+                    first = False
+                await queue.put((i, "", g.finish_reason, first))
+            except Exception as e:  # noqa: BLE001 - reaches the client as an error event
+                await queue.put((i, None, str(e), False))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self.generations)]
+        try:
+            open_choices = len(self.generations)
+            while open_choices:
+                i, text, finish, first = await queue.get()
+                if text is None:
+                    yield "data: " + json.dumps(APIError(500, f"generation failed: {finish}").body()) + "\n\n"
+                    open_choices -= 1
+                    continue
+                yield chunk(choices=[self.choice(i, text, finish, first, streaming=True)])
+                open_choices -= finish is not None
+            if self.sampling.include_usage:
+                yield chunk(choices=[], usage=self.usage())
+            yield "data: [DONE]\n\n"
+            self.server.log_request(self.generations)
+        finally:  # also when the client went away: the engine frees the slots at its next step
+            for g in self.generations:
+                g.cancel()
+            for t in tasks:
+                t.cancel()
+
+
+# ----------------------------------------------------------------------------- running it
+
+class UvicornServer(uvicorn.Server):
+    """uvicorn, but SIGTERM / Ctrl-C first tells the engine to end its requests, so that open
+    streams finish (with their text so far) and uvicorn's graceful shutdown can complete."""
+
+    def __init__(self, config, server: Server):
+        super().__init__(config)
+        self.nanomax = server
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGTERM and Ctrl-C stop the server, which then exits 0 (uvicorn's own would raise the
+        signal again once stopped, so that the process ends killed by it)."""
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def handle_exit(self, sig, frame):
+        self.nanomax.stopping = True
+        if self.nanomax.engine is not None:
+            self.nanomax.engine.stop()
+        super().handle_exit(sig, frame)
+
+
+def summaries(server: Server, stop: threading.Event) -> None:
+    """A line every log_interval seconds while requests come: slots busy, queue, tokens/s."""
+    last_tokens, last_time = 0, time.perf_counter()
+    while not stop.wait(server.cfg.log_interval):
+        if server.engine is None:
+            continue
+        s, now = server.engine.stats(), time.perf_counter()
+        if s["tokens"] != last_tokens or s["busy"] or s["queued"]:
+            print(f"engine: {s['busy']}/{s['slots']} slots busy, {s['queued']} queued, "
+                  f"{(s['tokens'] - last_tokens) / (now - last_time):,.1f} tok/s", flush=True)
+        last_tokens, last_time = s["tokens"], now
+
+
+def main(argv) -> None:
+    cfg = configurator.load_config_or_exit(argv, ServeConfig)
+    try:
+        server = Server(cfg)
+    except (OSError, ValueError) as e:  # CheckpointError, HFError, MeshError, ConfigError
+        sys.exit(f"error: {e}")
+    app = make_app(server)
+    uv = UvicornServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                      timeout_graceful_shutdown=30), server)
+    threading.Thread(target=server.start_engine, name="compile", daemon=True).start()
+    stop_summaries = threading.Event()
+    if cfg.log_interval > 0:
+        threading.Thread(target=summaries, args=(server, stop_summaries), daemon=True).start()
+    print(f"serving on http://{cfg.host}:{cfg.port}/v1 (GET /health is 200 once compiled)", flush=True)
+    try:
+        uv.run()
+    finally:
+        stop_summaries.set()
+        if server.engine is not None:
+            server.engine.shutdown()
+    if not uv.started:
+        sys.exit(f"error: could not listen on {cfg.host}:{cfg.port} (in use, or not an address here)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,228 @@
+"""serve.py over engine.py: the real server (uvicorn on 127.0.0.1, a free port) on a tiny model
+trained here, talked to with the openai client and with raw HTTP."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import numpy as np
+import openai
+import pytest
+
+import chat
+import generate
+import inference
+import train
+from test_train import small_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:!?., \n"  # the default chat template's too
+CHARS = LETTERS + "".join(chr(0x100 + i) for i in range(65 - len(LETTERS)))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 2-layer model trained a few steps on text over a 65-character vocabulary with letters."""
+    root = tmp_path_factory.mktemp("serve")
+    data = root / "data" / "toy"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    phrases = rng.integers(0, len(CHARS), size=(8, 12))
+    for split, n in (("train", 20_000), ("val", 2_000)):
+        phrases[rng.integers(0, 8, size=n // 12 + 1)].reshape(-1)[:n].astype(np.uint16).tofile(data / f"{split}.bin")
+    (data / "meta.json").write_text(json.dumps({"kind": "char", "chars": CHARS, "vocab_size": len(CHARS)}))
+    config = small_config(root, block_size=32, max_iters=30, eval_interval=30, learning_rate=1e-2)
+    train.train(config, jax.devices()[:1])
+    return config.out_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(run):
+    """The server on the trained run; the last test of this file stops it with SIGTERM."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}",
+                                f"--port={port}", "--slots=4", "--max_queue=16", "--log_interval=0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline, status = time.time() + 180, None
+    while time.time() < deadline and process.poll() is None:
+        try:
+            status = urllib.request.urlopen(url + "/health", timeout=5).status
+            break
+        except urllib.error.HTTPError as e:
+            assert e.code == 503  # warming up
+        except OSError:
+            pass
+        time.sleep(0.3)
+    assert status == 200, process.stdout.read() if process.poll() is not None else "no 200 from /health"
+    yield url, process
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def loaded(run):
+    return inference.load_checkpoint(run)
+
+
+def post(url, body, raw: bytes | None = None):
+    """(status, JSON body) of a POST, errors included."""
+    request = urllib.request.Request(url, data=raw if raw is not None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def stream_lines(url, body):
+    """The non-empty lines of a streamed completion, read as they come over raw HTTP; leaving the
+    `with` hangs up."""
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=60)
+
+
+def lines_of(response):
+    return (line for line in (raw.decode().strip() for raw in response) if line)
+
+
+def streamed_text(stream) -> tuple[str, str]:
+    text, finish = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+def test_greedy_completion_equals_generate_streamed_or_not(client, loaded):
+    setup, params, _, tok = loaded
+    ids = generate.encode_prompt(tok, "hello world")
+    expected = generate.generate(setup, params, [ids], 12, temperature=0).tokens[0]
+    whole = client.completions.create(model="out", prompt="hello world", max_tokens=12, temperature=0)
+    assert whole.choices[0].text == tok.decode(expected)
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 12)
+    stream = client.completions.create(model="out", prompt="hello world", max_tokens=12, temperature=0, stream=True)
+    assert streamed_text(stream) == (whole.choices[0].text, "length")
+    echo = client.completions.create(model="out", prompt="hello world", max_tokens=12, temperature=0, echo=True)
+    assert echo.choices[0].text == "hello world" + whole.choices[0].text
+
+
+def test_eight_concurrent_seeded_streams_each_equal_the_request_alone(client, loaded):
+    """Continuous batching on 4 slots: 8 streams at once, each with its own seed and settings, give
+    what each gives alone; and a seeded request is what generate.py draws for its first row."""
+    setup, params, _, tok = loaded
+    settings = [dict(seed=s, temperature=0.5 + s / 8, top_k=(0, 5)[s % 2], top_p=(1.0, 0.9)[s // 4])
+                for s in range(8)]
+    ask = lambda s: streamed_text(client.completions.create(  # top_k is an extension: extra_body
+        model="out", prompt="abc", max_tokens=20, stream=True, seed=s["seed"], temperature=s["temperature"],
+        top_p=s["top_p"], extra_body={"top_k": s["top_k"]}))
+    alone = [ask(s) for s in settings]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, settings))
+    assert together == alone
+    assert len({text for text, _ in alone}) > 4  # the settings matter
+    s = settings[3]
+    expected = generate.generate(setup, params, [generate.encode_prompt(tok, "abc")], 20, seed=s["seed"],
+                                 temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"]).tokens[0]
+    assert alone[3][0] == tok.decode(expected)
+
+
+def test_stop_strings_end_the_text_before_them(client):
+    full = client.completions.create(model="out", prompt="abc", max_tokens=20, temperature=0).choices[0].text
+    stop = full[5:7]
+    cut = full[:full.find(stop)]
+    for stream in (False, True):
+        reply = client.completions.create(model="out", prompt="abc", max_tokens=20, temperature=0, stop=[stop],
+                                          stream=stream)
+        assert (streamed_text(reply) if stream else (reply.choices[0].text, reply.choices[0].finish_reason)) == (
+            cut, "stop")
+
+
+def test_chat_renders_the_template_and_streams_the_role_first(client, server, loaded):
+    _, _, _, tok = loaded
+    messages = [{"role": "user", "content": "hi there"}]
+    ids = tok.encode(chat.render(tok, messages))
+    as_completion = client.completions.create(model="out", prompt=ids, max_tokens=10, temperature=0)
+    reply = client.chat.completions.create(model="out", messages=messages, max_tokens=10, temperature=0)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == as_completion.choices[0].text
+    assert reply.usage.prompt_tokens == len(ids) and reply.object == "chat.completion"
+    chunks = list(client.chat.completions.create(model="out", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    (None, 400, None, "not valid JSON"),
+    ({"prompt": "ab", "max_tokens": "x"}, 400, "max_tokens", "an integer >= 1"),
+    ({"prompt": "ab", "max_tokens": 0}, 400, "max_tokens", "an integer >= 1"),
+    ({"prompt": "ab", "temperature": -1}, 400, "temperature", "[0, 2]"),
+    ({"prompt": ""}, 400, "prompt", "empty"),
+    ({"prompt": "a" * 40}, 400, "prompt", "context is 32 tokens"),
+    ({"prompt": "ab", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+    ({"prompt": "ab", "top-k": 3}, 400, "top-k", "unknown parameter"),
+    ({"prompt": "ab", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ({"prompt": "☃"}, 400, "prompt", "can't be encoded"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, param, words):
+    got, reply = post(server[0] + "/v1/completions", body, raw=b"{not json" if body is None else None)
+    assert got == status
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert reply["error"]["param"] == param and words in reply["error"]["message"]
+
+
+def test_models_and_a_disconnect_mid_stream_frees_its_slot(server, client):
+    url = server[0]
+    assert [m.id for m in client.models.list().data] == ["out"]
+    health = lambda: json.loads(urllib.request.urlopen(url + "/health").read())
+    aborted = health()["aborted"]
+    with stream_lines(url, {"prompt": "ab", "max_tokens": 29, "n": 16}) as response:  # 4 rounds of 4 slots
+        next(lines_of(response))  # the first token arrived; now hang up
+    for _ in range(100):
+        now = health()
+        if now["busy"] == now["queued"] == 0:
+            break
+        time.sleep(0.05)
+    assert now["busy"] == now["queued"] == 0 and now["aborted"] > aborted
+    assert client.completions.create(model="out", prompt="ab", max_tokens=3).usage.completion_tokens == 3
+    assert health()["compiles_while_serving"] == 0  # every program was compiled at start-up
+
+
+def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(server):
+    """Last in this file: it stops the module's server."""
+    url, process = server
+    with stream_lines(url, {"prompt": "ab", "max_tokens": 29, "temperature": 0}) as response:
+        lines = lines_of(response)
+        first = next(lines)
+        process.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    events = [json.loads(line[6:]) for line in [first, *rest] if line != "data: [DONE]"]
+    assert rest[-1] == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] in ("abort", "length")
+    assert process.wait(timeout=60) == 0
+    assert "request" in process.stdout.read()  # the per-request log line
