@@ -62,7 +62,7 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None  # None: a random one
     stop_ids: tuple = ()  # the request ends at one of these tokens (which is not passed on)
-    on_token: Callable[[int], None] | None = None  # each new token, stop tokens excluded
+    on_token: Callable[["Token"], None] | None = None  # each new token, stop tokens excluded
     on_finish: Callable[[str], None] | None = None  # one of FINISH_REASONS, once, last
     # Kept by the engine:
     id: int = 0
@@ -72,6 +72,18 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     cancelled: bool = False  # set by cancel(): the loop frees its slot at the next step
+
+
+TOP_LOGPROBS = 5  # alternatives reported with each token (OpenAI's most)
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    """A new token and the model's log-probabilities (before temperature and filtering): its own,
+    and the TOP_LOGPROBS most likely tokens' as (id, logprob), most likely first."""
+    id: int
+    logprob: float
+    top: tuple
 
 
 def prompt_buckets(block_size: int, smallest: int = 16) -> list[int]:
@@ -125,9 +137,9 @@ class Engine:
             for P in self.buckets:
                 prefill = jax.jit(functools.partial(_prefill, graphdef)).lower(
                     params, one(jnp.int32, (1, P)), one(jnp.int32), *settings).compile()
-                first_token, prefix = prefill.out_info
+                drawn, prefix = prefill.out_info
                 insert = jax.jit(_insert, donate_argnums=0).lower(
-                    state, prefix, first_token, one(jnp.int32), one(jnp.int32), *settings).compile()
+                    state, prefix, drawn["token"], one(jnp.int32), one(jnp.int32), *settings).compile()
                 self.prefill_programs[P], self.insert_programs[P] = prefill, insert
 
     # ------------------------------------------------------------------------- requests
@@ -219,21 +231,22 @@ class Engine:
         tokens[0, :P] = request.prompt
         settings = (np.int32(request.seed), np.float32(request.temperature), np.int32(request.top_k),
                     np.float32(request.top_p))
-        token, prefix = self.prefill_programs[bucket](self.params, tokens, np.int32(P), *settings)
-        self.state = self.insert_programs[bucket](self.state, prefix, token, np.int32(slot), np.int32(P), *settings)
-        self._take(slot, int(np.asarray(token)[0]))  # np: indexing a jax.Array would compile
+        drawn, prefix = self.prefill_programs[bucket](self.params, tokens, np.int32(P), *settings)
+        self.state = self.insert_programs[bucket](self.state, prefix, drawn["token"], np.int32(slot), np.int32(P),
+                                                  *settings)
+        self._take(slot, *_on_host(drawn, 0))
 
     def _step(self) -> None:
         active = np.array([r is not None for r in self.running])
         if not active.any():
             return
-        self.state, tokens = self.step_program(self.params, self.state, active)
-        tokens = np.asarray(tokens)  # waits for the step: the host needs the tokens to stream them
+        self.state, drawn = self.step_program(self.params, self.state, active)
+        drawn = jax.tree.map(np.asarray, drawn)  # waits for the step: the host needs the tokens to stream them
         self.steps += 1
         for slot in np.flatnonzero(active):
-            self._take(int(slot), int(tokens[slot]))
+            self._take(int(slot), *_on_host(drawn, slot))
 
-    def _take(self, slot: int, token: int) -> None:
+    def _take(self, slot: int, token: int, info: Token) -> None:
         """A slot's new token: pass it on, or end the request (a stop token, its length, a cancel)."""
         request = self.running[slot]
         if request.cancelled:
@@ -245,7 +258,7 @@ class Engine:
         request.tokens.append(token)
         self.tokens_out += 1
         if request.on_token:
-            request.on_token(token)
+            request.on_token(info)
         if len(request.tokens) >= request.max_tokens or len(request.prompt) + len(request.tokens) >= self.context:
             self._free(slot, "length")
 
@@ -272,22 +285,36 @@ def _empty_state(config, slots: int, length: int) -> dict:
             "temperature": zeros(jnp.float32), "top_k": zeros(jnp.int32), "top_p": jnp.ones((slots,))}
 
 
-def _draw(logits_BxV, seed_B, index_B, temperature_B, top_k_B, top_p_B):
-    """Each row's token number index_B[b], with generate.py's key for its row 0."""
+def _draw(logits_BxV, seed_B, index_B, temperature_B, top_k_B, top_p_B) -> dict:
+    """Each row's token number index_B[b], with generate.py's key for its row 0, and log-probabilities."""
     keys_B = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), 0))(
         seed_B, index_B)
-    return generate.sample_logits(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B)
+    token_B = generate.sample_logits(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B)
+    logprobs_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+    top_logprobs_BxK, top_ids_BxK = jax.lax.top_k(logprobs_BxV, min(TOP_LOGPROBS, logits_BxV.shape[-1]))
+    return {"token": token_B, "logprob": jnp.take_along_axis(logprobs_BxV, token_B[:, None], -1)[:, 0],
+            "top_ids": top_ids_BxK, "top_logprobs": top_logprobs_BxK}
+
+
+def _on_host(drawn: dict, row: int) -> tuple:
+    """(token id, Token) of one row of _draw's arrays, fetched to the host (np.asarray first:
+    indexing a jax.Array would compile a program)."""
+    drawn = {k: np.asarray(v)[row] for k, v in drawn.items()}
+    top = tuple(zip(drawn["top_ids"].tolist(), drawn["top_logprobs"].tolist()))
+    token = int(drawn["token"])
+    return token, Token(token, float(drawn["logprob"]), top)
 
 
 def _prefill(graphdef, params, tokens_1xP, length, seed, temperature, top_k, top_p):
-    """(first token (1,), the prompt's cache (L, 1, P, K, H)) for a prompt right-padded to P."""
+    """(_draw's first token (1,) and its log-probabilities, the prompt's cache (L, 1, P, K, H)) for a
+    prompt right-padded to P."""
     gpt = nnx.merge(graphdef, params)
     cache = model.init_cache(gpt.config, 1, tokens_1xP.shape[1])
     logits_1xV, cache = gpt.decode(tokens_1xP, cache, jnp.zeros(1, jnp.int32), last_B=(length - 1)[None])
     row = lambda x: x[None]
-    token = _draw(logits_1xV[:, :gpt.config.vocab_size], row(seed), jnp.zeros(1, jnp.int32), row(temperature),
+    drawn = _draw(logits_1xV[:, :gpt.config.vocab_size], row(seed), jnp.zeros(1, jnp.int32), row(temperature),
                   row(top_k), row(top_p))
-    return token, cache
+    return drawn, cache
 
 
 def _insert(state, prefix, token_1, slot, length, seed, temperature, top_k, top_p) -> dict:
@@ -306,11 +333,11 @@ def _step(graphdef, params, state, active_B):
     """Feed each slot's newest token, sample the next; slots not in use keep their place."""
     gpt = nnx.merge(graphdef, params)
     logits_BxV, cache = gpt.decode(state["token"][:, None], state["cache"], state["position"])
-    token_B = _draw(logits_BxV[:, :gpt.config.vocab_size], state["seed"], state["index"], state["temperature"],
-                    state["top_k"], state["top_p"])
+    drawn = _draw(logits_BxV[:, :gpt.config.vocab_size], state["seed"], state["index"], state["temperature"],
+                  state["top_k"], state["top_p"])
     step = active_B.astype(jnp.int32)
-    return {**state, "cache": cache, "token": jnp.where(active_B, token_B, state["token"]),
-            "position": state["position"] + step, "index": state["index"] + step}, token_B
+    return {**state, "cache": cache, "token": jnp.where(active_B, drawn["token"], state["token"]),
+            "position": state["position"] + step, "index": state["index"] + step}, drawn
 
 
 def _compile_count() -> int:

@@ -98,13 +98,14 @@ class Sampling:
     stop: list
     stream: bool
     include_usage: bool
-
+    logprobs: int | None  # None: no log-probabilities; k: each token's, and its k most likely alternatives
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
           "stream_options", "user"}
 # Accepted at their neutral value only: a request that asks for more gets a 400 naming the key.
 NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "best_of": 1, "suffix": None,
-           "logprobs": None, "top_logprobs": None, "tools": None, "tool_choice": None, "response_format": None}
+           "tools": None, "tool_choice": None, "response_format": None}
+TOP = engine.TOP_LOGPROBS
 
 
 def _get(body: dict, key: str, kinds, default, check=None, hint: str = ""):
@@ -116,6 +117,22 @@ def _get(body: dict, key: str, kinds, default, check=None, hint: str = ""):
     if check is not None and not check(value):
         raise APIError(400, f"'{key}' must be {hint}, got {value!r}", key)
     return value
+
+
+def parse_logprobs(body: dict, chat_mode: bool) -> int | None:
+    """Completions: logprobs = k alternatives (or null); chat: logprobs = true, with top_logprobs = k."""
+    in_range = (lambda v: 0 <= v <= TOP), f"an integer in [0, {TOP}]"
+    if chat_mode:
+        if not _get(body, "logprobs", (bool,), False):
+            if body.get("top_logprobs"):
+                raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return None
+        return _get(body, "top_logprobs", (int,), 0, *in_range)
+    if body.get("logprobs") is None:
+        return None
+    if body.get("echo"):
+        raise APIError(400, "'echo' with 'logprobs' (the prompt's log-probabilities) is not supported", "echo")
+    return _get(body, "logprobs", (int,), 0, *in_range)
 
 
 def parse_sampling(body: dict, known: set, default_max_tokens: int) -> Sampling:
@@ -137,7 +154,7 @@ def parse_sampling(body: dict, known: set, default_max_tokens: int) -> Sampling:
         n=_get(body, "n", (int,), 1, lambda v: 1 <= v <= 16, "an integer in [1, 16]"),
         seed=_get(body, "seed", (int,), None) if body.get("seed") is not None else None,
         stop=stop, stream=_get(body, "stream", (bool,), False),
-        include_usage=bool(options.get("include_usage", False)))
+        include_usage=bool(options.get("include_usage", False)), logprobs=parse_logprobs(body, "messages" in known))
 
 
 # ----------------------------------------------------------------------------- text from tokens
@@ -198,22 +215,26 @@ class Generation:
             raise APIError(400, str(e), "prompt") from None
 
     async def pieces(self):
-        """The new text, piece by piece, until the request ends (finish_reason is then set)."""
+        """(new text, the engine.Tokens it came from), piece by piece, until the request ends
+        (finish_reason is then set)."""
+        tokens = []
         while True:
             item = await self.queue.get()
             if isinstance(item, tuple):
                 self.finish_reason = "stop" if self.text.stopped else item[1]
                 rest = self.text.finish()
-                if rest:
-                    yield rest
+                if rest or tokens:
+                    yield rest, tokens
                 return
             if self.text.stopped:
                 continue  # past a stop string: the engine is being told to stop
-            piece = self.text.add(item)
+            tokens.append(item)
+            piece = self.text.add(item.id)
             if self.text.stopped:
                 self.server.engine.cancel(self.request)
             if piece:
-                yield piece
+                yield piece, tokens
+                tokens = []
 
     def cancel(self):
         if self.finish_reason is None:
@@ -313,10 +334,11 @@ def make_app(server: Server) -> Starlette:
                 raise APIError(400, "the body must be a JSON object")
             server.check_model(body)
             if chat_mode:
-                sampling = parse_sampling(body, {"messages"}, default_max_tokens=server.context)
+                sampling = parse_sampling(body, {"messages", "logprobs", "top_logprobs"},
+                                          default_max_tokens=server.context)
                 prompts = [chat_prompt(body)]
             else:
-                sampling = parse_sampling(body, {"prompt", "echo"}, default_max_tokens=16)
+                sampling = parse_sampling(body, {"prompt", "echo", "logprobs"}, default_max_tokens=16)
                 prompts = completion_prompts(body)
             echo = _get(body, "echo", (bool,), False)
             for i, ids in enumerate(prompts):
@@ -397,20 +419,38 @@ class Reply:
     def prefix(self, i: int) -> str:
         return self.server.tok.decode(self.prompts[i // self.sampling.n]) if self.echo else ""
 
-    def choice(self, i: int, text: str, finish_reason, first: bool = False, streaming: bool = False) -> dict:
+    def choice(self, i: int, text: str, finish_reason, tokens=(), offset=0, first=False, streaming=False) -> dict:
+        logprobs = self.logprobs(tokens, offset)
         if not self.chat:
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if not streaming:
-            return {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, tokens, offset: int) -> dict | None:
+        """OpenAI's logprobs of these tokens: chat's list of {token, logprob, bytes, top_logprobs},
+        or completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+        k = self.sampling.logprobs
+        if k is None:
+            return None
+        text = lambda i: self.server.tok.decode([i])
+        if self.chat:
+            entry = lambda i, lp: {"token": text(i), "logprob": lp, "bytes": list(text(i).encode())}
+            return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top[:k]]}
+                                for t in tokens]}
+        offsets = [offset + sum(len(text(t.id)) for t in tokens[:j]) for j in range(len(tokens))]
+        return {"tokens": [text(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{text(i): lp for i, lp in t.top[:k]} for t in tokens], "text_offset": offsets}
 
     async def whole(self):
-        texts = [""] * len(self.generations)
+        texts, tokens = [""] * len(self.generations), [[] for _ in self.generations]
 
         async def collect(i, g):
-            async for piece in g.pieces():
+            async for piece, piece_tokens in g.pieces():
                 texts[i] += piece
+                tokens[i] += piece_tokens
 
         try:
             await asyncio.gather(*(collect(i, g) for i, g in enumerate(self.generations)))
@@ -418,8 +458,8 @@ class Reply:
             for g in self.generations:
                 g.cancel()
         self.server.log_request(self.generations)
-        choices = [self.choice(i, self.prefix(i) + t, g.finish_reason) for i, (g, t) in
-                   enumerate(zip(self.generations, texts))]
+        choices = [self.choice(i, self.prefix(i) + t, g.finish_reason, tokens[i], len(self.prefix(i)))
+                   for i, (g, t) in enumerate(zip(self.generations, texts))]
         return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
                              "model": self.server.name, "choices": choices, "usage": self.usage()})
 
@@ -433,26 +473,26 @@ class Reply:
 
         async def pump(i, g):
             try:
-                first = True
+                first, offset = True, len(self.prefix(i))
                 if self.echo:
-                    await queue.put((i, self.prefix(i), None, False))
-                async for piece in g.pieces():
-                    await queue.put((i, piece, None, first))
-                    first = False
-                await queue.put((i, "", g.finish_reason, first))
+                    await queue.put((i, self.prefix(i), None, [], 0, False))
+                async for piece, tokens in g.pieces():
+                    await queue.put((i, piece, None, tokens, offset, first))
+                    first, offset = False, offset + len(piece)
+                await queue.put((i, "", g.finish_reason, [], offset, first))
             except Exception as e:  # noqa: BLE001 - reaches the client as an error event
-                await queue.put((i, None, str(e), False))
+                await queue.put((i, None, str(e), [], 0, False))
 
         tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self.generations)]
         try:
             open_choices = len(self.generations)
             while open_choices:
-                i, text, finish, first = await queue.get()
+                i, text, finish, tokens, offset, first = await queue.get()
                 if text is None:
                     yield "data: " + json.dumps(APIError(500, f"generation failed: {finish}").body()) + "\n\n"
                     open_choices -= 1
                     continue
-                yield chunk(choices=[self.choice(i, text, finish, first, streaming=True)])
+                yield chunk(choices=[self.choice(i, text, finish, tokens, offset, first, streaming=True)])
                 open_choices -= finish is not None
             if self.sampling.include_usage:
                 yield chunk(choices=[], usage=self.usage())

@@ -13,9 +13,11 @@ import urllib.error
 import urllib.request
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+from flax import nnx
 
 import chat
 import generate
@@ -178,6 +180,28 @@ def test_chat_renders_the_template_and_streams_the_role_first(client, server, lo
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_logprobs_are_the_models_own(client, loaded):
+    """Completions' logprobs=k and chat's logprobs + top_logprobs=k: the model's log-softmax at
+    each step (before temperature), the chosen token's and the k most likely."""
+    setup, params, _, tok = loaded
+    ids = generate.encode_prompt(tok, "hello")
+    logits = nnx.merge(setup.graphdef, params)(jnp.asarray([ids]))[0, -1, :tok.vocab_size]
+    expected = np.asarray(jax.nn.log_softmax(logits))
+    best = np.argsort(-expected)[:3]
+    reply = client.completions.create(model="out", prompt="hello", max_tokens=4, temperature=0, logprobs=3)
+    lp = reply.choices[0].logprobs
+    assert lp.tokens[0] == tok.decode([best[0]]) and len(lp.token_logprobs) == 4
+    np.testing.assert_allclose(lp.token_logprobs[0], expected[best[0]], atol=1e-4)
+    assert list(lp.top_logprobs[0]) == [tok.decode([i]) for i in best]
+    np.testing.assert_allclose(list(lp.top_logprobs[0].values()), expected[best], atol=1e-4)
+    assert "".join(lp.tokens) == reply.choices[0].text and lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    messages = [{"role": "user", "content": "hi"}]
+    content = client.chat.completions.create(model="out", messages=messages, max_tokens=4, temperature=0,
+                                             logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token
+                                     for c in content)  # greedy: the chosen token is the most likely
+
+
 @pytest.mark.parametrize("body, status, param, words", [
     (None, 400, None, "not valid JSON"),
     ({"prompt": "ab", "max_tokens": "x"}, 400, "max_tokens", "an integer >= 1"),
@@ -186,6 +210,7 @@ def test_chat_renders_the_template_and_streams_the_role_first(client, server, lo
     ({"prompt": ""}, 400, "prompt", "empty"),
     ({"prompt": "a" * 40}, 400, "prompt", "context is 32 tokens"),
     ({"prompt": "ab", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+    ({"prompt": "ab", "logprobs": 6}, 400, "logprobs", "[0, 5]"),
     ({"prompt": "ab", "top-k": 3}, 400, "top-k", "unknown parameter"),
     ({"prompt": "ab", "model": "gpt-4"}, 404, "model", "does not exist"),
     ({"prompt": "☃"}, 400, "prompt", "can't be encoded"),
