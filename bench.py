@@ -289,6 +289,8 @@ def git_revision() -> str:
 def run(argv: list[str]) -> dict:
     """Parse flags, benchmark, print the table, append the JSON record."""
     options, config = configurator.load_with_options_or_exit(argv, Options, complete=hf.with_model_keys)
+    if options.json:
+        configurator.check_writable(options.json, "json")
     devices = jax.devices()[:options.devices or None]
     if options.mode == "train":
         result = bench_train(config, options, devices)
@@ -320,8 +322,11 @@ def run(argv: list[str]) -> dict:
            f"{options.new_tokens} new tokens per row, greedy"))
     print(format_train(result) if options.mode == "train" else format_decode(result))
     if options.json:
-        with open(options.json, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(options.json, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            raise configurator.ConfigError(f"--json={options.json}: could not append the record ({e.strerror})")
         print(f"  appended to {options.json}")
     return record
 

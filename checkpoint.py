@@ -190,16 +190,58 @@ def checkpoint_manager(config: Config, read_only=False) -> ocp.CheckpointManager
 
 
 def save(manager, state: dict, meta: dict, val_loss: float | None) -> None:
-    """Starts an asynchronous, atomic save of state at its step; an error if Orbax declines."""
+    """Starts an asynchronous, atomic save of state at its step, with the checksums of what it
+    writes in its meta; an error if Orbax declines."""
     step = int(state["step"])
+    checksums = {name: checksums_of(state[name]) for name in ("params", "opt_state")}
     with write_errors(manager):  # also reports a failure of the previous async save
         saved = manager.save(step, metrics=None if val_loss is None else {"val_loss": val_loss},
                              args=ocp.args.Composite(params=ocp.args.StandardSave(state["params"]),
                                                      opt_state=ocp.args.StandardSave(state["opt_state"]),
-                                                     meta=ocp.args.JsonSave({**meta, "step": step})))
+                                                     meta=ocp.args.JsonSave({**meta, "step": step,
+                                                                             "checksums": checksums})))
     if not saved:  # Orbax skips a step that is not past the latest one in the directory
         raise CheckpointError(f"the checkpoint of step {step} was not saved: {manager.directory} "
                               f"already holds step {manager.latest_step()}")
+
+
+def checksums_of(tree) -> dict:
+    """{path: [sum, position-weighted sum]} of every array's bits as unsigned words, modulo 2^32:
+    exact integer sums, so any sharding of the array gives the same numbers, and a flipped bit or
+    a moved block of bytes changes them."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    sums = _bit_sums([leaf for _, leaf in leaves])
+    return {jax.tree_util.keystr(path): [int(a), int(b)] for (path, _), (a, b) in zip(leaves, sums)}
+
+
+@jax.jit
+def _bit_sums(arrays):
+    def sums(x):
+        words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+        position = jnp.arange(1, x.size + 1, dtype=jnp.uint32).reshape(x.shape)
+        return jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * position, dtype=jnp.uint32)
+    return [sums(x) for x in arrays]
+
+
+def verify(name: str, tree, meta: dict) -> str | None:
+    """What is wrong with a restored item, or None: its checksums against the meta's (checkpoints
+    from before them: not checked), and for the parameters, values that are not finite."""
+    expected = meta.get("checksums", {}).get(name)
+    if expected is not None:
+        for path, sums in checksums_of(tree).items():
+            if expected.get(path) != sums:
+                return f"{name}{path} does not match the checksum written with it"
+    if name == "params":
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        for (path, _), finite in zip(leaves, _all_finite([leaf for _, leaf in leaves])):
+            if not finite:
+                return f"params{jax.tree_util.keystr(path)} holds values that are not finite (NaN or inf)"
+    return None
+
+
+@jax.jit
+def _all_finite(arrays):
+    return [jnp.isfinite(x).all() for x in arrays]
 
 
 def wait(manager) -> None:
@@ -259,7 +301,8 @@ def restore_latest(manager, out_dir: str, abstract_for, log=print, move_damaged=
             items = manager.restore(step, args=ocp.args.Composite(
                 **{name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}))
             items = {name: items[name] for name in abstract}
-            readable = True
+            problems = list(filter(None, (verify(name, tree, meta) for name, tree in items.items())))
+            readable, reason = not problems, (problems or [reason])[0]
         except Exception as e:
             if "is not compatible with the stored shape" in str(e):  # not damage: another model
                 raise CheckpointError(f"step {step} in {manager.directory} holds arrays of other "

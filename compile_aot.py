@@ -497,6 +497,8 @@ def main(argv: list[str]) -> None:
     if not options.topology:
         sys.exit("error: --topology is required: cpu:8, gpu, gpu:2, v5e-256, v5e:16x16, v4-8, ...")
     try:
+        if options.save:
+            configurator.check_writable(options.save, "save")
         configure_jax(options.topology)
         target = make_target(options.topology, options.topology_num_slices, options.hbm_gib)
         vocab_size = aot_vocab_size(config)
@@ -505,7 +507,10 @@ def main(argv: list[str]) -> None:
         sys.exit(f"error: {e}")
     print(report(result))
     if options.save and result.compiled is not None:
-        compiled_step.save(result.compiled, result.lowered, result.setup, options.save)
+        try:
+            compiled_step.save(result.compiled, result.lowered, result.setup, options.save)
+        except AotError as e:
+            sys.exit(f"error: {e}")
         print(f"\nsaved {options.save} ({size(os.path.getsize(options.save))}); train with it: "
               f"python train.py <same config and flags> --compiled_train_step={options.save}")
     elif options.save:

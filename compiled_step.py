@@ -67,9 +67,14 @@ def save(compiled, lowered, setup, path: str) -> None:
     payload, _, _ = serialize_executable.serialize(compiled)
     header = fingerprint(setup) | program_fingerprint(lowered)
     header["payload_sha256"] = hashlib.sha256(payload).hexdigest()  # damage is caught before loading
-    with open(path + ".tmp", "wb") as f:
-        f.write(MAGIC + json.dumps(header).encode() + b"\n" + payload)
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            f.write(MAGIC + json.dumps(header).encode() + b"\n" + payload)
+        os.replace(path + ".tmp", path)
+    except OSError as e:  # a full disk, a read-only folder: no half-written file is left behind
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        raise AotError(f"could not write {path} ({e.strerror}); nothing was saved") from None
 
 
 def check(path: str, compiled_for: dict, given: dict) -> None:

@@ -343,6 +343,18 @@ def check_init_from(value: str) -> None:
                           f"directory nor a hub name")
 
 
+def check_writable(path: str, key: str) -> None:
+    """An output file (--key=path) that can be created or replaced: its folder exists and takes new
+    files. Commands check it before their long work, so a typo can't cost the work."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"--{key}={path} is a directory: give a file name")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--{key}={path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"--{key}={path}: this user can't write in {folder}")
+
+
 def check_choice(key: str, value, choices) -> None:
     if value not in choices:
         raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, choices))}; got {value!r}")

@@ -95,8 +95,10 @@ def prompt_buckets(block_size: int, smallest: int = 16) -> list[int]:
 class Engine:
     """`slots` requests decode at once; more wait in a queue of at most max_queue."""
 
-    def __init__(self, setup, params, slots: int = 8, max_queue: int = 64, log=print):
+    def __init__(self, setup, params, slots: int = 8, max_queue: int = 64, log=print, vocab: int | None = None):
+        """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary)."""
         self.config, self.mesh, self.graphdef = setup.model_config, setup.mesh, setup.graphdef
+        self.vocab = min(vocab or self.config.vocab_size, self.config.vocab_size)
         self.slots, self.max_queue, self.log = slots, max_queue, log
         self.context = self.config.block_size
         self.buckets = prompt_buckets(self.context)
@@ -131,11 +133,11 @@ class Engine:
             self.state = jax.jit(functools.partial(_empty_state, cfg, self.slots, S))()
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
             active = one(jnp.bool_, (self.slots,))
-            self.step_program = jax.jit(functools.partial(_step, graphdef), donate_argnums=1).lower(
+            self.step_program = jax.jit(functools.partial(_step, graphdef, self.vocab), donate_argnums=1).lower(
                 params, state, active).compile()
             self.prefill_programs, self.insert_programs = {}, {}
             for P in self.buckets:
-                prefill = jax.jit(functools.partial(_prefill, graphdef)).lower(
+                prefill = jax.jit(functools.partial(_prefill, graphdef, self.vocab)).lower(
                     params, one(jnp.int32, (1, P)), one(jnp.int32), *settings).compile()
                 drawn, prefix = prefill.out_info
                 insert = jax.jit(_insert, donate_argnums=0).lower(
@@ -305,14 +307,14 @@ def _on_host(drawn: dict, row: int) -> tuple:
     return token, Token(token, float(drawn["logprob"]), top)
 
 
-def _prefill(graphdef, params, tokens_1xP, length, seed, temperature, top_k, top_p):
+def _prefill(graphdef, vocab: int, params, tokens_1xP, length, seed, temperature, top_k, top_p):
     """(_draw's first token (1,) and its log-probabilities, the prompt's cache (L, 1, P, K, H)) for a
     prompt right-padded to P."""
     gpt = nnx.merge(graphdef, params)
     cache = model.init_cache(gpt.config, 1, tokens_1xP.shape[1])
     logits_1xV, cache = gpt.decode(tokens_1xP, cache, jnp.zeros(1, jnp.int32), last_B=(length - 1)[None])
     row = lambda x: x[None]
-    drawn = _draw(logits_1xV[:, :gpt.config.vocab_size], row(seed), jnp.zeros(1, jnp.int32), row(temperature),
+    drawn = _draw(logits_1xV[:, :vocab], row(seed), jnp.zeros(1, jnp.int32), row(temperature),
                   row(top_k), row(top_p))
     return drawn, cache
 
@@ -329,11 +331,11 @@ def _insert(state, prefix, token_1, slot, length, seed, temperature, top_k, top_
             "top_k": state["top_k"].at[slot].set(top_k), "top_p": state["top_p"].at[slot].set(top_p)}
 
 
-def _step(graphdef, params, state, active_B):
+def _step(graphdef, vocab: int, params, state, active_B):
     """Feed each slot's newest token, sample the next; slots not in use keep their place."""
     gpt = nnx.merge(graphdef, params)
     logits_BxV, cache = gpt.decode(state["token"][:, None], state["cache"], state["position"])
-    drawn = _draw(logits_BxV[:, :gpt.config.vocab_size], state["seed"], state["index"], state["temperature"],
+    drawn = _draw(logits_BxV[:, :vocab], state["seed"], state["index"], state["temperature"],
                   state["top_k"], state["top_p"])
     step = active_B.astype(jnp.int32)
     return {**state, "cache": cache, "token": jnp.where(active_B, drawn["token"], state["token"]),

@@ -75,6 +75,9 @@ def read_examples(path: str, task: str, limit: int = 0) -> list:
                         and isinstance(context, str)):
                     raise EvalError(f"{where}: {fields[0]} must be a string and {fields[1]} a list of at least "
                                     f"two strings")
+                empty = [i for i, c in enumerate(choices) if not c.strip()]
+                if empty:  # no tokens to score: its log-likelihood is 0, the highest there is, so it always wins
+                    raise EvalError(f"{where}: choice {empty[0]} is empty; every choice needs text to score")
                 if isinstance(label, str) and label.isdigit():  # HellaSwag's files write "3"
                     label = int(label)
                 if not (isinstance(label, int) and 0 <= label < len(choices)):

@@ -80,7 +80,7 @@ def _add_token(state: dict, logits_BxV, sampling: tuple):
 # ----------------------------------------------------------------------------- the programs
 
 def prefill(graphdef, params, prompt_BxP, prompt_len_B, wanted_B, index_B, key, stop_ids, *, length: int,
-            sampling: tuple, kv_cache: bool) -> dict:
+            sampling: tuple, kv_cache: bool, vocab: int) -> dict:
     """Run the prompts (right-padded to P) and sample the first new token of each row that
     wants any: wanted_B[b] more tokens, the first of them its new token number index_B[b].
 
@@ -101,7 +101,7 @@ def prefill(graphdef, params, prompt_BxP, prompt_len_B, wanted_B, index_B, key, 
     state = {"tokens": tokens_BxS, "length": prompt_len_B, "done": wanted_B <= 0,
              "limit": jnp.minimum(prompt_len_B + wanted_B, length), "cache": cache,
              "key": key, "index": index_B, "stop_ids": stop_ids}
-    return _add_token(state, logits_BxV[:, :gpt.config.vocab_size], sampling)[0]
+    return _add_token(state, logits_BxV[:, :vocab], sampling)[0]
 
 
 def weights_in_compute_dtype(graphdef, params):
@@ -111,7 +111,7 @@ def weights_in_compute_dtype(graphdef, params):
     return model.cast_for_inference(params, jnp.dtype(nnx.merge(graphdef, params).config.dtype))
 
 
-def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, on_token=None) -> dict:
+def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, vocab: int, on_token=None) -> dict:
     """Generate until every row is done, in one lax.while_loop. on_token(token, added) is
     called on the host with row 0's token after every step (for streaming)."""
     gpt = nnx.merge(graphdef, weights_in_compute_dtype(graphdef, params))
@@ -125,7 +125,7 @@ def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, on
             state = {**state, "cache": cache}
         else:  # the whole (B, length) buffer again; causality hides what lies past each row
             logits_BxV = gpt(state["tokens"])[rows_B, position_B]
-        state, token_B, added_B = _add_token(state, logits_BxV[:, :gpt.config.vocab_size], sampling)
+        state, token_B, added_B = _add_token(state, logits_BxV[:, :vocab], sampling)
         if on_token is not None:
             jax.debug.callback(on_token, token_B[0], added_B[0], ordered=True)
         return state
@@ -133,24 +133,24 @@ def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, on
     return jax.lax.while_loop(lambda state: ~jnp.all(state["done"]), one_token, state)
 
 
-def compile_programs(setup, inputs: tuple, length: int, sampling: tuple, kv_cache: bool, on_token=None):
+def compile_programs(setup, inputs: tuple, length: int, sampling: tuple, kv_cache: bool, vocab: int,
+                     on_token=None):
     """The compiled prefill and decode for these input shapes and shardings (cached: another
     call with the same shapes and options compiles nothing)."""
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), inputs)
     leaves, treedef = jax.tree.flatten(abstract)
-    return _compile(setup.graphdef, setup.mesh, treedef, tuple(leaves), length, sampling, kv_cache, on_token)
+    return _compile(setup.graphdef, setup.mesh, treedef, tuple(leaves), length, sampling, kv_cache, vocab, on_token)
 
 
 @functools.lru_cache(maxsize=8)
-def _compile(graphdef, mesh, treedef, leaves, length, sampling, kv_cache, on_token):
+def _compile(graphdef, mesh, treedef, leaves, length, sampling, kv_cache, vocab, on_token):
     params, *inputs = jax.tree.unflatten(treedef, leaves)
+    options = dict(sampling=sampling, kv_cache=kv_cache, vocab=vocab)
     with sharding.activate(mesh):
-        run_prefill = jax.jit(functools.partial(
-            prefill, graphdef, length=length, sampling=sampling, kv_cache=kv_cache)
-        ).lower(params, *inputs).compile()
-        run_decode = jax.jit(functools.partial(
-            decode, graphdef, sampling=sampling, kv_cache=kv_cache, on_token=on_token),
-            donate_argnums=1).lower(params, run_prefill.out_info).compile()
+        run_prefill = jax.jit(functools.partial(prefill, graphdef, length=length, **options)
+                              ).lower(params, *inputs).compile()
+        run_decode = jax.jit(functools.partial(decode, graphdef, on_token=on_token, **options),
+                             donate_argnums=1).lower(params, run_prefill.out_info).compile()
     return run_prefill, run_decode
 
 
@@ -167,9 +167,11 @@ class Generation:
 
 def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_ids=(),
-             kv_cache: bool = True, on_token=None) -> Generation:
+             kv_cache: bool = True, on_token=None, vocab: int | None = None) -> Generation:
     """max_new_tokens new tokens for each prompt (a list of token-id lists), fewer where one
     ends at one of the stop_ids; in one batch, and past the context in segments (module docstring).
+    Only ids below `vocab` are drawn (the tokenizer's size, where the model's vocabulary is larger:
+    ids the tokenizer can't decode never come out); default: the model's vocabulary.
 
     The batch is padded up to a multiple of the mesh's batch axes with rows that want no
     tokens. Compilation is timed apart from the prefill and the decode, and each ends with the
@@ -191,6 +193,7 @@ def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0
     key = jax.device_put(jax.random.key(seed), replicated)
     stop = jax.device_put(np.array([*stop_ids] or [-1], np.int32), replicated)  # [-1]: none
     sampling = (temperature, top_k, top_p)
+    drawable = min(vocab or setup.model_config.vocab_size, setup.model_config.vocab_size)
     prompt_tokens = decode_tokens = 0
     compile_s = prefill_s = decode_s = 0.0
 
@@ -206,7 +209,7 @@ def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0
         inputs = (params, jax.device_put(prompt_BxP, batch), jax.device_put(prompt_len_B, rows_sharding),
                   jax.device_put(wanted_B, rows_sharding), jax.device_put(new_B, rows_sharding), key, stop)
         start = time.perf_counter()
-        run_prefill, run_decode = compile_programs(setup, inputs, S, sampling, kv_cache, on_token)
+        run_prefill, run_decode = compile_programs(setup, inputs, S, sampling, kv_cache, drawable, on_token)
         compile_s += time.perf_counter() - start
         start = time.perf_counter()
         state = jax.block_until_ready(run_prefill(*inputs))
@@ -275,5 +278,5 @@ def sample_text(setup, params, tok, n_tokens: int, prompt: str = "\n", seed: int
     """Prompt + sample texts from the model described by `setup` (train.py's eval samples)."""
     ids = encode_prompt(tok, prompt)
     out = generate(setup, params, [ids] * num_samples, n_tokens, seed=seed, temperature=temperature,
-                   top_k=top_k, top_p=top_p, stop_ids=stop_token_ids(tok, "eos"))
+                   top_k=top_k, top_p=top_p, stop_ids=stop_token_ids(tok, "eos"), vocab=tok.vocab_size)
     return [decode_sample(tok, ids + new) for new in out.tokens]

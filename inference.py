@@ -20,7 +20,7 @@ import hf
 import sharding
 from configurator import ROLES, Config
 from model import GPT, GPTConfig
-from tokenizer import gpt2_tokenizer, hf_tokenizer, load_tokenizer, tokenizer_from_description
+from tokenizer import GPT2_VOCAB_SIZE, gpt2_tokenizer, hf_tokenizer, load_tokenizer, tokenizer_from_description
 
 # What rebuilds a checkpoint's model: its model and compute keys, and where an older checkpoint's
 # vocabulary is (newer ones carry it).
@@ -123,17 +123,24 @@ def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "floa
     values = hf.fill_model_keys({"init_from": name}, model, directory, default_block_size=model.max_context)
     config = Config(**values, batch_size=sharding.batch_shards(mesh), quantization=quantization, dtype=dtype)
     setup = model_setup(config, mesh, model.keys["vocab_size"])
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        tok = hf_tokenizer(directory)
-    elif model.model_type == "gpt2":  # GPT-2 directories from before tokenizer.json
-        tok = gpt2_tokenizer()
-    else:
+    tok = model_tokenizer(directory, model)
+    if tok is None:
         raise hf.HFError(f"{directory} has no tokenizer.json: nanomax needs the model's tokenizer to "
                          f"turn prompts into ids")
     if tok.vocab_size > model.keys["vocab_size"]:
         raise hf.HFError(f"{directory}: the tokenizer has {tok.vocab_size} tokens but the model only "
                          f"{model.keys['vocab_size']} (vocab_size in config.json): they are not a pair")
     return setup, checkpoint.load_pretrained(setup, directory), tok
+
+
+def model_tokenizer(directory: str, model: hf.HFModel):
+    """A Hugging Face model's tokenizer: its tokenizer.json, or GPT-2's for a GPT-2 of GPT-2's
+    vocabulary from before tokenizer.json; None if neither."""
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        return hf_tokenizer(directory)
+    if model.model_type == "gpt2" and model.keys["vocab_size"] == GPT2_VOCAB_SIZE:
+        return gpt2_tokenizer()
+    return None
 
 
 def default_dtype(dtype: str) -> str:

@@ -106,7 +106,7 @@ def main(argv):
         stream = StreamPrinter(tok, prompts[0], stop_ids) if cfg.stream else None
         out = generate(setup, params, prompts, cfg.max_new_tokens, seed=cfg.seed,
                        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=stop_ids,
-                       kv_cache=cfg.kv_cache, on_token=stream)
+                       kv_cache=cfg.kv_cache, on_token=stream, vocab=tok.vocab_size)
     except (OSError, ValueError) as e:  # also CheckpointError, sharding.MeshError
         sys.exit(f"error: {e}")
     for i, (ids, new) in enumerate(zip(prompts, out.tokens)):

@@ -271,7 +271,8 @@ class Server:
 
     def start_engine(self) -> None:
         """Compile the engine's programs (in a thread: /health answers 503 meanwhile)."""
-        self.engine = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue)
+        self.engine = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue,
+                                    vocab=self.tok.vocab_size)
         e = self.engine
         print(f"ready: {e.slots} slots x {self.context} tokens, KV cache {e.kv_bytes / 2**20:,.1f} MiB "
               f"({e.kv_bytes_per_token:,} bytes per token), weights {e.weight_bytes / 2**20:,.1f} MiB; "

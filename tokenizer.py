@@ -349,6 +349,23 @@ def _read_json_object(path) -> dict:
     return value
 
 
+def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers mean the same by every id: the same description, or (GPT-2's BPE
+    from tiktoken and from a tokenizer.json are two files of one vocabulary) the same size, the
+    same ids for a probe text and the same text for ids spread over the whole vocabulary."""
+    identity = lambda t: {k: v for k, v in t.describe().items() if k != "dir"}  # directories move
+    if identity(a) == identity(b):
+        return True
+    if a.vocab_size != b.vocab_size:
+        return False
+    probe = "Hello, world! The naïve café costs 12,345.67\n\tTHE END"
+    spread = range(0, a.vocab_size, max(1, a.vocab_size // 1000))
+    try:
+        return a.encode(probe) == b.encode(probe) and all(a.decode([i]) == b.decode([i]) for i in spread)
+    except (ValueError, KeyError):  # a character one of them can't encode
+        return False
+
+
 def char_tokenizer(chars: str) -> Tokenizer:
     return CharTokenizer(chars)
 

@@ -36,6 +36,7 @@ from checkpoint import CheckpointError
 from configurator import Config
 from model import GPT, GPTConfig, flops_per_token
 from optimizer import groups_summary, learning_rate, make_optimizer, state_shardings
+from tokenizer import same_vocabulary
 
 
 class TrainingError(RuntimeError):
@@ -314,7 +315,8 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     # Everything that can be wrong with the input is checked before anything is written.
     tok = dataset.dataset_tokenizer(config)
     vocab_size = config.vocab_size or tok.vocab_size
-    if tok.vocab_size > vocab_size:  # e.g. a dataset made with another tokenizer than the model's
+    check_pretrained_tokenizer(config, tok)
+    if tok is not None and tok.vocab_size > vocab_size:  # e.g. a dataset made with another tokenizer
         raise dataset.DataError(f"{dataset.dataset_dir(config)}: its tokenizer ({tok.summary()}) has more "
                                 f"tokens than the model's vocab_size {vocab_size}: prepare the data with "
                                 f"the model's tokenizer, or raise vocab_size")
@@ -334,6 +336,20 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
         return train_loop(setup, splits, tok, lock, train_step, eval_step, tasks)
     finally:
         lock.release()
+
+
+def check_pretrained_tokenizer(config: Config, tok) -> None:
+    """A fine-tuned model reads the dataset's ids as its own tokenizer's: they must be the same
+    vocabulary (a model whose tokenizer is unknown, without tokenizer.json, is taken as it is)."""
+    if config.init_from in ("scratch", "resume") or tok is None:
+        return
+    directory = hf.resolve(config.init_from)
+    theirs = inference.model_tokenizer(directory, hf.read_config(directory))
+    if theirs is not None and not same_vocabulary(tok, theirs):
+        raise dataset.DataError(
+            f"init_from={config.init_from} reads ids with {theirs.summary()}, but {dataset.dataset_dir(config)}"
+            f"/meta.json describes {tok.summary()}: the model would read the data as other tokens. Prepare the "
+            f"data with the model's tokenizer (data/text/prepare.py --tokenizer={directory})")
 
 
 def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step, tasks=()) -> list[tuple[int, float]]:

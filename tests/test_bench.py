@@ -57,7 +57,8 @@ def test_decode_record_is_consistent(tmp_path):
 
 
 @pytest.mark.parametrize("flag, message", [("--mode=infer", "--mode"), ("--decode_batch=1,x", "decode_batch"),
-                                           ("--bogus=1", "unknown config key")])
+                                           ("--bogus=1", "unknown config key"),
+                                           ("--json=/no/such/folder/b.jsonl", "the folder /no/such/folder does not exist")])
 def test_bad_flags_are_one_line_errors(flag, message, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(TINY + [flag])

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -188,6 +189,17 @@ def truncate_array_files(step_dir):
         os.truncate(path, os.path.getsize(path) // 2)
 
 
+def flip_bits(step_dir):
+    """Bytes inside the parameters' data inverted, the file's length unchanged: what a bad disk or
+    a bad copy does, and what Orbax reads back without a word."""
+    for path in glob.glob(str(step_dir / "params" / "ocdbt.process_0" / "d" / "*")):
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            data = f.read(16)
+            f.seek(-len(data), os.SEEK_CUR)
+            f.write(bytes(b ^ 0xFF for b in data))
+
+
 DAMAGE = {
     "missing array files": remove_array_files,
     "truncated array files": truncate_array_files,
@@ -215,15 +227,26 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(copy_of_
                                rtol=0, atol=1e-6)
 
 
-def test_a_damaged_latest_checkpoint_is_skipped_when_sampling(copy_of_run8, capfd):
+@pytest.mark.parametrize("damage", [truncate_array_files, flip_bits], ids=["truncated", "flipped bits"])
+def test_a_damaged_latest_checkpoint_is_skipped_when_sampling(copy_of_run8, damage, capfd):
     root, config, _ = copy_of_run8
-    truncate_array_files(root / "out" / "checkpoints" / "8")
+    damage(root / "out" / "checkpoints" / "8")
     _, _, step, _ = inference.load_checkpoint(config.out_dir)
     err = capfd.readouterr().err
     assert step == 4
     assert "warning: damaged checkpoint step 8 (" in err and "using step 4, the newest intact one" in err
     assert "Traceback" not in err
     assert os.path.isdir(root / "out" / "checkpoints" / "8")  # sampling moves nothing
+
+
+def test_restored_arrays_are_checked_against_their_checksums_and_for_non_finite_parameters():
+    tree = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3, jnp.bfloat16)}
+    meta = {"checksums": {"params": checkpoint.checksums_of(tree)}}
+    assert checkpoint.verify("params", tree, meta) is None and checkpoint.verify("params", tree, {}) is None
+    moved = {**tree, "w": tree["w"][::-1]}  # the same values in another order
+    assert checkpoint.verify("params", moved, meta) == "params['w'] does not match the checksum written with it"
+    nan = {**tree, "b": tree["b"].at[1].set(jnp.nan)}
+    assert checkpoint.verify("params", nan, {}) == "params['b'] holds values that are not finite (NaN or inf)"
 
 
 def test_every_checkpoint_damaged_is_one_message(copy_of_run8, capfd):

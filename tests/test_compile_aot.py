@@ -285,6 +285,15 @@ def test_a_bad_device_count_is_one_line_naming_the_accepted_forms(topology):
         compile_aot.make_target(topology)
 
 
+def test_a_save_path_that_cannot_be_written_is_refused_before_compiling(tmp_path):
+    for path, words in ((tmp_path / "no" / "step.bin", "does not exist"), (tmp_path, "is a directory")):
+        with pytest.raises(SystemExit) as excinfo:
+            compile_aot.main(["--topology=cpu:1", f"--save={path}"])
+        assert excinfo.value.code == f"error: --save={path}" + (f": the folder {path.parent} {words}"
+                                                                if words == "does not exist" else f" {words}: give a file name")
+    assert os.listdir(tmp_path) == []  # no .tmp left behind
+
+
 def spoiled(data: bytes, how: str) -> bytes:
     magic = compiled_step.MAGIC
     header_end = data.index(b"\n", len(magic)) + 1

@@ -130,6 +130,7 @@ def test_a_long_context_is_cut_from_the_left_and_counted(model, tmp_path):
     ('{"ctx": "ab", "endings": ["c", "d"]', ["x.jsonl:2", "malformed JSON"]),
     ('{"context": "ab", "choices": ["c", "d"], "label": 0}', ["x.jsonl:2", "no 'ctx', 'endings' field"]),
     ('{"ctx": "ab", "endings": "cd", "label": 0}', ["x.jsonl:2", "a list of at least two strings"]),
+    ('{"ctx": "ab", "endings": ["c", " "], "label": 0}', ["x.jsonl:2", "choice 1 is empty"]),  # it would always win
 ])
 def test_bad_lines_are_named(tmp_path, line, words):
     path = tmp_path / "x.jsonl"

@@ -74,6 +74,15 @@ def test_greedy_with_the_cache_equals_recomputing_in_bfloat16_and_int8(changes):
     assert cached.tokens == [greedy_by_recomputing(setup, weights, ids, 12) for ids in RAGGED]
 
 
+def test_ids_past_the_tokenizers_vocabulary_are_never_drawn(one_device):
+    """A model whose vocabulary (65) is larger than its tokenizer's (say 20: a fine-tune on a
+    smaller vocabulary) samples only ids the tokenizer can decode."""
+    setup, params = one_device
+    wide = generate.generate(setup, params, RAGGED, 12, temperature=2.0, seed=1).tokens
+    narrow = generate.generate(setup, params, RAGGED, 12, temperature=2.0, seed=1, vocab=20).tokens
+    assert max(max(t) for t in wide) >= 20 and max(max(t) for t in narrow) < 20
+
+
 def test_prompts_that_leave_no_room_are_refused(one_device):
     setup, params = one_device
     with pytest.raises(ValueError, match="prompt 1 is 32 tokens; the model's context is 32 tokens"):

@@ -23,8 +23,10 @@ import hardware
 import optimizer
 import plot
 import sharding
+import tokenizer
 import train
 from configurator import Config, ConfigError
+from test_hf import write_config
 
 ONE_DEVICE = jax.devices()[:1]
 
@@ -169,6 +171,17 @@ def test_resume_errors_name_the_problem(toy):
     with pytest.raises(checkpoint.CheckpointError, match="another optimizer than this run's "
                                                          r"\(grad_clip: checkpoint 1.0, config 0.0\)"):
         train.train(small_config(toy, init_from="resume", grad_clip=0.0), ONE_DEVICE)  # not "damaged"
+
+
+def test_fine_tuning_on_data_of_another_tokenizer_is_refused(toy):
+    """GPT-2's vocabulary (config.json of a GPT-2 with 50257 tokens) on a character dataset: the
+    model would read the characters' ids as BPE tokens. The same data in GPT-2's ids is fine."""
+    hf_dir = write_config(toy / "gpt2", {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 64, "n_embd": 32,
+                                          "n_layer": 2, "n_head": 2})
+    chars = dataset.dataset_tokenizer(small_config(toy))
+    with pytest.raises(dataset.DataError, match=r"reads ids with GPT-2.*describes char-level.*--tokenizer="):
+        train.check_pretrained_tokenizer(small_config(toy, init_from=hf_dir), chars)
+    train.check_pretrained_tokenizer(small_config(toy, init_from=hf_dir), tokenizer.gpt2_tokenizer())
 
 
 def test_a_resume_saves_only_past_the_best_validation_loss_of_its_run(toy, monkeypatch):
