@@ -128,6 +128,18 @@ def start_fresh(config: Config, log=print) -> None:
     sync("start_fresh")
 
 
+def committed_steps_text(out_dir: str) -> str:
+    """Which checkpoints are complete on disk (a save in flight is not: Orbax renames it into place
+    when done), in words, for a message."""
+    directory = checkpoint_dir(out_dir)
+    steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+    if not steps:
+        return "no checkpoint had completed"
+    if len(steps) == 1:
+        return f"the checkpoint of step {steps[0]} is complete and kept"
+    return f"the checkpoints of steps {', '.join(map(str, steps))} are complete and kept"
+
+
 def sync(name: str) -> None:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
@@ -260,8 +272,10 @@ def write_errors(manager):
             raise
         reason = "No space left on device" if "No space left" in str(e) else str(e).split("\n")[0][:300]
         manager.reload()  # forget the step that failed
-        raise CheckpointError(f"writing a checkpoint failed ({reason}); the latest complete "
-                              f"checkpoint (step {manager.latest_step()}) is intact") from e
+        latest = manager.latest_step()
+        kept = "no checkpoint had completed before it" if latest is None else \
+            f"the latest complete checkpoint (step {latest}) is intact"
+        raise CheckpointError(f"writing a checkpoint failed ({reason}); {kept}") from e
 
 
 # ----------------------------------------------------------------------------- restoring

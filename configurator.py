@@ -244,6 +244,10 @@ class Config:
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"config key '{key}' must be in [0, 1), got {getattr(self, key)} "
                                   f"(GPT-2 used beta1=0.9, beta2=0.95)")
+        if self.decay_lr and self.lr_decay_iters < self.warmup_iters:
+            raise ConfigError(f"lr_decay_iters ({self.lr_decay_iters}) is shorter than warmup_iters "
+                              f"({self.warmup_iters}): the cosine decay would end before the warmup does; "
+                              f"make lr_decay_iters >= warmup_iters (usually max_iters), or decay_lr=False")
         if self.decay_lr and not 0.0 <= self.min_lr <= self.learning_rate:
             raise ConfigError(f"min_lr ({self.min_lr}) must be in [0, learning_rate = {self.learning_rate}]: "
                               f"the schedule decays from learning_rate down to min_lr (set min_lr, often "
@@ -357,7 +361,9 @@ def check_writable(path: str, key: str) -> None:
 
 def check_choice(key: str, value, choices) -> None:
     if value not in choices:
-        raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, choices))}; got {value!r}")
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, choices))}; got {value!r}{hint}")
 
 
 def _type_name(tp) -> str:

@@ -90,6 +90,8 @@ def read_examples(path: str, task: str, limit: int = 0) -> list:
         raise EvalError(f"{path} not found: pass --data=FILE.jsonl{hint}") from None
     except UnicodeDecodeError as e:
         raise EvalError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:  # a directory, no permission
+        raise EvalError(f"{path}: {e.strerror}; pass --data=FILE.jsonl") from None
     if not examples:
         raise EvalError(f"{path} has no examples")
     return examples

@@ -83,7 +83,7 @@ def one_device_mesh():
 def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none"):
     """(setup, parameters, step, tokenizer) of the newest intact checkpoint in out_dir. Its model
     and compute keys and its vocabulary come with it, but for how the matmuls and the attention
-    compute: those are chosen here, for these devices."""
+    compute: those are chosen here, for these devices (quantization='auto': as it trained)."""
     mesh = mesh or one_device_mesh()
     setups = []
 
@@ -91,7 +91,8 @@ def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none"):
         # Only the keys that describe the model: the rest (init_from may name a directory that is
         # gone by now, a learning rate that a later version checks more strictly) doesn't matter here.
         kept = {k: v for k, v in meta["config"].items() if k in MODEL_KEYS}
-        config = configurator.config_from_dict({**kept, "attention": "auto", "quantization": quantization,
+        matmuls = kept.get("quantization", "none") if quantization == "auto" else quantization
+        config = configurator.config_from_dict({**kept, "attention": "auto", "quantization": matmuls,
                                                 "batch_size": sharding.batch_shards(mesh)})
         setups.append(model_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config)))
         return {"params": setups[-1].abstract_params}
@@ -117,7 +118,7 @@ def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none"):
 def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "float32"):
     """(setup, parameters, tokenizer) of a Hugging Face model: a directory, or a hub name
     (downloaded into the Hugging Face cache if it is not there yet)."""
-    mesh = mesh or one_device_mesh()
+    mesh, quantization = mesh or one_device_mesh(), "none" if quantization == "auto" else quantization
     directory = hf.resolve(name)
     model = hf.read_config(directory)
     values = hf.fill_model_keys({"init_from": name}, model, directory, default_block_size=model.max_context)

@@ -83,12 +83,14 @@ class Preemption:
     (an all-gather of one flag) before anyone stops.
     """
 
-    def __init__(self):
-        self.signal_name = None
+    def __init__(self, kept=lambda: ""):
+        """kept() says, on a second Ctrl-C, which checkpoints are kept."""
+        self.signal_name, self.kept = None, kept
         self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
         if self.signal_name is not None and signum == signal.SIGINT:
+            print(f"second Ctrl-C: stopped at once, without saving; {self.kept()}", file=sys.stderr, flush=True)
             os._exit(130)  # immediate: committed checkpoints are complete, partial ones ignored
         self.signal_name = signal.Signals(signum).name
 

@@ -40,7 +40,8 @@ class SampleConfig:
     mesh_tensor: int = 1  # devices splitting the heads (and the KV cache)
     dtype: str = "auto"  # a Hugging Face model's compute dtype (and its weights'): 'auto' = bfloat16 on
     #                      GPUs and TPUs, float32 on CPUs; a checkpoint keeps the one it trained in
-    quantization: str = "none"  # the matmuls of the blocks: 'none' | 'int8' | 'fp8', whatever trained it
+    quantization: str = "auto"  # the matmuls of the blocks: 'auto' (a checkpoint's own; 'none' for a Hugging
+    #                             Face model) | 'none' | 'int8' | 'fp8', whatever trained it
 
     def __post_init__(self):
         for key in ("num_samples", "max_new_tokens", "mesh_data", "mesh_tensor"):
@@ -50,7 +51,7 @@ class SampleConfig:
             raise configurator.ConfigError("temperature and top_k must be >= 0")
         if not 0 < self.top_p <= 1:
             raise configurator.ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        configurator.check_choice("quantization", self.quantization, QUANTIZATION_MODES)
+        configurator.check_choice("quantization", self.quantization, ("auto", *QUANTIZATION_MODES))
         configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
 
 
@@ -80,6 +81,21 @@ class StreamPrinter:
         print()
 
 
+def read_prompts(start: str) -> list[str]:
+    """--start's prompt, or with FILE:path the file's non-empty lines."""
+    if not start.startswith("FILE:"):
+        return [start]
+    path = start[5:]
+    try:
+        with open(path, encoding="utf-8") as f:
+            texts = [line for line in f.read().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--start=FILE:{path}: {getattr(e, 'strerror', None) or e}") from None
+    if not texts:
+        raise ValueError(f"{path} has no prompts (one per line)")
+    return texts
+
+
 def main(argv):
     cfg = configurator.load_config_or_exit(argv, SampleConfig)
     try:
@@ -88,6 +104,7 @@ def main(argv):
                              f"but there are {jax.device_count()}: lower them")
         mesh = sharding.make_mesh(cfg.mesh_data, 1, cfg.mesh_tensor,
                                   devices=jax.devices()[:cfg.mesh_data * cfg.mesh_tensor])
+        texts = read_prompts(cfg.start)  # before loading: a missing file is not worth the wait
         if cfg.init_from == "resume":
             setup, params, step, tok = load_checkpoint(cfg.out_dir, mesh, cfg.quantization)
             print(f"loaded step {step} from {cfg.out_dir}", file=sys.stderr)
@@ -95,12 +112,6 @@ def main(argv):
             setup, params, tok = load_hf(cfg.init_from, mesh, cfg.quantization, default_dtype(cfg.dtype))
             print(f"loaded {cfg.init_from} ({tok.summary()})", file=sys.stderr)
         params = weights_in_compute_dtype(setup.graphdef, params)  # once: bfloat16 halves the memory
-        texts = [cfg.start]
-        if cfg.start.startswith("FILE:"):
-            with open(cfg.start[5:], encoding="utf-8") as f:
-                texts = [line for line in f.read().splitlines() if line.strip()]
-            if not texts:
-                raise ValueError(f"{cfg.start[5:]} has no prompts (one per line)")
         prompts = [encode_prompt(tok, text) for text in texts for _ in range(cfg.num_samples)]
         stop_ids = stop_token_ids(tok, cfg.stop)
         stream = StreamPrinter(tok, prompts[0], stop_ids) if cfg.stream else None

@@ -52,7 +52,8 @@ class ServeConfig:
     model_name: str = ""  # the id clients send as "model"; '' = out_dir's or init_from's last part
     dtype: str = "auto"  # a Hugging Face model's compute dtype: 'auto' = bfloat16 on GPUs and TPUs,
     #                      float32 on CPUs; a checkpoint keeps the one it trained in
-    quantization: str = "none"  # the blocks' matmuls: 'none' | 'int8' | 'fp8'
+    quantization: str = "auto"  # the blocks' matmuls: 'auto' (a checkpoint's own; 'none' for a Hugging Face
+    #                             model) | 'none' | 'int8' | 'fp8'
     log_interval: float = 10.0  # seconds between summary lines while busy (0 = none)
 
     def __post_init__(self):
@@ -61,7 +62,7 @@ class ServeConfig:
                 raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if not 0 < self.port < 65536:
             raise configurator.ConfigError(f"port must be in 1..65535, got {self.port}")
-        configurator.check_choice("quantization", self.quantization, QUANTIZATION_MODES)
+        configurator.check_choice("quantization", self.quantization, ("auto", *QUANTIZATION_MODES))
         configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
 
 

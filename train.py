@@ -366,7 +366,8 @@ def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step, tas
         _write_atomically(os.path.join(config.out_dir, "config.json"), configurator.config_to_json(config))
         if tok.kind == "huggingface":  # checkpoints name the tokenizer by hash; its files live here
             tok.save_files(os.path.join(config.out_dir, "tokenizer"))
-    stack_dumps, preemption = monitor.StackDumps(config), monitor.Preemption()
+    stack_dumps = monitor.StackDumps(config)
+    preemption = monitor.Preemption(kept=lambda: checkpoint.committed_steps_text(config.out_dir))
     try:
         with sharding.activate(setup.mesh):
             while True:
@@ -532,9 +533,14 @@ class Run:
         if self.config.nan_policy == "stop":
             raise TrainingError(
                 f"non-finite loss or gradient norm at step {first_bad}; nothing from that step "
-                f"on was saved (latest checkpoint: step {self.manager.latest_step()}). Lower "
+                f"on was saved ({latest_checkpoint(self.manager)}). Lower "
                 f"learning_rate, check the data, or use --nan_policy=skip_step")
         self.n_skipped += int((~finite).sum())
+
+
+def latest_checkpoint(manager) -> str:
+    latest = manager.latest_step()
+    return "no checkpoint has completed yet" if latest is None else f"latest checkpoint: step {latest}"
 
 
 def best_val_loss(meta: dict | None) -> float:
@@ -573,6 +579,10 @@ def main(argv: list[str]) -> None:
     except (configurator.ConfigError, dataset.DataError, CheckpointError, TrainingError, sharding.MeshError,
             compiled_step.AotError, evals.EvalError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # a full disk or a read-only folder outside a checkpoint's write (the lock, logs)
+        where = f"writing {e.filename}" if e.filename else "writing to out_dir"
+        sys.exit(f"error: {where} failed ({e.strerror or e}); free space or choose another --out_dir (the "
+                 f"checkpoints written before are intact)")
 
 
 if __name__ == "__main__":

@@ -292,6 +292,9 @@ def test_an_unusable_out_dir_is_one_message_before_compiling(toy, where, message
                                    "or point --out_dir at a run that has one"),
     (["--out_dir={root}/out", "--mesh_data=16"], "error: mesh_data x mesh_tensor = 16 x 1 devices, but "
                                                  "there are 8: lower them"),
+    (["--out_dir={root}/nowhere", "--start=FILE:{root}/prompts.txt"],  # before the checkpoint is looked for
+     "error: --start=FILE:{root}/prompts.txt: No such file or directory"),
+    (["--out_dir={root}/out", "--start=FILE:{root}"], "error: --start=FILE:{root}: Is a directory"),
 ])
 def test_sample_errors_name_only_its_own_flags(run8, flags, message, capsys):
     root = run8[0]

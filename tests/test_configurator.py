@@ -171,6 +171,7 @@ def test_shipped_config_files_exist():
     ("--init_from=./no/such/dir", ["init_from", "'./no/such/dir'", "'scratch'", "'resume'", "hub name"]),
     ("--quantization=int4", ["quantization", "'int4'", "'int8'", "'fp8'"]),
     ("--attention=flash", ["attention", "'flash'", "'auto'", "'cudnn'"]),
+    ("--optimizer=adam", ["optimizer", "did you mean 'adamw'?"]),
 ])
 def test_choice_validation(flag, words):
     message = error_of([flag])
@@ -313,6 +314,7 @@ def exit_line(argv, cls=Config) -> str:
     (["--beta2=-0.5"], ["'beta2'", "[0, 1)", "-0.5"]),
     (["--min_lr=0.001"], ["min_lr (0.001)", "learning_rate = 0.0006", "decay_lr=False"]),
     (["--min_lr=-1e-5"], ["min_lr (-1e-05)", "[0, learning_rate"]),
+    (["--warmup_iters=100", "--lr_decay_iters=50"], ["lr_decay_iters (50)", "warmup_iters (100)", "decay_lr=False"]),
     (["--weight_decay=-0.1"], ["'weight_decay'", ">= 0"]),
     (["--grad_clip=-1"], ["'grad_clip'", ">= 0"]),
     (["--warmup_iters=-1"], ["'warmup_iters'", ">= 0"]),

@@ -289,6 +289,7 @@ def test_second_ctrl_c_exits_at_once_and_keeps_checkpoints(toy):
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 130, output
     assert "saved a checkpoint" not in output
+    assert "second Ctrl-C: stopped at once, without saving; the checkpoint of step 4 is complete and kept" in output
     manager = checkpoint.checkpoint_manager(config, read_only=True)
     assert manager.latest_step() == 4
     # the interrupted save left at most a temporary directory, which the next run ignores
