@@ -1,4 +1,5 @@
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -410,6 +411,22 @@ def test_bad_input_is_one_message_and_writes_nothing(trained, break_input, flags
     assert message in str(exit_info.value.code)
     assert "\n" not in str(exit_info.value.code)
     assert snapshot(toy / "out") == before
+
+
+def test_a_full_disk_outside_a_checkpoint_write_is_one_line(trained, monkeypatch):
+    """The disk fills up while the run writes its config.json (or the lock, or TensorBoard's events)."""
+    toy, config = trained
+    before = snapshot(toy / "out" / "checkpoints")
+
+    def full_disk(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(train, "_write_atomically", full_disk)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(config_flags(config) + ["--init_from=resume", "--max_iters=8"])
+    assert exit_info.value.code == (f"error: writing {config.out_dir}/config.json failed (No space left on device); "
+                                    f"free space or choose another --out_dir (the checkpoints written before are intact)")
+    assert snapshot(toy / "out" / "checkpoints") == before
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(toy, tmp_path):
