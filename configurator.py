@@ -80,7 +80,7 @@ class Config:
     qk_norm: bool = False  # RMSNorm, no learned scale, on each query and key head before RoPE/attention
     zero_init_proj: bool = False  # attention's and the MLP's output projections start at zero
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap) (modded-nanogpt: 30 or 15); 0 = off
-    # mixture of experts: n_experts > 0 replaces the MLPs by experts (model.MoE), each of the mlp kind
+    # mixture of experts: n_experts > 0 replaces the MLPs by experts (moe.MoE), each of the mlp kind
     n_experts: int = 0  # experts per sparse layer; 0 = dense (the default)
     experts_per_token: int = 2  # top-k routing: each token goes to this many experts
     n_shared_experts: int = 0  # experts every token also goes to (DeepSeek), run as one wider MLP

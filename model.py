@@ -12,11 +12,11 @@ flattened into one axis.
 GPT-2 is the default. `pos_embedding='rope'`, `norm='rmsnorm'`, `mlp='swiglu'`, `n_kv_head` (grouped-
 query attention), `bias=False` and `tie_embeddings=False` give today's architectures; `qk_norm`,
 `mlp='relu2'`, `zero_init_proj` and `logit_softcap` are the GPT-2 speedruns' (modded-nanogpt). Each
-is a small function or module below, picked once by name (ROTATIONS, NORMS, HEAD_NORMS, MLPS,
-ACTIVATIONS, SOFTCAPS), or a parameter that is there or not (wpe, lm_head_kernel, like the biases);
+is a small function or module, here or in layers.py, picked once by name (ROTATIONS, HEAD_NORMS,
+SOFTCAPS; NORMS, MLPS), or a parameter that is there or not (wpe, lm_head_kernel, like the biases);
 the forward pass has no branches on them.
-`n_experts` > 0 turns the MLPs into a mixture of experts (MoE). Three more switches change how
-the step computes, not the weights: `attention` ('xla', 'einsum' or cuDNN's fused kernel),
+`n_experts` > 0 turns the MLPs into a mixture of experts (moe.py). Three more switches change how
+the step computes, not the weights: `attention` ('xla', 'einsum': attention.py, or cuDNN's fused kernel),
 `quantization` (int8/fp8 operands for the blocks' matmuls, quantization.py) and
 `pipeline_stages` (the layer stack as a pipeline over the `stage` mesh axis, pipeline.py).
 
@@ -26,17 +26,17 @@ Face GPT-2 and Llama-family weights to and from this model's parameter layout.
 """
 
 import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.core import spmd
 
 import pipeline
-import quantization
+from attention import causal_attention, causal_mask
+from layers import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init
+from moe import MoE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,110 +110,6 @@ class GPTConfig:
     def sparse_layers(self) -> int:
         """Layers with a mixture of experts: all but the first moe_dense_layers (0 when dense)."""
         return self.n_layer - self.moe_dense_layers if self.n_experts else 0
-
-
-def param(value, logical_axes) -> nnx.Param:
-    """A float32 parameter whose `out_sharding` metadata holds logical axis names."""
-    # eager_sharding=False: logical names can't be applied at creation; sharding.py turns
-    # them into mesh shardings for the out_shardings of the jitted initializer instead.
-    return nnx.Param(value.astype(jnp.float32), out_sharding=logical_axes, eager_sharding=False)
-
-
-def normal(key, shape, std):
-    return std * jax.random.normal(key, shape, jnp.float32)
-
-
-def residual_init(key, shape, config: GPTConfig):
-    """The output projections that write into the residual stream: GPT-2 scales their init down
-    with depth; zero_init_proj starts them at 0 (modded-nanogpt), so each block is the identity
-    at step 0 and only its output projection gets a gradient at first."""
-    if config.zero_init_proj:
-        return jnp.zeros(shape, jnp.float32)
-    return normal(key, shape, 0.02 / math.sqrt(2 * config.n_layer))
-
-
-def constrain(x, logical_axes):
-    """Pin an activation's sharding by logical names, when sharding.py has set rules."""
-    rules = spmd.get_logical_axis_rules()
-    if not rules or jax.sharding.get_abstract_mesh().empty:
-        return x
-    rules = dict(rules)
-    spec = jax.sharding.PartitionSpec(*(rules.get(name) for name in logical_axes))
-    return jax.lax.with_sharding_constraint(x, spec)
-
-
-def dropout(x, rate: float, key):
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
-
-
-def linear(x_BTxI, kernel_IxO, bias, quantize: str = "none"):
-    """x @ kernel (+ bias) in the compute dtype of x, from int8/fp8 operands if asked.
-    kernel and bias may be nnx.Params or arrays."""
-    y_BTxO = quantization.matmul(x_BTxI, kernel_IxO[...].astype(x_BTxI.dtype), quantize)
-    return y_BTxO if bias is None else y_BTxO + bias[...].astype(x_BTxI.dtype)
-
-
-class LayerNorm(nnx.Module):
-    """GPT-2's: centre, scale to unit variance, then a learned scale and (with bias) shift."""
-
-    def __init__(self, config: GPTConfig):
-        self.scale = param(jnp.ones(config.n_embd), ("norm",))
-        self.bias = param(jnp.zeros(config.n_embd), ("norm",)) if config.bias else None
-        self.eps = config.norm_eps
-
-    def __call__(self, x_BxTxD):
-        return layer_norm(x_BxTxD, self.scale[...], None if self.bias is None else self.bias[...], self.eps)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def layer_norm(x_xD, scale_D, bias_D, eps: float):
-    """(x - mean) / std * scale (+ bias) over the last axis, statistics in float32 even under
-    bfloat16. Its backward is written out (a few passes over x) rather than left to autodiff,
-    which made XLA:CPU run ~16 small kernels per norm."""
-    return _layer_norm_fwd(x_xD, scale_D, bias_D, eps)[0]
-
-
-def _layer_norm_fwd(x_xD, scale_D, bias_D, eps):
-    x = x_xD.astype(jnp.float32)
-    mean = x.mean(-1, keepdims=True)
-    rstd = jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + eps)
-    y = (x - mean) * rstd * scale_D
-    if bias_D is not None:
-        y = y + bias_D
-    return y.astype(x_xD.dtype), (x_xD, mean, rstd, scale_D, bias_D)
-
-
-def _layer_norm_bwd(eps, saved, dy_xD):
-    x_xD, mean, rstd, scale_D, bias_D = saved
-    xhat = (x_xD.astype(jnp.float32) - mean) * rstd
-    dy = dy_xD.astype(jnp.float32)
-    g = dy * scale_D
-    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
-    rows = tuple(range(dy.ndim - 1))
-    dbias = None if bias_D is None else dy.sum(rows)
-    return dx.astype(x_xD.dtype), (dy * xhat).sum(rows), dbias
-
-
-layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
-
-
-class RMSNorm(nnx.Module):
-    """Llama's: divide by the root mean square (no centring), times a learned scale; no bias."""
-
-    def __init__(self, config: GPTConfig):
-        self.scale = param(jnp.ones(config.n_embd), ("norm",))
-        self.eps = config.norm_eps
-
-    def __call__(self, x_BxTxD):
-        x = x_BxTxD.astype(jnp.float32)
-        y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps) * self.scale[...]
-        return y.astype(x_BxTxD.dtype)
-
-
-NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 
 
 def no_head_norm(x_BxTxNxH, config: GPTConfig):
@@ -296,96 +192,6 @@ def init_cache(config: GPTConfig, batch_size: int, length: int) -> KVCache:
     return KVCache(*(constrain(jnp.zeros(shape, config.dtype), CACHE_AXES) for _ in range(2)))
 
 
-def causal_mask(start_B, T: int, S: int):
-    """(B, 1, T, S): query t of row b (at position start_B[b] + t) sees keys at positions <= its own."""
-    query_position_BxT = start_B[:, None] + jnp.arange(T)
-    return (jnp.arange(S) <= query_position_BxT[:, :, None])[:, None]
-
-
-def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dropout_rate: float = 0.0, dropout_key=None):
-    """Causal softmax attention written out ('einsum'), with its backward: scores in float32, heads shared
-    by groups of G = N / K query heads (grouped-query: keys and values repeated per group). With a
-    dropout_key, attention probabilities are dropped at dropout_rate (nanoGPT's attn_dropout)."""
-    G = q_BxTxNxH.shape[2] // k_BxTxKxH.shape[2]
-    k_BxTxNxH, v_BxTxNxH = (jnp.repeat(x, G, axis=2) if G > 1 else x for x in (k_BxTxKxH, v_BxTxKxH))
-    key = dropout_key if dropout_rate > 0 else None
-    return _attend(q_BxTxNxH * q_BxTxNxH.shape[-1] ** -0.5, k_BxTxNxH, v_BxTxNxH, key, dropout_rate)
-
-
-def attention_keep_mask(key, rate: float, shape_BxNxTxS):
-    """Which attention probabilities survive dropout: drawn from the key alone, so the backward pass
-    draws the same mask again instead of keeping it."""
-    return jax.random.bernoulli(key, 1.0 - rate, shape_BxNxTxS)
-
-
-def query_blocks(T: int) -> list[tuple[int, int]]:
-    """[(start, end)] of the query blocks: block queries see keys [0, end) only, so the scores above
-    the diagonal blocks are never computed (a quarter to three eighths of them; on XLA:CPU, where
-    these small batched matmuls are slow, that beat one T x T block at every T measured, 64 to 1024)."""
-    n = 1 if T < 32 else 2 if T <= 128 else 4
-    bounds = [round(i * T / n) for i in range(n + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attend(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate: float):
-    return _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate)[0]
-
-
-def _dropped(p_BxNxCxS, keep_mask, start: int, end: int, rate: float):
-    """The probabilities of query block [start, end) after dropout (unchanged without a mask)."""
-    if keep_mask is None:
-        return p_BxNxCxS
-    return jnp.where(keep_mask[:, :, start:end, :end], p_BxNxCxS / (1.0 - rate), 0.0)
-
-
-def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate):
-    # einsums straight on the projection's (B, T, N, H) layout: no transposed copies of q, k, v
-    (B, T, N, _), S = q_BxTxNxH.shape, k_BxSxNxH.shape[1]
-    keep_BxNxTxS = None if dropout_key is None else attention_keep_mask(dropout_key, dropout_rate, (B, N, T, S))
-    outputs, probabilities = [], []
-    for start, end in query_blocks(T):
-        s_BxNxCxS = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH[:, start:end], k_BxSxNxH[:, :end],
-                               preferred_element_type=jnp.float32)
-        s_BxNxCxS = jnp.where(causal_mask(jnp.full(B, start), end - start, end), s_BxNxCxS, -jnp.inf)
-        p_BxNxCxS = jnp.exp(s_BxNxCxS - s_BxNxCxS.max(-1, keepdims=True))
-        p_BxNxCxS = p_BxNxCxS / p_BxNxCxS.sum(-1, keepdims=True)
-        used_BxNxCxS = _dropped(p_BxNxCxS, keep_BxNxTxS, start, end, dropout_rate)
-        outputs.append(jnp.einsum("bnts,bsnh->btnh", used_BxNxCxS.astype(v_BxSxNxH.dtype), v_BxSxNxH[:, :end]))
-        probabilities.append(p_BxNxCxS)
-    o_BxTxNxH = jnp.concatenate(outputs, axis=1)
-    return o_BxTxNxH, (q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH, dropout_key)
-
-
-def _attend_bwd(dropout_rate, saved, do_BxTxNxH):
-    """Softmax's backward needs rowsum(dP * P), which equals rowsum(dO * O) (FlashAttention's
-    trick): a (B, T, N) reduction over H instead of one over the (B, N, T, T) scores. With dropout
-    P is the dropped P' = P * mask / (1 - rate) in O and dV, and dP = dP' * mask / (1 - rate); the
-    trick still holds, as rowsum(dP * P) = rowsum(dP' * P')."""
-    q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH, dropout_key = saved
-    (B, T, N, _), S = q_BxTxNxH.shape, k_BxSxNxH.shape[1]
-    keep_BxNxTxS = None if dropout_key is None else attention_keep_mask(dropout_key, dropout_rate, (B, N, T, S))
-    dtype, blocks = q_BxTxNxH.dtype, query_blocks(T)
-    delta_BxNxT = jnp.einsum("btnh,btnh->bnt", do_BxTxNxH, o_BxTxNxH, preferred_element_type=jnp.float32)
-    dq_blocks, dk_blocks, dv_blocks = [], [0] * len(blocks), [0] * len(blocks)
-    for i, ((start, end), p_BxNxCxS) in enumerate(zip(blocks, probabilities)):
-        do_BxCxNxH = do_BxTxNxH[:, start:end]
-        used_BxNxCxS = _dropped(p_BxNxCxS, keep_BxNxTxS, start, end, dropout_rate)
-        dv_BxSxNxH = jnp.einsum("bnts,btnh->bsnh", used_BxNxCxS.astype(dtype), do_BxCxNxH)
-        dp_BxNxCxS = jnp.einsum("btnh,bsnh->bnts", do_BxCxNxH, v_BxSxNxH[:, :end], preferred_element_type=jnp.float32)
-        dp_BxNxCxS = _dropped(dp_BxNxCxS, keep_BxNxTxS, start, end, dropout_rate)
-        ds_BxNxCxS = (p_BxNxCxS * (dp_BxNxCxS - delta_BxNxT[:, :, start:end, None])).astype(dtype)
-        dq_blocks.append(jnp.einsum("bnts,bsnh->btnh", ds_BxNxCxS, k_BxSxNxH[:, :end]))
-        dk_BxSxNxH = jnp.einsum("bnts,btnh->bsnh", ds_BxNxCxS, q_BxTxNxH[:, start:end])
-        for j, (key_start, key_end) in enumerate(blocks[:i + 1]):  # keys [0, end), by block
-            dk_blocks[j] += dk_BxSxNxH[:, key_start:key_end]
-            dv_blocks[j] += dv_BxSxNxH[:, key_start:key_end]
-    return (*(jnp.concatenate(parts, axis=1) for parts in (dq_blocks, dk_blocks, dv_blocks)), None)
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
-
-
 class Attention(nnx.Module):
     """Causal self-attention; grouped-query when n_kv_head K < n_head N.
 
@@ -440,169 +246,6 @@ class Attention(nnx.Module):
         y_BTxD = linear(y_BxTxNxH.reshape(B * T, N * H), self.out_kernel.reshape(N * H, D), self.out_bias,
                         config.quantization)
         return dropout(y_BTxD, config.dropout, k_out), cache
-
-
-def gelu(h):
-    return jax.nn.gelu(h, approximate=True)  # GPT-2's tanh approximation
-
-
-def relu_squared(h):
-    return jnp.square(jax.nn.relu(h))  # modded-nanogpt's (So et al., Primer, 2021)
-
-
-ACTIVATIONS = {"gelu": gelu, "relu2": relu_squared}
-
-
-class MLP(nnx.Module):
-    """GPT-2's: proj(gelu(fc(x))); mlp='relu2': proj(relu(fc(x))²), same two matrices."""
-
-    def __init__(self, config: GPTConfig, key):
-        D, F = config.n_embd, config.mlp_hidden_size
-        k_fc, k_proj = jax.random.split(key)
-        self.fc_kernel = param(normal(k_fc, (D, F), 0.02), ("embed", "mlp"))
-        self.proj_kernel = param(residual_init(k_proj, (F, D), config), ("mlp", "embed"))
-        self.fc_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
-        self.proj_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
-        self.config = config
-
-    def __call__(self, x_BTxD, dropout_key=None):
-        q = self.config.quantization
-        h_BTxF = ACTIVATIONS[self.config.mlp](linear(x_BTxD, self.fc_kernel, self.fc_bias, q))
-        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias, q)
-        return dropout(y_BTxD, self.config.dropout, dropout_key)
-
-
-class SwiGLU(nnx.Module):
-    """Llama's: proj(silu(gate(x)) * fc(x)), a gated unit with three matrices."""
-
-    def __init__(self, config: GPTConfig, key):
-        D, F = config.n_embd, config.mlp_hidden_size
-        k_gate, k_fc, k_proj = jax.random.split(key, 3)
-        self.gate_kernel = param(normal(k_gate, (D, F), 0.02), ("embed", "mlp"))
-        self.fc_kernel = param(normal(k_fc, (D, F), 0.02), ("embed", "mlp"))
-        self.proj_kernel = param(residual_init(k_proj, (F, D), config), ("mlp", "embed"))
-        self.gate_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
-        self.fc_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
-        self.proj_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
-        self.config = config
-
-    def __call__(self, x_BTxD, dropout_key=None):
-        q = self.config.quantization
-        gate_BTxF = jax.nn.silu(linear(x_BTxD, self.gate_kernel, self.gate_bias, q))
-        h_BTxF = gate_BTxF * linear(x_BTxD, self.fc_kernel, self.fc_bias, q)
-        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias, q)
-        return dropout(y_BTxD, self.config.dropout, dropout_key)
-
-
-MLPS = {"gelu": MLP, "relu2": MLP, "swiglu": SwiGLU}
-
-
-def expert_capacity(config: GPTConfig, tokens_per_row: int) -> int:
-    """Slots per expert per batch row: capacity_factor·T·k/E rounded up, or T (no token dropped:
-    a token picks an expert at most once)."""
-    if not config.capacity_factor:
-        return tokens_per_row
-    slots = math.ceil(config.capacity_factor * tokens_per_row * config.experts_per_token / config.n_experts)
-    return min(tokens_per_row, slots)
-
-
-def expert_matmul(x_ExNxI, kernel_ExIxO, quantize: str):
-    """Each expert's tokens times its own matrix (int8/fp8 operands if asked)."""
-    return jax.vmap(lambda x, w: quantization.matmul(x, w.astype(x.dtype), quantize))(x_ExNxI, kernel_ExIxO)
-
-
-class MoE(nnx.Module):
-    """A mixture of experts in place of the MLP (Switch, Mixtral, DeepSeek).
-
-    A float32 router scores the n_experts experts for each token; the token goes to its
-    experts_per_token best, and their outputs are summed weighted by the router's softmax
-    probabilities (renormalised over the chosen experts when there are several, as Mixtral; a
-    single expert keeps its probability, as Switch, so the router still gets a gradient).
-    Each expert is an MLP of the config's kind (gelu, relu2, swiglu) without biases.
-
-    Dispatch and combine are one-hot einsums per batch row (GShard): an expert takes up to C
-    tokens of a row, first choices first, then in order of position; a token over capacity
-    skips that expert (its residual stream passes on). C = T (capacity_factor 0) drops
-    nothing. The `expert` mesh axis splits the (E, B, C, D) buffers by expert.
-    n_shared_experts adds one ordinary MLP, n_shared_experts experts wide, for every token.
-    """
-
-    def __init__(self, config: GPTConfig, key):
-        D, F, E = config.n_embd, config.expert_hidden_size, config.n_experts
-        k_router, k_gate, k_fc, k_proj, k_shared = jax.random.split(key, 5)
-        self.router_kernel = param(normal(k_router, (D, E), 0.02), ("embed", None))
-        self.gate_kernel = param(normal(k_gate, (E, D, F), 0.02), ("experts", "embed", "mlp")) if (
-            config.mlp == "swiglu") else None
-        self.fc_kernel = param(normal(k_fc, (E, D, F), 0.02), ("experts", "embed", "mlp"))
-        self.proj_kernel = param(residual_init(k_proj, (E, F, D), config), ("experts", "mlp", "embed"))
-        self.shared = MLPS[config.mlp](dataclasses.replace(config, mlp_hidden=F * config.n_shared_experts),
-                                       k_shared) if config.n_shared_experts else None
-        self.config = config
-
-    def route(self, x_BxTxD):
-        """(weights, experts) of each token's choices, (B, T, k) each, and the router's float32
-        logits (B, T, E)."""
-        logits_BxTxE = jnp.einsum("btd,de->bte", x_BxTxD.astype(jnp.float32), self.router_kernel[...])
-        weights_BxTxK, experts_BxTxK = jax.lax.top_k(jax.nn.softmax(logits_BxTxE), self.config.experts_per_token)
-        if self.config.experts_per_token > 1:
-            weights_BxTxK = weights_BxTxK / weights_BxTxK.sum(-1, keepdims=True)
-        return weights_BxTxK, experts_BxTxK, logits_BxTxE
-
-    def __call__(self, x_BTxD, batch_size: int, dropout_key=None):
-        """(y, stats): the layer's output (B·T, D) and the router's statistics for training."""
-        c = self.config
-        B, E, K = batch_size, c.n_experts, c.experts_per_token
-        T = x_BTxD.shape[0] // B
-        C = expert_capacity(c, T)
-        x_BxTxD = x_BTxD.reshape(B, T, -1)
-        weights_BxTxK, experts_BxTxK, logits_BxTxE = self.route(x_BxTxD)
-        # A slot in the chosen expert's buffer for every (token, choice): choices ranked first by
-        # k, then by position; a slot >= C is one-hot to nothing, so that choice is dropped.
-        chosen_BxKxTxE = jax.nn.one_hot(experts_BxTxK.swapaxes(1, 2), E, dtype=jnp.int32)
-        rank_BxKxTxE = jnp.cumsum(chosen_BxKxTxE.reshape(B, K * T, E), axis=1).reshape(B, K, T, E)
-        slot_BxTxK = ((rank_BxKxTxE * chosen_BxKxTxE).sum(-1) - 1).swapaxes(1, 2)
-        slot_BxTxKxC = jax.nn.one_hot(slot_BxTxK, C, dtype=jnp.float32)
-        expert_BxTxKxE = jax.nn.one_hot(experts_BxTxK, E, dtype=jnp.float32)
-        dispatch_BxTxExC = jnp.einsum("btke,btkc->btec", expert_BxTxKxE, slot_BxTxKxC)
-        combine_BxTxExC = jnp.einsum("btke,btkc->btec", expert_BxTxKxE * weights_BxTxK[..., None], slot_BxTxKxC)
-
-        # Dispatch where the tokens are, then move each expert's slots to its devices: the change of
-        # sharding from rows (over expert) to experts (over expert) is one all-to-all.
-        dtype = x_BTxD.dtype
-        in_ExBxCxD = constrain(jnp.einsum("btec,btd->ebcd", dispatch_BxTxExC.astype(dtype), x_BxTxD),
-                               (None, "batch", None, "embed_act"))
-        in_ExNxD = constrain(in_ExBxCxD, ("experts", "expert_batch", None, "embed_act")).reshape(E, B * C, -1)
-        h_ExNxF = expert_matmul(in_ExNxD, self.fc_kernel[...], c.quantization)
-        if self.gate_kernel is not None:  # swiglu
-            h_ExNxF = jax.nn.silu(expert_matmul(in_ExNxD, self.gate_kernel[...], c.quantization)) * h_ExNxF
-        else:
-            h_ExNxF = ACTIVATIONS[c.mlp](h_ExNxF)
-        out_ExNxD = expert_matmul(constrain(h_ExNxF, ("experts", "expert_batch", "mlp")), self.proj_kernel[...],
-                                  c.quantization)
-        out_ExBxCxD = constrain(out_ExNxD.reshape(E, B, C, -1), ("experts", "expert_batch", None, "embed_act"))
-        out_ExBxCxD = constrain(out_ExBxCxD, (None, "batch", None, "embed_act"))  # back: all-to-all
-        y_BxTxD = jnp.einsum("btec,ebcd->btd", combine_BxTxExC.astype(dtype), out_ExBxCxD)
-        y_BTxD = y_BxTxD.reshape(B * T, -1)
-        if self.shared is not None:
-            y_BTxD = y_BTxD + self.shared(x_BTxD)
-        return dropout(y_BTxD, c.dropout, dropout_key), router_stats(logits_BxTxE, expert_BxTxKxE, dispatch_BxTxExC)
-
-
-def router_stats(logits_BxTxE, expert_BxTxKxE, dispatch_BxTxExC) -> dict:
-    """What training adds to the loss and logs, per layer:
-    balance_loss  E · Σ_e f_e · P_e, f_e the share of the routed choices that picked expert e
-                  and P_e its mean router probability (Switch Transformer; 1.0 when balanced)
-    z_loss        mean of logsumexp(router logits)² (ST-MoE: keeps the logits small)
-    dropped       the share of the choices over capacity
-    load          f_e, (E,)
-    """
-    E, choices = logits_BxTxE.shape[-1], expert_BxTxKxE[..., 0].size
-    load_E = expert_BxTxKxE.sum((0, 1, 2)) / choices
-    probability_E = jax.nn.softmax(logits_BxTxE).mean((0, 1))
-    return {"balance_loss": E * jnp.sum(load_E * probability_E),
-            "z_loss": jnp.square(jax.nn.logsumexp(logits_BxTxE, -1)).mean(),
-            "dropped": (choices - dispatch_BxTxExC.sum()) / choices,
-            "load": load_E}
 
 
 def no_softcap(logits, cap: float):

@@ -27,7 +27,7 @@ from configurator import Config
 
 # The blocks' weight matrices: (reduction axes, output axes) of the stacked array, i.e. the
 # axes x @ W contracts with and the axes it produces. Axis 0 (layers) is a batch axis; so is a
-# mixture of experts' expert axis, which comes next (model.MoE: fc_kernel (L, E, D, F)), so its
+# mixture of experts' expert axis, which comes next (moe.MoE: fc_kernel (L, E, D, F)), so its
 # kernels' axes are these shifted by one.
 BLOCK_MATRICES = {
     "qkv_kernel": MuonDimensionNumbers(reduction_axis=1, output_axis=(2, 3, 4)),  # (L, D, C, K, H)

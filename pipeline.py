@@ -50,7 +50,7 @@ def run(layers_fn, stack, x_BTxD, batch_size: int, *, stages: int, microbatches:
     layers_fn(x_NxD, layers, microbatch) runs a slice of the stack (leading axis: its layers)
     on one micro-batch's activations and returns (x_NxD, per-layer outputs with that leading
     axis). Returns (x (B·T, D), per-layer outputs (L, ...) averaged over the micro-batches).
-    `constrain(x, logical axes)` pins shardings (model.constrain); the stage axis is 'stage'.
+    `constrain(x, logical axes)` pins shardings (layers.constrain); the stage axis is 'stage'.
     """
     S, M = stages, microbatches
     L = jax.tree.leaves(stack)[0].shape[0]

@@ -33,7 +33,7 @@ RULES = (
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("mlp", "tensor"),
-    ("experts", "expert"),  # a mixture of experts' expert axis (model.MoE)
+    ("experts", "expert"),  # a mixture of experts' expert axis (moe.MoE)
     ("layers", "stage"),  # a pipeline stage holds its layers (contiguous: GPipe; see pipeline.py)
     ("stage", "stage"),  # the pipeline's per-stage activations
     ("qkv", None),
@@ -219,7 +219,7 @@ def batch_sharding(mesh) -> NamedSharding:
 
 @contextlib.contextmanager
 def activate(mesh, rules=RULES):
-    """Inside: jit sees `mesh`, and model.constrain() resolves logical names with `rules`."""
+    """Inside: jit sees `mesh`, and layers.constrain() resolves logical names with `rules`."""
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         yield
 

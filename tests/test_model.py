@@ -17,8 +17,11 @@ from flax import nnx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # model.py lives at the repo root
 
+import attention  # noqa: E402
 import hf  # noqa: E402
+import layers  # noqa: E402
 import model  # noqa: E402
+import moe as moe_layer  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 TINY = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -746,7 +749,7 @@ def test_routing_picks_the_most_probable_experts_with_weights_as_configured(k):
     """Top-k by router probability; one expert keeps its probability (Switch: the router still
     gets a gradient through it), several are renormalised to sum to 1 (Mixtral)."""
     config = dataclasses.replace(MOE_VARIANTS["gelu, top-2 of 4"], experts_per_token=k)
-    moe = model.MoE(config, jax.random.key(0))
+    moe = moe_layer.MoE(config, jax.random.key(0))
     moe.router_kernel[...] = moe.router_kernel[...] * 20
     x = jax.random.normal(jax.random.key(1), (2, 16, config.n_embd))
     weights, experts, logits = (np.asarray(a) for a in moe.route(x))
@@ -762,8 +765,8 @@ def test_capacity_keeps_first_choices_first_then_earlier_tokens_and_counts_the_r
     """capacity_factor 0.5 with top-2 of 4 on 16 tokens: 4 slots per expert and row. The layer
     equals a loop that hands out slots choice by choice, token by token."""
     config = dataclasses.replace(MOE_VARIANTS["gelu, top-2 of 4"], capacity_factor=0.5)
-    assert model.expert_capacity(config, 16) == 4
-    moe = model.MoE(config, jax.random.key(0))
+    assert moe_layer.expert_capacity(config, 16) == 4
+    moe = moe_layer.MoE(config, jax.random.key(0))
     moe.router_kernel[...] = moe.router_kernel[...] * 20
     x = jax.random.normal(jax.random.key(1), (2 * 16, config.n_embd))
     y, stats = moe(x, batch_size=2)
@@ -793,12 +796,12 @@ def test_router_losses_on_a_hand_worked_example():
     logits = jnp.log(jnp.asarray([[[3.0, 1.0], [3.0, 1.0]]]))  # (B=1, T=2, E=2)
     chosen = jax.nn.one_hot(jnp.zeros((1, 2, 1), int), 2)  # (B, T, k=1, E): expert 0
     dispatch = jnp.einsum("btke,btkc->btec", chosen, jax.nn.one_hot(jnp.asarray([[[0], [1]]]), 2))
-    stats = model.router_stats(logits, chosen, dispatch)
+    stats = moe_layer.router_stats(logits, chosen, dispatch)
     assert float(stats["balance_loss"]) == pytest.approx(1.5)
     assert float(stats["z_loss"]) == pytest.approx(math.log(4) ** 2)
     assert float(stats["dropped"]) == 0.0
     np.testing.assert_allclose(stats["load"], [1.0, 0.0])
-    uniform = model.router_stats(jnp.zeros((1, 2, 2)), jax.nn.one_hot(jnp.asarray([[[0], [1]]]), 2), dispatch)
+    uniform = moe_layer.router_stats(jnp.zeros((1, 2, 2)), jax.nn.one_hot(jnp.asarray([[[0], [1]]]), 2), dispatch)
     assert float(uniform["balance_loss"]) == pytest.approx(1.0)  # balanced: its minimum
 
 
@@ -823,12 +826,12 @@ def test_written_out_attention_and_its_backward_equal_xla(n_head, n_kv_head, T):
     query block at T = 12, two at 40, four of uneven size at 150) gives XLA's attention and
     gradients, multi-head and grouped-query."""
     kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
-    assert len(model.query_blocks(T)) == {12: 1, 40: 2, 150: 4}[T]
+    assert len(attention.query_blocks(T)) == {12: 1, 40: 2, 150: 4}[T]
     q = jax.random.normal(kq, (2, T, n_head, 8))
     k, v = (jax.random.normal(key, (2, T, n_kv_head, 8)) for key in (kk, kv))
     dy = jax.random.normal(kd, q.shape)
     xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-    ours, our_pullback = jax.vjp(model.causal_attention, q, k, v)
+    ours, our_pullback = jax.vjp(attention.causal_attention, q, k, v)
     theirs, their_pullback = jax.vjp(xla, q, k, v)
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
     for a, b in zip(our_pullback(dy), their_pullback(dy)):  # dq, dk, dv
@@ -849,16 +852,16 @@ def test_attention_dropout_and_its_backward_equal_autodiff_of_the_formula():
         k, v = (jnp.repeat(x, 2, axis=2) for x in (k, v))
         scores = jnp.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(8)
         p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf))
-        p = jnp.where(model.attention_keep_mask(key, rate, p.shape), p / (1 - rate), 0.0)
+        p = jnp.where(attention.attention_keep_mask(key, rate, p.shape), p / (1 - rate), 0.0)
         return jnp.einsum("bnts,bsnh->btnh", p, v)
 
-    ours, our_pullback = jax.vjp(lambda q, k, v: model.causal_attention(q, k, v, rate, key), q, k, v)
+    ours, our_pullback = jax.vjp(lambda q, k, v: attention.causal_attention(q, k, v, rate, key), q, k, v)
     theirs, their_pullback = jax.vjp(formula, q, k, v)
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
     for a, b in zip(our_pullback(dy), their_pullback(dy)):  # dq, dk, dv
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
-    assert np.abs(ours - model.causal_attention(q, k, v)).max() > 0.1  # it does drop
-    np.testing.assert_array_equal(model.causal_attention(q, k, v, 0.0, key), model.causal_attention(q, k, v))
+    assert np.abs(ours - attention.causal_attention(q, k, v)).max() > 0.1  # it does drop
+    np.testing.assert_array_equal(attention.causal_attention(q, k, v, 0.0, key), attention.causal_attention(q, k, v))
 
 
 def test_layer_norm_backward_equals_autodiff_of_its_formula():
@@ -870,7 +873,7 @@ def test_layer_norm_backward_equals_autodiff_of_its_formula():
         return (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + 1e-5) * scale + bias
 
     loss = lambda norm: lambda *args: jnp.sum(jnp.sin(norm(*args)))
-    ours = jax.grad(loss(lambda x, s, b: model.layer_norm(x, s, b, 1e-5)), argnums=(0, 1, 2))(x, scale, bias)
+    ours = jax.grad(loss(lambda x, s, b: layers.layer_norm(x, s, b, 1e-5)), argnums=(0, 1, 2))(x, scale, bias)
     reference = jax.grad(loss(formula), argnums=(0, 1, 2))(x, scale, bias)
     for a, b in zip(ours, reference):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)

@@ -1,0 +1,99 @@
+"""Causal softmax attention written out, with its own backward ('einsum' in model.py): float32
+scores, query blocks that skip the score tiles above the diagonal, grouped-query heads, and
+nanoGPT's dropout on the attention probabilities. jax only.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def causal_mask(start_B, T: int, S: int):
+    """(B, 1, T, S): query t of row b (at position start_B[b] + t) sees keys at positions <= its own."""
+    query_position_BxT = start_B[:, None] + jnp.arange(T)
+    return (jnp.arange(S) <= query_position_BxT[:, :, None])[:, None]
+
+
+def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dropout_rate: float = 0.0, dropout_key=None):
+    """Causal softmax attention written out ('einsum'), with its backward: scores in float32, heads shared
+    by groups of G = N / K query heads (grouped-query: keys and values repeated per group). With a
+    dropout_key, attention probabilities are dropped at dropout_rate (nanoGPT's attn_dropout)."""
+    G = q_BxTxNxH.shape[2] // k_BxTxKxH.shape[2]
+    k_BxTxNxH, v_BxTxNxH = (jnp.repeat(x, G, axis=2) if G > 1 else x for x in (k_BxTxKxH, v_BxTxKxH))
+    key = dropout_key if dropout_rate > 0 else None
+    return _attend(q_BxTxNxH * q_BxTxNxH.shape[-1] ** -0.5, k_BxTxNxH, v_BxTxNxH, key, dropout_rate)
+
+
+def attention_keep_mask(key, rate: float, shape_BxNxTxS):
+    """Which attention probabilities survive dropout: drawn from the key alone, so the backward pass
+    draws the same mask again instead of keeping it."""
+    return jax.random.bernoulli(key, 1.0 - rate, shape_BxNxTxS)
+
+
+def query_blocks(T: int) -> list[tuple[int, int]]:
+    """[(start, end)] of the query blocks: block queries see keys [0, end) only, so the scores above
+    the diagonal blocks are never computed (a quarter to three eighths of them; on XLA:CPU, where
+    these small batched matmuls are slow, that beat one T x T block at every T measured, 64 to 1024)."""
+    n = 1 if T < 32 else 2 if T <= 128 else 4
+    bounds = [round(i * T / n) for i in range(n + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attend(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate: float):
+    return _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate)[0]
+
+
+def _dropped(p_BxNxCxS, keep_mask, start: int, end: int, rate: float):
+    """The probabilities of query block [start, end) after dropout (unchanged without a mask)."""
+    if keep_mask is None:
+        return p_BxNxCxS
+    return jnp.where(keep_mask[:, :, start:end, :end], p_BxNxCxS / (1.0 - rate), 0.0)
+
+
+def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate):
+    # einsums straight on the projection's (B, T, N, H) layout: no transposed copies of q, k, v
+    (B, T, N, _), S = q_BxTxNxH.shape, k_BxSxNxH.shape[1]
+    keep_BxNxTxS = None if dropout_key is None else attention_keep_mask(dropout_key, dropout_rate, (B, N, T, S))
+    outputs, probabilities = [], []
+    for start, end in query_blocks(T):
+        s_BxNxCxS = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH[:, start:end], k_BxSxNxH[:, :end],
+                               preferred_element_type=jnp.float32)
+        s_BxNxCxS = jnp.where(causal_mask(jnp.full(B, start), end - start, end), s_BxNxCxS, -jnp.inf)
+        p_BxNxCxS = jnp.exp(s_BxNxCxS - s_BxNxCxS.max(-1, keepdims=True))
+        p_BxNxCxS = p_BxNxCxS / p_BxNxCxS.sum(-1, keepdims=True)
+        used_BxNxCxS = _dropped(p_BxNxCxS, keep_BxNxTxS, start, end, dropout_rate)
+        outputs.append(jnp.einsum("bnts,bsnh->btnh", used_BxNxCxS.astype(v_BxSxNxH.dtype), v_BxSxNxH[:, :end]))
+        probabilities.append(p_BxNxCxS)
+    o_BxTxNxH = jnp.concatenate(outputs, axis=1)
+    return o_BxTxNxH, (q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH, dropout_key)
+
+
+def _attend_bwd(dropout_rate, saved, do_BxTxNxH):
+    """Softmax's backward needs rowsum(dP * P), which equals rowsum(dO * O) (FlashAttention's
+    trick): a (B, T, N) reduction over H instead of one over the (B, N, T, T) scores. With dropout
+    P is the dropped P' = P * mask / (1 - rate) in O and dV, and dP = dP' * mask / (1 - rate); the
+    trick still holds, as rowsum(dP * P) = rowsum(dP' * P')."""
+    q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH, dropout_key = saved
+    (B, T, N, _), S = q_BxTxNxH.shape, k_BxSxNxH.shape[1]
+    keep_BxNxTxS = None if dropout_key is None else attention_keep_mask(dropout_key, dropout_rate, (B, N, T, S))
+    dtype, blocks = q_BxTxNxH.dtype, query_blocks(T)
+    delta_BxNxT = jnp.einsum("btnh,btnh->bnt", do_BxTxNxH, o_BxTxNxH, preferred_element_type=jnp.float32)
+    dq_blocks, dk_blocks, dv_blocks = [], [0] * len(blocks), [0] * len(blocks)
+    for i, ((start, end), p_BxNxCxS) in enumerate(zip(blocks, probabilities)):
+        do_BxCxNxH = do_BxTxNxH[:, start:end]
+        used_BxNxCxS = _dropped(p_BxNxCxS, keep_BxNxTxS, start, end, dropout_rate)
+        dv_BxSxNxH = jnp.einsum("bnts,btnh->bsnh", used_BxNxCxS.astype(dtype), do_BxCxNxH)
+        dp_BxNxCxS = jnp.einsum("btnh,bsnh->bnts", do_BxCxNxH, v_BxSxNxH[:, :end], preferred_element_type=jnp.float32)
+        dp_BxNxCxS = _dropped(dp_BxNxCxS, keep_BxNxTxS, start, end, dropout_rate)
+        ds_BxNxCxS = (p_BxNxCxS * (dp_BxNxCxS - delta_BxNxT[:, :, start:end, None])).astype(dtype)
+        dq_blocks.append(jnp.einsum("bnts,bsnh->btnh", ds_BxNxCxS, k_BxSxNxH[:, :end]))
+        dk_BxSxNxH = jnp.einsum("bnts,btnh->bsnh", ds_BxNxCxS, q_BxTxNxH[:, start:end])
+        for j, (key_start, key_end) in enumerate(blocks[:i + 1]):  # keys [0, end), by block
+            dk_blocks[j] += dk_BxSxNxH[:, key_start:key_end]
+            dv_blocks[j] += dv_BxSxNxH[:, key_start:key_end]
+    return (*(jnp.concatenate(parts, axis=1) for parts in (dq_blocks, dk_blocks, dv_blocks)), None)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)

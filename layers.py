@@ -1,0 +1,174 @@
+"""The building blocks of model.py's GPT, and of moe.py's experts: parameters with logical axis
+names, sharding constraints by those names, dropout, linear layers (int8/fp8 operands through
+quantization.py), the norms and the MLPs. `config` is a model.GPTConfig (its fields are read by
+name; this file does not import model.py, so moe.py can use it too).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import spmd
+
+import quantization
+
+
+def param(value, logical_axes) -> nnx.Param:
+    """A float32 parameter whose `out_sharding` metadata holds logical axis names."""
+    # eager_sharding=False: logical names can't be applied at creation; sharding.py turns
+    # them into mesh shardings for the out_shardings of the jitted initializer instead.
+    return nnx.Param(value.astype(jnp.float32), out_sharding=logical_axes, eager_sharding=False)
+
+
+def normal(key, shape, std):
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def residual_init(key, shape, config):
+    """The output projections that write into the residual stream: GPT-2 scales their init down
+    with depth; zero_init_proj starts them at 0 (modded-nanogpt), so each block is the identity
+    at step 0 and only its output projection gets a gradient at first."""
+    if config.zero_init_proj:
+        return jnp.zeros(shape, jnp.float32)
+    return normal(key, shape, 0.02 / math.sqrt(2 * config.n_layer))
+
+
+def constrain(x, logical_axes):
+    """Pin an activation's sharding by logical names, when sharding.py has set rules."""
+    rules = spmd.get_logical_axis_rules()
+    if not rules or jax.sharding.get_abstract_mesh().empty:
+        return x
+    rules = dict(rules)
+    spec = jax.sharding.PartitionSpec(*(rules.get(name) for name in logical_axes))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def dropout(x, rate: float, key):
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def linear(x_BTxI, kernel_IxO, bias, quantize: str = "none"):
+    """x @ kernel (+ bias) in the compute dtype of x, from int8/fp8 operands if asked.
+    kernel and bias may be nnx.Params or arrays."""
+    y_BTxO = quantization.matmul(x_BTxI, kernel_IxO[...].astype(x_BTxI.dtype), quantize)
+    return y_BTxO if bias is None else y_BTxO + bias[...].astype(x_BTxI.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """GPT-2's: centre, scale to unit variance, then a learned scale and (with bias) shift."""
+
+    def __init__(self, config):
+        self.scale = param(jnp.ones(config.n_embd), ("norm",))
+        self.bias = param(jnp.zeros(config.n_embd), ("norm",)) if config.bias else None
+        self.eps = config.norm_eps
+
+    def __call__(self, x_BxTxD):
+        return layer_norm(x_BxTxD, self.scale[...], None if self.bias is None else self.bias[...], self.eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x_xD, scale_D, bias_D, eps: float):
+    """(x - mean) / std * scale (+ bias) over the last axis, statistics in float32 even under
+    bfloat16. Its backward is written out (a few passes over x) rather than left to autodiff,
+    which made XLA:CPU run ~16 small kernels per norm."""
+    return _layer_norm_fwd(x_xD, scale_D, bias_D, eps)[0]
+
+
+def _layer_norm_fwd(x_xD, scale_D, bias_D, eps):
+    x = x_xD.astype(jnp.float32)
+    mean = x.mean(-1, keepdims=True)
+    rstd = jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + eps)
+    y = (x - mean) * rstd * scale_D
+    if bias_D is not None:
+        y = y + bias_D
+    return y.astype(x_xD.dtype), (x_xD, mean, rstd, scale_D, bias_D)
+
+
+def _layer_norm_bwd(eps, saved, dy_xD):
+    x_xD, mean, rstd, scale_D, bias_D = saved
+    xhat = (x_xD.astype(jnp.float32) - mean) * rstd
+    dy = dy_xD.astype(jnp.float32)
+    g = dy * scale_D
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    rows = tuple(range(dy.ndim - 1))
+    dbias = None if bias_D is None else dy.sum(rows)
+    return dx.astype(x_xD.dtype), (dy * xhat).sum(rows), dbias
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+class RMSNorm(nnx.Module):
+    """Llama's: divide by the root mean square (no centring), times a learned scale; no bias."""
+
+    def __init__(self, config):
+        self.scale = param(jnp.ones(config.n_embd), ("norm",))
+        self.eps = config.norm_eps
+
+    def __call__(self, x_BxTxD):
+        x = x_BxTxD.astype(jnp.float32)
+        y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps) * self.scale[...]
+        return y.astype(x_BxTxD.dtype)
+
+
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+
+def gelu(h):
+    return jax.nn.gelu(h, approximate=True)  # GPT-2's tanh approximation
+
+
+def relu_squared(h):
+    return jnp.square(jax.nn.relu(h))  # modded-nanogpt's (So et al., Primer, 2021)
+
+
+ACTIVATIONS = {"gelu": gelu, "relu2": relu_squared}
+
+
+class MLP(nnx.Module):
+    """GPT-2's: proj(gelu(fc(x))); mlp='relu2': proj(relu(fc(x))²), same two matrices."""
+
+    def __init__(self, config, key):
+        D, F = config.n_embd, config.mlp_hidden_size
+        k_fc, k_proj = jax.random.split(key)
+        self.fc_kernel = param(normal(k_fc, (D, F), 0.02), ("embed", "mlp"))
+        self.proj_kernel = param(residual_init(k_proj, (F, D), config), ("mlp", "embed"))
+        self.fc_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
+        self.proj_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
+        self.config = config
+
+    def __call__(self, x_BTxD, dropout_key=None):
+        q = self.config.quantization
+        h_BTxF = ACTIVATIONS[self.config.mlp](linear(x_BTxD, self.fc_kernel, self.fc_bias, q))
+        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias, q)
+        return dropout(y_BTxD, self.config.dropout, dropout_key)
+
+
+class SwiGLU(nnx.Module):
+    """Llama's: proj(silu(gate(x)) * fc(x)), a gated unit with three matrices."""
+
+    def __init__(self, config, key):
+        D, F = config.n_embd, config.mlp_hidden_size
+        k_gate, k_fc, k_proj = jax.random.split(key, 3)
+        self.gate_kernel = param(normal(k_gate, (D, F), 0.02), ("embed", "mlp"))
+        self.fc_kernel = param(normal(k_fc, (D, F), 0.02), ("embed", "mlp"))
+        self.proj_kernel = param(residual_init(k_proj, (F, D), config), ("mlp", "embed"))
+        self.gate_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
+        self.fc_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
+        self.proj_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
+        self.config = config
+
+    def __call__(self, x_BTxD, dropout_key=None):
+        q = self.config.quantization
+        gate_BTxF = jax.nn.silu(linear(x_BTxD, self.gate_kernel, self.gate_bias, q))
+        h_BTxF = gate_BTxF * linear(x_BTxD, self.fc_kernel, self.fc_bias, q)
+        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias, q)
+        return dropout(y_BTxD, self.config.dropout, dropout_key)
+
+
+MLPS = {"gelu": MLP, "relu2": MLP, "swiglu": SwiGLU}
