@@ -196,7 +196,7 @@ def prefill_4_rows(setup, params):
     """The generation state after a prefill of 4 rows of 5 tokens (a cache of 16), on setup's mesh."""
     run = jax.jit(lambda p, x, n: generate.prefill(
         setup.graphdef, p, x, n, jnp.full(4, 4, jnp.int32), jnp.zeros(4, jnp.int32), jax.random.key(0), -1,
-        length=16, sampling=(0, 0, 1.0), kv_cache=True))
+        length=16, sampling=(0, 0, 1.0), kv_cache=True, vocab=setup.model_config.vocab_size))
     with sharding.activate(setup.mesh):
         return run(params, jnp.ones((4, 5), jnp.int32), jnp.full(4, 5, jnp.int32))
 
