@@ -222,8 +222,14 @@ def checksums_of(tree) -> dict:
     exact integer sums, so any sharding of the array gives the same numbers, and a flipped bit or
     a moved block of bytes changes them."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    sums = _bit_sums([leaf for _, leaf in leaves])
+    sums = _bit_sums([in_device_memory(leaf) for _, leaf in leaves])
     return {jax.tree_util.keystr(path): [int(a), int(b)] for (path, _), (a, b) in zip(leaves, sums)}
+
+
+def in_device_memory(x: jax.Array) -> jax.Array:
+    """x, copied to device memory if it lives in host memory (offload): XLA computes on neither mixed."""
+    kind = getattr(x.sharding, "memory_kind", None)
+    return x if kind in (None, "device") else jax.device_put(x, x.sharding.with_memory_kind("device"))
 
 
 @jax.jit
@@ -245,7 +251,7 @@ def verify(name: str, tree, meta: dict) -> str | None:
                 return f"{name}{path} does not match the checksum written with it"
     if name == "params":
         leaves = jax.tree_util.tree_leaves_with_path(tree)
-        for (path, _), finite in zip(leaves, _all_finite([leaf for _, leaf in leaves])):
+        for (path, _), finite in zip(leaves, _all_finite([in_device_memory(leaf) for _, leaf in leaves])):
             if not finite:
                 return f"params{jax.tree_util.keystr(path)} holds values that are not finite (NaN or inf)"
     return None
