@@ -159,8 +159,8 @@ class Engine:
             if len(self.queue) >= self.max_queue:
                 raise QueueFull(f"{len(self.queue)} requests are waiting already (max_queue); try again later")
             request.id, request.submitted_at = next(self.ids), time.perf_counter()
-            if request.seed is None:
-                request.seed = random.getrandbits(31)
+            # Seeds are int32 on the device: any integer is taken modulo 2^31 (generate.py's agree below it).
+            request.seed = random.getrandbits(31) if request.seed is None else request.seed % 2 ** 31
             self.queue.append(request)
             self.wake.notify()
         return request

@@ -131,6 +131,8 @@ def test_greedy_completion_equals_generate_streamed_or_not(client, loaded):
     assert streamed_text(stream) == (whole.choices[0].text, "length")
     echo = client.completions.create(model="out", prompt="hello world", max_tokens=12, temperature=0, echo=True)
     assert echo.choices[0].text == "hello world" + whole.choices[0].text
+    # Any integer is a seed (the device's are int32: taken modulo 2^31)
+    assert client.completions.create(model="out", prompt="hi", max_tokens=2, seed=2 ** 40).usage.completion_tokens == 2
 
 
 def test_eight_concurrent_seeded_streams_each_equal_the_request_alone(client, loaded):
