@@ -28,7 +28,7 @@ class EvalConfig:
     out_dir: str = "out"
     task: str = "hellaswag"  # 'hellaswag' | 'choice' ({context, choices, label} jsonl) | 'perplexity' (text)
     data: str = ""  # the task's file; '' with hellaswag: its validation set, downloaded once
-    limit: int = 0  # only the first N examples (0 = all)
+    limit: int = 0  # only the first N examples of hellaswag or choice (0 = all)
     norm: str = "token"  # acc_norm per 'token' (build-nanogpt, llm.c) or per 'char' (lm-eval)
     batch_size: int = 32  # rows (choices or windows) per forward pass, over all devices
     dtype: str = "auto"  # a Hugging Face model's compute dtype: 'auto' = bfloat16 on GPUs/TPUs, else float32
@@ -36,6 +36,9 @@ class EvalConfig:
 
     def __post_init__(self):
         configurator.check_choice("task", self.task, evals.TASKS)
+        if self.task == "perplexity" and self.limit:
+            raise configurator.ConfigError("--limit counts the examples of hellaswag and choice; perplexity "
+                                           "scores the whole --data file: cut the file to score less")
         configurator.check_choice("norm", self.norm, ("token", "char"))
         configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
         for key in ("limit", "devices"):

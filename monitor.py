@@ -178,4 +178,4 @@ def print_summary(log, setup, splits: dict, peak: str) -> None:
               f"{config.tokens_per_step:,} tokens per step")
     log.print(f"peak: {peak}")
     resuming = " (resuming its latest checkpoint)" if config.init_from == "resume" else ""
-    log.print(f"writing to {config.out_dir}{resuming}")
+    log.print(f"writing to {os.path.abspath(config.out_dir)}{resuming}")

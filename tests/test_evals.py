@@ -159,6 +159,7 @@ def test_command_line_and_its_one_line_errors(tmp_path, monkeypatch, capsys):
         (["--task=choice", f"--data={tmp_path / 'nope.jsonl'}"], ["nope.jsonl not found"]),
         (["--task=choice", f"--data={tmp_path}"], ["Is a directory; pass --data=FILE.jsonl"]),
         (["--task=perplexity"], ["--task=perplexity needs --data=FILE"]),
+        (["--task=perplexity", "--data=x.txt", "--limit=5"], ["--limit counts the examples", "cut the file"]),
         (["--task=choice", f"--data={write_examples(tmp_path / 'hs.jsonl', n=1)}"],  # HellaSwag's form
          ["no 'context', 'choices' field"]),
     ]:
