@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 from configurator import ROLES, Config, resume_values
 from dataset import dataset_dir
 import hf
-from tokenizer import tokenizer_from_description
+from tokenizer import tokenizer_from_description, vocabulary_identity
 
 
 class CheckpointError(ValueError):
@@ -387,8 +387,7 @@ def check_resumable(meta: dict, config: Config, tok) -> None:
     """The checkpoint's model and vocabulary are this run's, and it has steps left to train."""
     check_model(saved_config(meta), config)
     saved = meta.get("tokenizer")  # absent in checkpoints older than the check
-    identity = lambda description: {k: v for k, v in description.items() if k != "dir"}  # dirs move
-    if saved and tok and identity(saved) != identity(tok.describe()):
+    if saved and tok and vocabulary_identity(saved) != vocabulary_identity(tok.describe()):
         raise CheckpointError(
             f"the checkpoint in {config.out_dir} was trained on a vocabulary of "
             f"{tokenizer_from_description(saved).summary()}, but "

@@ -349,12 +349,16 @@ def _read_json_object(path) -> dict:
     return value
 
 
+def vocabulary_identity(description: dict) -> dict:
+    """What names a vocabulary in a tokenizer's description: all but its folder (folders move)."""
+    return {k: v for k, v in description.items() if k != "dir"}
+
+
 def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
     """Whether two tokenizers mean the same by every id: the same description, or (GPT-2's BPE
     from tiktoken and from a tokenizer.json are two files of one vocabulary) the same size, the
     same ids for a probe text and the same text for ids spread over the whole vocabulary."""
-    identity = lambda t: {k: v for k, v in t.describe().items() if k != "dir"}  # directories move
-    if identity(a) == identity(b):
+    if vocabulary_identity(a.describe()) == vocabulary_identity(b.describe()):
         return True
     if a.vocab_size != b.vocab_size:
         return False
