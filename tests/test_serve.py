@@ -216,6 +216,8 @@ def test_logprobs_are_the_models_own(client, loaded):
     ({"prompt": "ab", "top-k": 3}, 400, "top-k", "unknown parameter"),
     ({"prompt": "ab", "model": "gpt-4"}, 404, "model", "does not exist"),
     ({"prompt": "☃"}, 400, "prompt", "can't be encoded"),
+    # 2 prompts x 16 = 32 generations at once; 4 slots + max_queue 16 hold 20: none of them runs
+    ({"prompt": ["ab", "ba"], "n": 16, "max_tokens": 2}, 429, None, "max_queue"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param, words):
     got, reply = post(server[0] + "/v1/completions", body, raw=b"{not json" if body is None else None)
