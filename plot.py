@@ -68,7 +68,7 @@ def plot(out_dirs: list[str], path: str) -> None:
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("out_dirs", nargs="+", help="training output directories")
     parser.add_argument("--out", help="PNG file to write (default: <first out_dir>/loss.png)")
     args = parser.parse_args(argv)

@@ -181,7 +181,7 @@ def measure(cmd):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--mb", type=int, default=300, help="MB of document text in the corpus")
     parser.add_argument("--num_proc", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeat", type=int, default=2, help="rounds of all runs; the fastest of each counts")

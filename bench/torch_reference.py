@@ -142,7 +142,7 @@ def matmul_flops(n: int = 1024, runs: int = 20) -> float:
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size"):
         p.add_argument(f"--{key}", type=int, required=True)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: PyTorch's default)")

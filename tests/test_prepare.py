@@ -426,3 +426,11 @@ def test_online_download_takes_the_first_shards(tmp_path, monkeypatch):
     assert asked["download"] == {"repo_type": "dataset", "revision": "main", "cache_dir": tmp_path / "hub",
                                  "allow_patterns": list(SHARDS)[:2]}
     assert files == [snapshot / name for name in list(SHARDS)[:2]]
+
+
+def test_every_prepare_help_gives_its_description_whole():
+    for script in sorted(ROOT.glob("data/*/prepare.py")):
+        help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                                   check=True).stdout
+        description = " ".join(help_text.split("\n\n")[1].split())  # after the usage lines
+        assert description.endswith("."), (script, description)

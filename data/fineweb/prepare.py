@@ -46,7 +46,7 @@ def shards(sample, max_shards=None, input_dir=None, cache_dir=None, local_files_
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--sample", default="10BT", choices=SAMPLES, help="which sample/ folder of the dataset")
     parser.add_argument("--max_shards", type=int, help="only the first N shards (a partial run)")
     parser.add_argument("--input_dir", help="a folder with the shards already: nothing is downloaded")

@@ -51,7 +51,7 @@ def shards(revision=REVISION, folder=FOLDER, max_shards=None, input_dir=None, ca
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--max_shards", type=int, help="only the first N shards (a partial run)")
     parser.add_argument("--input_dir", help="a folder with the shards already: nothing is downloaded")
     parser.add_argument("--cache_dir", help="the Hugging Face cache (default ~/.cache/huggingface/hub)")

@@ -32,7 +32,7 @@ def prepare(text, out_dir, val_fraction=0.1, source=None, command=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--input", help="a local text file to use instead of Shakespeare")
     parser.add_argument("--out_dir", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args(argv)

@@ -512,7 +512,7 @@ def prepare_shards(script, args, out_dir, find_shards, **script_options):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--input_dir", required=True, help="folder of .txt / .jsonl[.gz|.zst] / .parquet files")
     add_common_options(parser)
     args = parser.parse_args(argv)
