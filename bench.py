@@ -137,9 +137,12 @@ class TrainBench:
         return seconds
 
     def result(self, seconds: list[float]) -> dict:
-        peak, peak_source = hardware.best_peak_flops(self.devices, self.peak), self.peak_source
+        tokens, median = self.config.tokens_per_step, statistics.median(seconds)
+        flops = flops_per_token(self.setup.model_config)
+        tokens_per_s = tokens / median
+        peak, peak_source = hardware.best_peak_flops(self.devices, self.peak, flops * tokens_per_s), self.peak_source
         if self.devices[0].platform == "cpu":
-            peak_source += ", the best of before and after the timed steps"
+            peak_source += ", the best of before and after the timed steps (and of the step itself)"
         memory, memory_source = peak_memory(self.devices)
         if memory is None:  # CPU: what the compiler planned (arguments + temporaries) instead
             m = self.step.memory_analysis()
@@ -147,10 +150,6 @@ class TrainBench:
                 memory = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                           + m.temp_size_in_bytes)
                 memory_source = "compiler's plan: arguments + outputs + temporaries; backend reports none"
-        tokens = self.config.tokens_per_step
-        median = statistics.median(seconds)
-        flops = flops_per_token(self.setup.model_config)
-        tokens_per_s = tokens / median
         # Muon's Newton-Schulz matmuls: real work, but not the model's; MFU leaves them out
         optimizer_flops = optimizer.flops_per_step(self.setup.abstract_state["params"], self.config)
         return {

@@ -125,7 +125,7 @@ def test_tensorboard_events_profile_and_saved_config(toy):
 def test_mfu_divides_by_the_best_cpu_peak_measured_so_far(toy, monkeypatch):
     """A busy moment at start-up makes the measured CPU peak low and MFU high: each evaluation
     measures it again, and the steps after it divide by the best rate seen."""
-    rates = iter([1e9, 4e9, 2e9])  # start-up, the evaluations after steps 4 and 8
+    rates = iter([1e13, 4e13, 2e13])  # start-up, the evaluations after steps 4 and 8 (all above the steps' rate)
     monkeypatch.setattr(hardware, "measure_cpu_peak_flops", lambda: next(rates))
     config = small_config(toy, tensorboard=True)
     train.train(config, ONE_DEVICE)
@@ -140,6 +140,15 @@ def test_mfu_divides_by_the_best_cpu_peak_measured_so_far(toy, monkeypatch):
     assert sorted(implied_peak) == list(range(1, 8))  # step 0 compiles: no MFU
     for step in range(1, 8):
         assert implied_peak[step] == pytest.approx(implied_peak[1] * (1 if step < 4 else 4), rel=1e-5)
+
+
+def test_mfu_is_never_above_100_percent(toy, monkeypatch, capsys):
+    """A CPU peak measured at a busy moment (issue 42: `mfu 125.8%`): a step faster than the peak
+    measures it again, and where the step is faster still, its own rate is the best seen."""
+    monkeypatch.setattr(hardware, "measure_cpu_peak_flops", lambda: 1.0)  # every measurement reads low
+    train.train(small_config(toy, max_iters=4), ONE_DEVICE)
+    printed = [float(m) for m in re.findall(r"mfu ([\d.]+)%", capsys.readouterr().out)]
+    assert len(printed) == 3 and max(printed) <= 100.0
 
 
 def test_learning_rate_schedule():
