@@ -19,6 +19,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -352,16 +353,26 @@ def agree(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
+DAMAGE_MARKERS = ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION", "Truncated")  # TensorStore's
+
+
 def describe_damage(e: Exception) -> str:
+    """What failed, in whole sentences (a cut message can hide the file's name): the first
+    TensorStore status line of the error or of the errors that caused it, which names the file,
+    else the error's first sentence."""
     if isinstance(e, KeyError) and "not found in the checkpoint" in str(e):
         return str(e).strip("'\"").split(". Available")[0].replace('Item "', 'item "')
     if isinstance(e, json.JSONDecodeError):
         return f"a truncated or invalid JSON file ({e.msg})"
-    text = str(e).split("\n")[0]
-    for marker in ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "Truncated"):
-        if marker in text:
-            return text[text.index(marker):][:160]
-    return f"{type(e).__name__}: {text[:160]}"
+    chain = [e]
+    while len(chain) < 10 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    for error in chain:
+        line = str(error).split("\n")[0]
+        for marker in DAMAGE_MARKERS:
+            if marker in line:
+                return re.sub(r"\s*\[source locations=.*?\]", "", line[line.index(marker):]).rstrip()
+    return f"{type(e).__name__}: {str(e).split(chr(10))[0].split('. ')[0].rstrip('.')}"
 
 
 def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: bool) -> None:
@@ -384,7 +395,7 @@ def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: 
 
 
 def check_resumable(meta: dict, config: Config, tok) -> None:
-    """The checkpoint's model and vocabulary are this run's, and it has steps left to train."""
+    """The checkpoint's model and vocabulary are this run's (read from its meta, before its arrays)."""
     check_model(saved_config(meta), config)
     saved = meta.get("tokenizer")  # absent in checkpoints older than the check
     if saved and tok and vocabulary_identity(saved) != vocabulary_identity(tok.describe()):
@@ -393,9 +404,14 @@ def check_resumable(meta: dict, config: Config, tok) -> None:
             f"{tokenizer_from_description(saved).summary()}, but "
             f"{dataset_dir(config)}/meta.json describes {tok.summary()}: resume with the dataset "
             f"it was trained on, or train this one from the start in another --out_dir")
-    if meta["step"] >= config.max_iters and not config.eval_only:
+
+
+def check_steps_left(step: int, config: Config) -> None:
+    """The checkpoint restored (the newest intact one: a damaged newer one does not count) leaves
+    steps to train."""
+    if step >= config.max_iters and not config.eval_only:
         raise CheckpointError(
-            f"the checkpoint in {config.out_dir} is at step {meta['step']} and max_iters is "
+            f"the newest intact checkpoint in {config.out_dir} is at step {step} and max_iters is "
             f"{config.max_iters}: nothing left to train. Raise --max_iters (and --lr_decay_iters) "
             f"to train on, or evaluate it with --eval_only=True")
 

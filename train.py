@@ -253,6 +253,7 @@ def start_state(setup: Setup, tok, log) -> tuple:
     manager = checkpoint.checkpoint_manager(config)
     try:
         restored = checkpoint.restore_latest(manager, config.out_dir, abstract_for, log=log)
+        checkpoint.check_steps_left(restored.step, config)
     except BaseException:
         manager.close()
         raise

@@ -4,6 +4,7 @@
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -225,6 +226,18 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(copy_of_
     # steps 4..7 again from step 4's state: the losses of the first time
     np.testing.assert_allclose([resumed[s] for s in range(4, 8)], [straight[s] for s in range(4, 8)],
                                rtol=0, atol=1e-6)
+
+
+def test_a_resume_after_damage_counts_from_the_newest_intact_step(copy_of_run8, capfd):
+    """Step 8 damaged, max_iters 6 (issue 42): the run goes on from step 4, where it used to stop at
+    "step 8 ... nothing left to train"; the warning names the damaged file whole, never cut."""
+    root, _, _ = copy_of_run8
+    truncate_array_files(root / "out" / "checkpoints" / "8")
+    resumed = dict(train.train(small_config(root, init_from="resume", max_iters=6), ONE_DEVICE))
+    assert sorted(resumed) == [4, 5]
+    warning = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("warning: damaged"))
+    assert re.search(r'Error reading "[^"]+" in OCDBT database at local file "[^"]*/out/checkpoints/8/params/": '
+                     r'.+: moved to .*resuming from step 4, the newest intact one$', warning), warning
 
 
 @pytest.mark.parametrize("damage", [truncate_array_files, flip_bits], ids=["truncated", "flipped bits"])
