@@ -57,6 +57,7 @@ class OutDirLock:
     """
 
     def __init__(self, out_dir: str):
+        out_dir = os.path.abspath(out_dir)  # messages name the folder wherever the command ran
         self.path = os.path.join(out_dir, "lock")
         self.fd = None
         error = None
@@ -118,14 +119,14 @@ def start_fresh(config: Config, log=print) -> None:
         return
     if not config.overwrite_out_dir:
         raise CheckpointError(
-            f"out_dir {config.out_dir} holds checkpoints of an earlier run (steps "
+            f"out_dir {os.path.abspath(config.out_dir)} holds checkpoints of an earlier run (steps "
             f"{', '.join(map(str, steps))}): continue it with --init_from=resume, choose another "
             f"--out_dir, or pass --overwrite_out_dir=True to delete them and start again")
     if jax.process_index() == 0:
         for name in ("checkpoints", "checkpoints-damaged", "tensorboard"):
             shutil.rmtree(os.path.join(config.out_dir, name), ignore_errors=True)
         log(f"overwrite_out_dir: deleted the earlier run's checkpoints (steps "
-            f"{', '.join(map(str, steps))}) and TensorBoard events in {config.out_dir}")
+            f"{', '.join(map(str, steps))}) and TensorBoard events in {os.path.abspath(config.out_dir)}")
     sync("start_fresh")
 
 
@@ -380,7 +381,7 @@ def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: 
     if not move:
         log(f"warning: damaged checkpoint {names}; using step {intact_step}, the newest intact one")
         return
-    aside = os.path.join(out_dir, "checkpoints-damaged")
+    aside = os.path.join(os.path.abspath(out_dir), "checkpoints-damaged")
     if jax.process_index() == 0:
         os.makedirs(aside, exist_ok=True)
         for step, _ in damaged:
@@ -400,7 +401,7 @@ def check_resumable(meta: dict, config: Config, tok) -> None:
     saved = meta.get("tokenizer")  # absent in checkpoints older than the check
     if saved and tok and vocabulary_identity(saved) != vocabulary_identity(tok.describe()):
         raise CheckpointError(
-            f"the checkpoint in {config.out_dir} was trained on a vocabulary of "
+            f"the checkpoint in {os.path.abspath(config.out_dir)} was trained on a vocabulary of "
             f"{tokenizer_from_description(saved).summary()}, but "
             f"{dataset_dir(config)}/meta.json describes {tok.summary()}: resume with the dataset "
             f"it was trained on, or train this one from the start in another --out_dir")
@@ -411,8 +412,8 @@ def check_steps_left(step: int, config: Config) -> None:
     steps to train."""
     if step >= config.max_iters and not config.eval_only:
         raise CheckpointError(
-            f"the newest intact checkpoint in {config.out_dir} is at step {step} and max_iters is "
-            f"{config.max_iters}: nothing left to train. Raise --max_iters (and --lr_decay_iters) "
+            f"the newest intact checkpoint in {os.path.abspath(config.out_dir)} is at step {step} and "
+            f"max_iters is {config.max_iters}: nothing left to train. Raise --max_iters (and --lr_decay_iters) "
             f"to train on, or evaluate it with --eval_only=True")
 
 

@@ -470,9 +470,12 @@ def config_from_dict(values: dict, cls=Config):
     return cls(**{k: _check_type(k, v, field_types[k]) for k, v in values.items()})
 
 
-def print_config(config) -> None:
-    width = max(len(f.name) for f in dataclasses.fields(config))
-    for f in dataclasses.fields(config):
+def print_config(config, changed_only: bool = False) -> None:
+    """Each key = value; with changed_only, only the keys whose value is not the default."""
+    fields = [f for f in dataclasses.fields(config)
+              if not changed_only or _default_text(f) != repr(getattr(config, f.name))]
+    width = max((len(f.name) for f in fields), default=0)
+    for f in fields:
         print(f"  {f.name:<{width}} = {getattr(config, f.name)!r}")
 
 

@@ -23,7 +23,8 @@ class DataError(ValueError):
 
 
 def dataset_dir(config: Config) -> str:
-    return os.path.join(config.data_dir, config.dataset)
+    """Absolute, so that messages name the folder wherever the command was run."""
+    return os.path.abspath(os.path.join(config.data_dir, config.dataset))
 
 
 def _prepare_hint(config: Config) -> str:

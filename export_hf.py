@@ -63,8 +63,8 @@ def export(cfg: ExportConfig, log=print) -> list:
 
     files = hf.write_model(cfg.to, tensors, config, cfg.dtype, int(cfg.max_shard_gb * 2**30), add_files)
     n_params = sum(t.size for t in tensors.values())
-    log(f"exported step {step} of {cfg.out_dir} ({config['architectures'][0]}, {n_params:,} parameters, "
-        f"{cfg.dtype}) to {cfg.to}: {', '.join(files)}")
+    log(f"exported step {step} of {os.path.abspath(cfg.out_dir)} ({config['architectures'][0]}, {n_params:,} "
+        f"parameters, {cfg.dtype}) to {os.path.abspath(cfg.to)}: {', '.join(files)}")
     return files
 
 

@@ -284,7 +284,8 @@ def check_optimizer_state(setup: Setup, saved: dict) -> None:
         return
     culprits = [k for k in changed if tree_with([k]) != ours] or changed
     raise CheckpointError(
-        f"the checkpoint in {config.out_dir} holds the state of another optimizer than this run's ("
+        f"the checkpoint in {os.path.abspath(config.out_dir)} holds the state of another optimizer than this "
+        f"run's ("
         + "; ".join(f"{k}: checkpoint {saved[k]!r}, config {getattr(config, k)!r}" for k in culprits)
         + "): resume with the checkpoint's values, or start the new optimizer in another --out_dir (the "
         "weights carry over through export_hf.py and --init_from=EXPORTED_DIR where export_hf.py can export "
@@ -487,10 +488,12 @@ class Run:
             jax.block_until_ready(self.state)
             jax.profiler.stop_trace()
             self.log.print(f"profile of steps {self.profile_start}..{self.profile_stop - 1} written to "
-                           f"{config.out_dir}/profile (open it with TensorBoard's profile tab)")
+                           f"{os.path.abspath(config.out_dir)}/profile (open it with TensorBoard's profile tab)")
         if step == self.start_step + 1:  # the first call compiles: keep it out of the step times
             jax.block_until_ready(metrics)
             self.clock.restart(step)
+            if step % config.log_interval and step != config.max_iters:  # else log_step says it
+                self.log.print(f"step {step - 1} | compile + first step {self.clock.compile_seconds:.1f} s")
         return metrics
 
     def log_step(self, metrics: dict) -> None:

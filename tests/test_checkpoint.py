@@ -56,11 +56,13 @@ def copy_of_run8(run8, tmp_path):
 
 # ----------------------------------------------------------------------------- 1: reusing an out_dir
 
-def test_reusing_an_out_dir_for_a_fresh_run_is_refused_and_changes_nothing(copy_of_run8, capfd):
+def test_reusing_an_out_dir_for_a_fresh_run_is_refused_and_changes_nothing(copy_of_run8, capfd, monkeypatch):
     root, config, _ = copy_of_run8
     before = snapshot(root / "out")
-    message = main_error(config_flags(config) + ["--max_iters=12", "--lr_decay_iters=12"], capfd)
-    assert message == (f"error: out_dir {config.out_dir} holds checkpoints of an earlier run (steps 4, 8): "
+    monkeypatch.chdir(root)  # relative paths, named absolute in the message (issue 33)
+    message = main_error(config_flags(config) + ["--max_iters=12", "--lr_decay_iters=12", "--out_dir=out",
+                                                 "--data_dir=data"], capfd)
+    assert message == (f"error: out_dir {root / 'out'} holds checkpoints of an earlier run (steps 4, 8): "
                        f"continue it with --init_from=resume, choose another --out_dir, or pass "
                        f"--overwrite_out_dir=True to delete them and start again")
     assert snapshot(root / "out") == before
