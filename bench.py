@@ -54,17 +54,17 @@ class Options:
     json: str = "bench.jsonl"  # one JSON record per run is appended here ('' = don't)
     decode_batch: str = "1,8"  # decode: comma-separated batch sizes
     prompt_len: int = 16  # decode: prompt tokens per row
-    new_tokens: int = 128  # decode: tokens generated per row
+    new_tokens: int = 0  # decode: tokens generated per row; 0 = 128, or what fits in block_size
     profile: str = ""  # train: also trace 3 more steps into this directory (jax.profiler, Perfetto)
 
     def __post_init__(self):
         if self.mode not in ("train", "decode"):
             raise configurator.ConfigError(f"--mode must be 'train' or 'decode', got {self.mode!r}")
-        for key in ("steps", "prompt_len", "new_tokens"):
+        for key in ("steps", "prompt_len"):
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
-        if self.warmup < 0 or self.devices < 0:
-            raise configurator.ConfigError("--warmup and --devices must be >= 0")
+        if self.warmup < 0 or self.devices < 0 or self.new_tokens < 0:
+            raise configurator.ConfigError("--warmup, --devices and --new_tokens must be >= 0")
         if not all(s.strip().isdigit() and int(s) > 0 for s in self.decode_batch.split(",")):
             raise configurator.ConfigError(f"--decode_batch must be positive integers separated by "
                                            f"commas (e.g. 1,8), got {self.decode_batch!r}")
@@ -137,9 +137,12 @@ class TrainBench:
         return seconds
 
     def result(self, seconds: list[float]) -> dict:
-        peak, peak_source = hardware.best_peak_flops(self.devices, self.peak), self.peak_source
+        tokens, median = self.config.tokens_per_step, statistics.median(seconds)
+        flops = flops_per_token(self.setup.model_config)
+        tokens_per_s = tokens / median
+        peak, peak_source = hardware.best_peak_flops(self.devices, self.peak, flops * tokens_per_s), self.peak_source
         if self.devices[0].platform == "cpu":
-            peak_source += ", the best of before and after the timed steps"
+            peak_source += ", the best of before and after the timed steps (and of the step itself)"
         memory, memory_source = peak_memory(self.devices)
         if memory is None:  # CPU: what the compiler planned (arguments + temporaries) instead
             m = self.step.memory_analysis()
@@ -147,10 +150,6 @@ class TrainBench:
                 memory = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                           + m.temp_size_in_bytes)
                 memory_source = "compiler's plan: arguments + outputs + temporaries; backend reports none"
-        tokens = self.config.tokens_per_step
-        median = statistics.median(seconds)
-        flops = flops_per_token(self.setup.model_config)
-        tokens_per_s = tokens / median
         # Muon's Newton-Schulz matmuls: real work, but not the model's; MFU leaves them out
         optimizer_flops = optimizer.flops_per_step(self.setup.abstract_state["params"], self.config)
         return {
@@ -215,7 +214,7 @@ def format_train(r: dict) -> str:
 # ----------------------------------------------------------------------------- decode
 
 def bench_decode(config, options: Options, devices) -> dict:
-
+    new_tokens = decode_tokens(options, config.block_size)  # before any work: a bad flag fails at once
     vocab_size = bench_vocab_size(config)
     mesh = train.make_mesh(config, devices)
     setup = train.make_setup(config, mesh, vocab_size)
@@ -231,21 +230,18 @@ def bench_decode(config, options: Options, devices) -> dict:
     P = options.prompt_len
     runs = []
     for batch_size in (int(s) for s in options.decode_batch.split(",")):
-        if P + options.new_tokens > mc.block_size:
-            raise ValueError(f"--prompt_len + --new_tokens = {P + options.new_tokens} exceeds block_size "
-                             f"{mc.block_size}: lower them")
         prompts = rng.integers(0, vocab_size, (batch_size, P)).tolist()
-        run = lambda: generate.generate(setup, params, prompts, options.new_tokens, temperature=0.0)
+        run = lambda: generate.generate(setup, params, prompts, new_tokens, temperature=0.0)
         first = run()  # compiles
         out = [run() for _ in range(max(1, min(options.steps, 5)))]
         decode_s = [g.decode_s for g in out]
-        steps = options.new_tokens - 1  # the prefill samples each row's first new token
+        steps = new_tokens - 1  # the prefill samples each row's first new token
         step_s = statistics.median(decode_s) / steps
         # Rows hold P+1 .. P+new_tokens-1 cached positions during the decode steps: their mean.
-        mean_positions = P + options.new_tokens / 2
+        mean_positions = P + new_tokens / 2
         bytes_per_step = weight_bytes + batch_size * mean_positions * cache_bytes_per_position
         runs.append({
-            "batch_size": batch_size, "prompt_len": P, "new_tokens": options.new_tokens,
+            "batch_size": batch_size, "prompt_len": P, "new_tokens": new_tokens,
             "compile_s": first.compile_s, "prefill_s": statistics.median(g.prefill_s for g in out),
             "decode_s": decode_s, "min_s": min(decode_s), "median_s": statistics.median(decode_s),
             "decode_tokens": out[0].decode_tokens, "step_s": step_s,
@@ -256,6 +252,18 @@ def bench_decode(config, options: Options, devices) -> dict:
     return {"params": count_params(mc), "vocab_size": vocab_size, "mesh": dict(mesh.shape),
             "weight_bytes": weight_bytes, "peak_bandwidth": bandwidth,
             "bandwidth_source": bandwidth_source, "runs": runs}
+
+
+def decode_tokens(options: Options, block_size: int) -> int:
+    """The tokens each row generates: --new_tokens, or by default 128 cut to what the model's context
+    leaves after the prompt (the timed loop runs inside one KV cache of block_size positions)."""
+    P = options.prompt_len
+    new_tokens = options.new_tokens or min(128, block_size - P)
+    if new_tokens < 2 or P + new_tokens > block_size:
+        given = f"--prompt_len + --new_tokens = {P} + {new_tokens}" if options.new_tokens else f"--prompt_len={P}"
+        raise ValueError(f"{given} leaves no room in block_size {block_size} for 2 or more new tokens to time: "
+                         f"lower --prompt_len" + (" or --new_tokens" if options.new_tokens else ""))
+    return new_tokens
 
 
 def format_decode(r: dict) -> str:
@@ -319,7 +327,7 @@ def run(argv: list[str]) -> dict:
           (f"{config.gradient_accumulation_steps} x {config.batch_size} x {config.block_size} = "
            f"{config.tokens_per_step:,} tokens/step; {options.steps} timed steps after {options.warmup} "
            f"warm-up" if options.mode == "train" else f"prompt {options.prompt_len} + "
-           f"{options.new_tokens} new tokens per row, greedy"))
+           f"{result['runs'][0]['new_tokens']} new tokens per row, greedy"))
     print(format_train(result) if options.mode == "train" else format_decode(result))
     if options.json:
         try:

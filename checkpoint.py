@@ -19,6 +19,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -56,6 +57,7 @@ class OutDirLock:
     """
 
     def __init__(self, out_dir: str):
+        out_dir = os.path.abspath(out_dir)  # messages name the folder wherever the command ran
         self.path = os.path.join(out_dir, "lock")
         self.fd = None
         error = None
@@ -117,14 +119,14 @@ def start_fresh(config: Config, log=print) -> None:
         return
     if not config.overwrite_out_dir:
         raise CheckpointError(
-            f"out_dir {config.out_dir} holds checkpoints of an earlier run (steps "
+            f"out_dir {os.path.abspath(config.out_dir)} holds checkpoints of an earlier run (steps "
             f"{', '.join(map(str, steps))}): continue it with --init_from=resume, choose another "
             f"--out_dir, or pass --overwrite_out_dir=True to delete them and start again")
     if jax.process_index() == 0:
         for name in ("checkpoints", "checkpoints-damaged", "tensorboard"):
             shutil.rmtree(os.path.join(config.out_dir, name), ignore_errors=True)
         log(f"overwrite_out_dir: deleted the earlier run's checkpoints (steps "
-            f"{', '.join(map(str, steps))}) and TensorBoard events in {config.out_dir}")
+            f"{', '.join(map(str, steps))}) and TensorBoard events in {os.path.abspath(config.out_dir)}")
     sync("start_fresh")
 
 
@@ -352,16 +354,26 @@ def agree(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
+DAMAGE_MARKERS = ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION", "Truncated")  # TensorStore's
+
+
 def describe_damage(e: Exception) -> str:
+    """What failed, in whole sentences (a cut message can hide the file's name): the first
+    TensorStore status line of the error or of the errors that caused it, which names the file,
+    else the error's first sentence."""
     if isinstance(e, KeyError) and "not found in the checkpoint" in str(e):
         return str(e).strip("'\"").split(". Available")[0].replace('Item "', 'item "')
     if isinstance(e, json.JSONDecodeError):
         return f"a truncated or invalid JSON file ({e.msg})"
-    text = str(e).split("\n")[0]
-    for marker in ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "Truncated"):
-        if marker in text:
-            return text[text.index(marker):][:160]
-    return f"{type(e).__name__}: {text[:160]}"
+    chain = [e]
+    while len(chain) < 10 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    for error in chain:
+        line = str(error).split("\n")[0]
+        for marker in DAMAGE_MARKERS:
+            if marker in line:
+                return re.sub(r"\s*\[source locations=.*?\]", "", line[line.index(marker):]).rstrip()
+    return f"{type(e).__name__}: {str(e).split(chr(10))[0].split('. ')[0].rstrip('.')}"
 
 
 def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: bool) -> None:
@@ -369,7 +381,7 @@ def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: 
     if not move:
         log(f"warning: damaged checkpoint {names}; using step {intact_step}, the newest intact one")
         return
-    aside = os.path.join(out_dir, "checkpoints-damaged")
+    aside = os.path.join(os.path.abspath(out_dir), "checkpoints-damaged")
     if jax.process_index() == 0:
         os.makedirs(aside, exist_ok=True)
         for step, _ in damaged:
@@ -384,19 +396,24 @@ def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: 
 
 
 def check_resumable(meta: dict, config: Config, tok) -> None:
-    """The checkpoint's model and vocabulary are this run's, and it has steps left to train."""
+    """The checkpoint's model and vocabulary are this run's (read from its meta, before its arrays)."""
     check_model(saved_config(meta), config)
     saved = meta.get("tokenizer")  # absent in checkpoints older than the check
     if saved and tok and vocabulary_identity(saved) != vocabulary_identity(tok.describe()):
         raise CheckpointError(
-            f"the checkpoint in {config.out_dir} was trained on a vocabulary of "
+            f"the checkpoint in {os.path.abspath(config.out_dir)} was trained on a vocabulary of "
             f"{tokenizer_from_description(saved).summary()}, but "
             f"{dataset_dir(config)}/meta.json describes {tok.summary()}: resume with the dataset "
             f"it was trained on, or train this one from the start in another --out_dir")
-    if meta["step"] >= config.max_iters and not config.eval_only:
+
+
+def check_steps_left(step: int, config: Config) -> None:
+    """The checkpoint restored (the newest intact one: a damaged newer one does not count) leaves
+    steps to train."""
+    if step >= config.max_iters and not config.eval_only:
         raise CheckpointError(
-            f"the checkpoint in {config.out_dir} is at step {meta['step']} and max_iters is "
-            f"{config.max_iters}: nothing left to train. Raise --max_iters (and --lr_decay_iters) "
+            f"the newest intact checkpoint in {os.path.abspath(config.out_dir)} is at step {step} and "
+            f"max_iters is {config.max_iters}: nothing left to train. Raise --max_iters (and --lr_decay_iters) "
             f"to train on, or evaluate it with --eval_only=True")
 
 

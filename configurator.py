@@ -118,8 +118,8 @@ class Config:
     eval_tasks_limit: int = 0  # examples of each multiple-choice task (0 = all)
     log_interval: int = 1
     always_save_checkpoint: bool = True  # False: save only when val loss improves
-    max_to_keep: int = 3  # the latest checkpoints kept...
-    keep_best: int = 1  # ...plus this many with the lowest val loss
+    max_to_keep: int = 3  # the latest checkpoints kept, besides the keep_best best ones
+    keep_best: int = 1  # the checkpoints with the lowest val loss kept, besides the max_to_keep latest
     # reliability
     nan_policy: str = "stop"  # non-finite loss/grads: 'stop' (exit, keep the last good
     #                           checkpoint) | 'skip_step' (leave the params, count it)
@@ -470,9 +470,12 @@ def config_from_dict(values: dict, cls=Config):
     return cls(**{k: _check_type(k, v, field_types[k]) for k, v in values.items()})
 
 
-def print_config(config) -> None:
-    width = max(len(f.name) for f in dataclasses.fields(config))
-    for f in dataclasses.fields(config):
+def print_config(config, changed_only: bool = False) -> None:
+    """Each key = value; with changed_only, only the keys whose value is not the default."""
+    fields = [f for f in dataclasses.fields(config)
+              if not changed_only or _default_text(f) != repr(getattr(config, f.name))]
+    width = max((len(f.name) for f in fields), default=0)
+    for f in fields:
         print(f"  {f.name:<{width}} = {getattr(config, f.name)!r}")
 
 
@@ -500,26 +503,35 @@ def load_with_options_or_exit(argv: list[str], options_cls, cls=Config, complete
             load_config_or_exit([a for a in argv if a not in ours], cls, complete))
 
 
+HELP_WIDTH = 80  # columns: a terminal's default
+
+
 def help_text(*classes) -> str:
     """How to run the script, then each class's fields: type, default and the comment that
-    follows it in the source, under the source's section comments."""
+    follows it in the source, under the source's section comments. A note is one paragraph,
+    wrapped anew at HELP_WIDTH columns (not where the source's comment lines happened to end)."""
     lines = [f"usage: python {os.path.basename(sys.argv[0])} [CONFIG_FILE.py ...] [--KEY=VALUE ...]",
-             "Every key starts at its default below; config files (Python assignments, KEY = VALUE)",
-             "and --KEY=VALUE flags then set keys, in the order given: the last one wins."]
+             *_wrap("Every key starts at its default below; config files (Python assignments, KEY = VALUE) "
+                    "and --KEY=VALUE flags then set keys, in the order given: the last one wins.")]
     for cls in classes:
         hints = typing.get_type_hints(cls)
         defaults = {f.name: _default_text(f) for f in dataclasses.fields(cls)}
         doc, fields = _documented_fields(cls)
         if doc:
-            lines += ["", doc]
+            lines += ["", *_wrap(doc)]
         section = None
         for heading, name, note in fields:
             if heading != section:
-                lines += ["", heading] if heading else [""]
+                lines += ["", *_wrap(heading)] if heading else [""]
                 section = heading
             lines.append(f"  --{name} ({_type_name(hints[name])}, default {defaults[name]})")
-            lines += [f"        {text}" for text in note]
+            lines += _wrap(" ".join(note), indent=8)
     return "\n".join(lines)
+
+
+def _wrap(text: str, indent: int = 0) -> list[str]:
+    return textwrap.wrap(text, HELP_WIDTH, initial_indent=" " * indent, subsequent_indent=" " * indent,
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def _default_text(f: dataclasses.Field) -> str:

@@ -9,11 +9,13 @@ uninterrupted one.
 
 import json
 import os
+import re
 
 import numpy as np
 
 import tokenizer
 from configurator import Config
+from dataset_writer import val_fraction_for
 
 
 class DataError(ValueError):
@@ -21,7 +23,8 @@ class DataError(ValueError):
 
 
 def dataset_dir(config: Config) -> str:
-    return os.path.join(config.data_dir, config.dataset)
+    """Absolute, so that messages name the folder wherever the command was run."""
+    return os.path.abspath(os.path.join(config.data_dir, config.dataset))
 
 
 def _prepare_hint(config: Config) -> str:
@@ -66,13 +69,27 @@ def open_split(config: Config, split: str, vocab_size: int) -> np.ndarray:
     tokens = np.memmap(path, dtype=dtype, mode="r")
     if len(tokens) < config.block_size + 1:
         raise DataError(f"{path} holds {len(tokens)} tokens, fewer than block_size+1 = "
-                        f"{config.block_size + 1} (one row and its targets): lower --block_size or add data")
+                        f"{config.block_size + 1} (one row and its targets): lower --block_size, "
+                        + (_more_val_hint(config, len(tokens), dtype) if split == "val" else "or add data"))
     bad = first_token_at_least(tokens, vocab_size)
     if bad is not None:
         raise DataError(f"{path} holds token id {tokens[bad]} >= vocab_size {vocab_size} (at token "
                         f"{bad:,}): the file does not match meta.json (another tokenizer, or "
                         f"damaged); {_prepare_hint(config)} again")
     return tokens
+
+
+def _more_val_hint(config: Config, val_tokens: int, dtype: np.dtype) -> str:
+    """How to get a val split of one row: the prepare command again with a larger --val_fraction,
+    where its script splits by document (data/text and the downloading ones), else more data."""
+    command = tokenizer.prepare_command(dataset_dir(config))
+    if not re.search(r"data/(text|fineweb|openwebtext)/prepare\.py", command):
+        return "or add data"
+    train_path = os.path.join(dataset_dir(config), "train.bin")
+    train_tokens = os.path.getsize(train_path) // dtype.itemsize if os.path.isfile(train_path) else 0
+    fraction = val_fraction_for(config.block_size + 1, train_tokens + val_tokens)
+    command = re.sub(r" --val_fraction=\S+", "", command) + f" --val_fraction={fraction:g}"
+    return f"or give val a larger share of the documents: `{command}`"
 
 
 def first_token_at_least(tokens: np.ndarray, limit: int, chunk: int = 1 << 26) -> int | None:

@@ -8,6 +8,7 @@ exactly as it was.
 """
 
 import json
+import math
 import os
 import shlex
 import shutil
@@ -30,6 +31,17 @@ def token_dtype(vocab_size: int) -> str:
     if vocab_size <= 1 << 32:
         return "uint32"
     raise PrepareError(f"a vocabulary of {vocab_size:,} tokens does not fit in 32-bit token files")
+
+
+GPT2_ROW_TOKENS = 1025  # one row of GPT-2's context (1024) and its targets: a val split needs a row at least
+
+
+def val_fraction_for(tokens: int, total_tokens: int) -> float:
+    """A --val_fraction that gives val at least `tokens` of `total_tokens`, with room to spare (documents
+    go to val whole, so the share drawn varies): twice the share, rounded up to one digit, at most 0.5."""
+    share = min(0.5, 2 * tokens / max(1, total_tokens))
+    unit = 10.0 ** math.floor(math.log10(share))
+    return min(0.5, float(f"{math.ceil(share / unit - 1e-9) * unit:.1g}"))
 
 
 def _check_ids(a, dtype: str):

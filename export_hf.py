@@ -8,8 +8,10 @@ generation_config.json and the tokenizer's files, so that transformers'
 AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR) load it (and
 vLLM or llama.cpp's converters take it). GPT-2-style models become GPT2LMHeadModel,
 Llama-style ones LlamaForCausalLM (Qwen2ForCausalLM with qkv_bias); mixes that transformers
-has no class for are refused. A char-level run exports its weights only: its vocabulary is
-meta.json's character table, which transformers has no tokenizer for.
+has no class for are refused. Every kind of vocabulary gets a tokenizer.json, so that
+`sample.py --init_from=DIR` reads the export with the ids it was trained on: a Hugging Face
+run's own files, GPT-2's BPE (also as vocab.json + merges.txt), and a char-level run's character
+table as a word-level `tokenizers` model of single characters.
 """
 
 import dataclasses
@@ -56,13 +58,13 @@ def export(cfg: ExportConfig, log=print) -> list:
         with open(os.path.join(directory, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump(generation, f, indent=2)
         if not tok.save_files(directory):
-            log(f"note: {tok.summary()} has no Hugging Face tokenizer: exporting the weights only; "
-                f"token ids are positions in the run's vocabulary (its meta.json)")
+            log(f"note: no tokenizer files written ({tok.summary()} has none): the export holds the "
+                f"weights only; sample the run itself with `sample.py --out_dir={cfg.out_dir}`")
 
     files = hf.write_model(cfg.to, tensors, config, cfg.dtype, int(cfg.max_shard_gb * 2**30), add_files)
     n_params = sum(t.size for t in tensors.values())
-    log(f"exported step {step} of {cfg.out_dir} ({config['architectures'][0]}, {n_params:,} parameters, "
-        f"{cfg.dtype}) to {cfg.to}: {', '.join(files)}")
+    log(f"exported step {step} of {os.path.abspath(cfg.out_dir)} ({config['architectures'][0]}, {n_params:,} "
+        f"parameters, {cfg.dtype}) to {os.path.abspath(cfg.to)}: {', '.join(files)}")
     return files
 
 

@@ -60,10 +60,11 @@ def peak_flops(devices) -> tuple[float | None, str]:
     return chip.bf16_flops * len(devices), f"{chip.kinds[0]} datasheet bf16 x {len(devices)}"
 
 
-def best_peak_flops(devices, peak: float | None) -> float | None:
+def best_peak_flops(devices, peak: float | None, achieved: float = 0.0) -> float | None:
     """On CPUs the peak is a measured matmul rate and a busy moment makes one measurement low (and
-    MFU high): the best of `peak` and a new measurement. A datasheet peak comes back as it is."""
-    return max(peak, measure_cpu_peak_flops()) if devices[0].platform == "cpu" else peak
+    MFU high): the best of `peak`, a new measurement and `achieved`, a rate the run itself reached
+    (so MFU never passes 100%). A datasheet peak comes back as it is."""
+    return max(peak, measure_cpu_peak_flops(), achieved) if devices[0].platform == "cpu" else peak
 
 
 def peak_bandwidth(devices) -> tuple[float | None, str]:

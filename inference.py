@@ -126,11 +126,15 @@ def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "floa
     setup = model_setup(config, mesh, model.keys["vocab_size"])
     tok = model_tokenizer(directory, model)
     if tok is None:
-        raise hf.HFError(f"{directory} has no tokenizer.json: nanomax needs the model's tokenizer to "
-                         f"turn prompts into ids")
+        raise hf.HFError(f"{directory} has no tokenizer.json: nanomax needs the model's tokenizer to turn "
+                         f"prompts into ids. Copy the tokenizer's files (tokenizer.json, tokenizer_config.json) "
+                         f"into it, or sample the nanomax run it was exported from with --out_dir=RUN "
+                         f"(--init_from=resume)")
     if tok.vocab_size > model.keys["vocab_size"]:
         raise hf.HFError(f"{directory}: the tokenizer has {tok.vocab_size} tokens but the model only "
-                         f"{model.keys['vocab_size']} (vocab_size in config.json): they are not a pair")
+                         f"{model.keys['vocab_size']} (vocab_size in config.json): they are not a pair. Put "
+                         f"the model's own tokenizer files in {directory}, or sample the nanomax run it was "
+                         f"exported from with --out_dir=RUN")
     return setup, checkpoint.load_pretrained(setup, directory), tok
 
 

@@ -161,9 +161,11 @@ def parse_profile_steps(text: str) -> tuple[int | None, int | None]:
 def print_summary(log, setup, splits: dict, peak: str) -> None:
     """What is about to run: the config, devices and mesh, model size, memory, data, peak."""
     config = setup.config
-    if log.is_main:
-        print("config:")
-        configurator.print_config(config)
+    if log.is_main:  # every key goes to out_dir/config.json and TensorBoard's Text tab
+        print(f"config (the keys that differ from the defaults; all of them in "
+              f"{os.path.abspath(os.path.join(config.out_dir, 'config.json'))}):")
+        configurator.print_config(config, changed_only=True)
+    log.text(0, "config", f"```\n{configurator.config_to_json(config)}\n```")
     mesh = setup.mesh
     log.print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
               + " x ".join(f"{a}={n}" for a, n in mesh.shape.items()))

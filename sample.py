@@ -9,6 +9,7 @@ The generation itself (prefill + decode in one compiled loop) is generate.py's.
 """
 
 import dataclasses
+import os
 import sys
 
 import jax
@@ -107,7 +108,7 @@ def main(argv):
         texts = read_prompts(cfg.start)  # before loading: a missing file is not worth the wait
         if cfg.init_from == "resume":
             setup, params, step, tok = load_checkpoint(cfg.out_dir, mesh, cfg.quantization)
-            print(f"loaded step {step} from {cfg.out_dir}", file=sys.stderr)
+            print(f"loaded step {step} from {os.path.abspath(cfg.out_dir)}", file=sys.stderr)
         else:
             setup, params, tok = load_hf(cfg.init_from, mesh, cfg.quantization, default_dtype(cfg.dtype))
             print(f"loaded {cfg.init_from} ({tok.summary()})", file=sys.stderr)

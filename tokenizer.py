@@ -165,6 +165,18 @@ class CharTokenizer(Tokenizer):
     def describe(self):
         return {**super().describe(), "chars": self.chars}
 
+    def save_files(self, dest_dir):
+        """tokenizer.json for the `tokenizers` library (and transformers' PreTrainedTokenizerFast): a
+        word-level model whose words are the characters, each character of the text its own piece
+        (no normalizer; newlines and spaces are characters like any other) and decoded by joining
+        them, so it gives the ids and text of encode() and decode()."""
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({c: i for i, c in enumerate(self.chars)}))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = tokenizers.decoders.Fuse()
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+        _write_tokenizer_files(dest_dir, tok, config)
+        return True
+
     def summary(self) -> str:
         """One line for messages, e.g. "char-level, 65 symbols ('\\n', ' ', '!', ...)"."""
         shown = ", ".join(repr(c) for c in self.chars[:6])
@@ -207,7 +219,10 @@ class GPT2Tokenizer(Tokenizer):
         dest.mkdir(parents=True, exist_ok=True)
         _write_atomic(dest / "vocab.json", (data / "encoder.json").read_bytes())
         _write_atomic(dest / "merges.txt", (data / "vocab.bpe").read_bytes())
-        _write_atomic(dest / "tokenizer_config.json", (json.dumps(config, indent=1) + "\n").encode())
+        # and the same vocabulary as one tokenizer.json, which nanomax's own loaders read
+        tok = tokenizers.ByteLevelBPETokenizer(str(dest / "vocab.json"), str(dest / "merges.txt"))
+        tok.add_special_tokens([EOT_TEXT])
+        _write_tokenizer_files(dest, tok, config)
         return True
 
 
@@ -284,13 +299,13 @@ class HFTokenizer(Tokenizer):
         return bos if wanted else None
 
     def encode(self, text):
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return _ids_of(self._tok, text)
 
     def encode_ordinary(self, text):
         if self._ordinary is None:
             self._ordinary = tokenizers.Tokenizer.from_str(self._tok.to_str())
             self._ordinary.encode_special_tokens = True
-        return self._ordinary.encode(text, add_special_tokens=False).ids
+        return _ids_of(self._ordinary, text)
 
     def __getstate__(self):  # a pickled copy (a spawned pool worker's) forgets encode_special_tokens
         return {**self.__dict__, "_ordinary": None}
@@ -314,6 +329,21 @@ class HFTokenizer(Tokenizer):
                     raise ValueError(f"{src} changed since it was loaded: load the tokenizer again")
                 _write_atomic(dest / src.name, data)
         return True
+
+
+def _ids_of(tok: tokenizers.Tokenizer, text: str) -> list[int]:
+    try:
+        return tok.encode(text, add_special_tokens=False).ids
+    except Exception as e:  # the library raises a bare Exception, e.g. for a character a word-level vocabulary lacks
+        raise ValueError(f"the tokenizer can't encode this text: {e}") from None
+
+
+def _write_tokenizer_files(dest_dir, tok, config: dict) -> None:
+    """tokenizer.json (tok) and tokenizer_config.json (config) in dest_dir, each written whole or not at all."""
+    dest = Path(dest_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    _write_atomic(dest / "tokenizer.json", tok.to_str(pretty=True).encode())
+    _write_atomic(dest / "tokenizer_config.json", (json.dumps(config, indent=1) + "\n").encode())
 
 
 def _read_bytes(path) -> bytes:
@@ -364,9 +394,16 @@ def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
         return False
     probe = "Hello, world! The naïve café costs 12,345.67\n\tTHE END"
     spread = range(0, a.vocab_size, max(1, a.vocab_size // 1000))
+
+    def encoded(tok):
+        try:
+            return tok.encode(probe)
+        except (ValueError, KeyError):  # a character it has no id for (char level): the ids' texts decide
+            return None
+
     try:
-        return a.encode(probe) == b.encode(probe) and all(a.decode([i]) == b.decode([i]) for i in spread)
-    except (ValueError, KeyError):  # a character one of them can't encode
+        return encoded(a) == encoded(b) and all(a.decode([i]) == b.decode([i]) for i in spread)
+    except (ValueError, KeyError):
         return False
 
 

@@ -253,6 +253,7 @@ def start_state(setup: Setup, tok, log) -> tuple:
     manager = checkpoint.checkpoint_manager(config)
     try:
         restored = checkpoint.restore_latest(manager, config.out_dir, abstract_for, log=log)
+        checkpoint.check_steps_left(restored.step, config)
     except BaseException:
         manager.close()
         raise
@@ -283,7 +284,8 @@ def check_optimizer_state(setup: Setup, saved: dict) -> None:
         return
     culprits = [k for k in changed if tree_with([k]) != ours] or changed
     raise CheckpointError(
-        f"the checkpoint in {config.out_dir} holds the state of another optimizer than this run's ("
+        f"the checkpoint in {os.path.abspath(config.out_dir)} holds the state of another optimizer than this "
+        f"run's ("
         + "; ".join(f"{k}: checkpoint {saved[k]!r}, config {getattr(config, k)!r}" for k in culprits)
         + "): resume with the checkpoint's values, or start the new optimizer in another --out_dir (the "
         "weights carry over through export_hf.py and --init_from=EXPORTED_DIR where export_hf.py can export "
@@ -486,10 +488,12 @@ class Run:
             jax.block_until_ready(self.state)
             jax.profiler.stop_trace()
             self.log.print(f"profile of steps {self.profile_start}..{self.profile_stop - 1} written to "
-                           f"{config.out_dir}/profile (open it with TensorBoard's profile tab)")
+                           f"{os.path.abspath(config.out_dir)}/profile (open it with TensorBoard's profile tab)")
         if step == self.start_step + 1:  # the first call compiles: keep it out of the step times
             jax.block_until_ready(metrics)
             self.clock.restart(step)
+            if step % config.log_interval and step != config.max_iters:  # else log_step says it
+                self.log.print(f"step {step - 1} | compile + first step {self.clock.compile_seconds:.1f} s")
         return metrics
 
     def log_step(self, metrics: dict) -> None:
@@ -504,7 +508,12 @@ class Run:
             line += f"compile + first step {self.clock.compile_seconds:.1f} s"
         else:
             tokens_per_s = self.config.tokens_per_step / seconds
-            mfu = self.flops_per_token * tokens_per_s / self.peak if self.peak else float("nan")
+            achieved = self.flops_per_token * tokens_per_s
+            if self.peak and achieved > self.peak:  # a CPU peak measured at a busy moment: measure again
+                self.peak = hardware.best_peak_flops(self.setup.mesh.devices.flatten().tolist(), self.peak,
+                                                     achieved)
+                self.clock.restart(step)  # the measurement is not billed to the next steps
+            mfu = achieved / self.peak if self.peak else float("nan")
             line += (f"{seconds * 1e3:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu:.1%} | "
                      f"{self.clock.elapsed()} elapsed, ETA {self.clock.eta(step, seconds)}")
             scalars |= {"train/grad_norm": metrics["grad_norm"], "train/step_ms": seconds * 1e3,

@@ -56,12 +56,20 @@ def test_decode_record_is_consistent(tmp_path):
         assert math.isclose(r["roofline_fraction"], r["bytes_per_step"] / r["step_s"] / record["peak_bandwidth"])
 
 
+def test_decode_defaults_fit_the_models_context(tmp_path):
+    """block_size 32: the default 128 new tokens would not fit after a 16-token prompt (issue 42)."""
+    record = bench.run(TINY + ["--mode=decode", "--decode_batch=1", "--steps=1", "--json="])
+    assert [(r["prompt_len"], r["new_tokens"]) for r in record["runs"]] == [(16, 16)]
+
+
 @pytest.mark.parametrize("flag, message", [("--mode=infer", "--mode"), ("--decode_batch=1,x", "decode_batch"),
                                            ("--bogus=1", "unknown config key"),
+                                           ("--mode=decode --new_tokens=20", "--prompt_len + --new_tokens = "
+                                            "16 + 20 leaves no room in block_size 32"),
                                            ("--json=/no/such/folder/b.jsonl", "the folder /no/such/folder does not exist")])
 def test_bad_flags_are_one_line_errors(flag, message, capsys):
     with pytest.raises(SystemExit) as e:
-        bench.main(TINY + [flag])
+        bench.main(TINY + flag.split())
     assert message in str(e.value)
 
 

@@ -4,6 +4,7 @@
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -55,11 +56,13 @@ def copy_of_run8(run8, tmp_path):
 
 # ----------------------------------------------------------------------------- 1: reusing an out_dir
 
-def test_reusing_an_out_dir_for_a_fresh_run_is_refused_and_changes_nothing(copy_of_run8, capfd):
+def test_reusing_an_out_dir_for_a_fresh_run_is_refused_and_changes_nothing(copy_of_run8, capfd, monkeypatch):
     root, config, _ = copy_of_run8
     before = snapshot(root / "out")
-    message = main_error(config_flags(config) + ["--max_iters=12", "--lr_decay_iters=12"], capfd)
-    assert message == (f"error: out_dir {config.out_dir} holds checkpoints of an earlier run (steps 4, 8): "
+    monkeypatch.chdir(root)  # relative paths, named absolute in the message (issue 33)
+    message = main_error(config_flags(config) + ["--max_iters=12", "--lr_decay_iters=12", "--out_dir=out",
+                                                 "--data_dir=data"], capfd)
+    assert message == (f"error: out_dir {root / 'out'} holds checkpoints of an earlier run (steps 4, 8): "
                        f"continue it with --init_from=resume, choose another --out_dir, or pass "
                        f"--overwrite_out_dir=True to delete them and start again")
     assert snapshot(root / "out") == before
@@ -225,6 +228,18 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(copy_of_
     # steps 4..7 again from step 4's state: the losses of the first time
     np.testing.assert_allclose([resumed[s] for s in range(4, 8)], [straight[s] for s in range(4, 8)],
                                rtol=0, atol=1e-6)
+
+
+def test_a_resume_after_damage_counts_from_the_newest_intact_step(copy_of_run8, capfd):
+    """Step 8 damaged, max_iters 6 (issue 42): the run goes on from step 4, where it used to stop at
+    "step 8 ... nothing left to train"; the warning names the damaged file whole, never cut."""
+    root, _, _ = copy_of_run8
+    truncate_array_files(root / "out" / "checkpoints" / "8")
+    resumed = dict(train.train(small_config(root, init_from="resume", max_iters=6), ONE_DEVICE))
+    assert sorted(resumed) == [4, 5]
+    warning = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("warning: damaged"))
+    assert re.search(r'Error reading "[^"]+" in OCDBT database at local file "[^"]*/out/checkpoints/8/params/": '
+                     r'.+: moved to .*resuming from step 4, the newest intact one$', warning), warning
 
 
 @pytest.mark.parametrize("damage", [truncate_array_files, flip_bits], ids=["truncated", "flipped bits"])

@@ -392,11 +392,13 @@ def test_help_lists_every_key_with_type_default_and_comment_by_section(capsys):
     assert "  --dataset (str, default 'shakespeare_char')\n" \
            "        reads data/<dataset>/{train,val}.bin and meta.json\n" in text
     assert "  --learning_rate (float, default 0.0006)\n" in text
-    # the comment line under quantization's goes on with its note; it is not a section heading
+    # the comment line under quantization's goes on with its note (not a section heading), and the
+    # note is one paragraph wrapped at 80 columns, not broken where the source's lines end (issue 42)
     assert "  --quantization (str, default 'none')\n" \
-           "        the blocks' matmuls: 'none' | 'int8' | 'fp8' (e4m3/e5m2; Hopper);\n" \
-           "        a property of the step: a run may switch it at resume\n\n" \
+           "        the blocks' matmuls: 'none' | 'int8' | 'fp8' (e4m3/e5m2; Hopper); a\n" \
+           "        property of the step: a run may switch it at resume\n\n" \
            "architecture: the defaults are GPT-2;" in text
+    assert max(map(len, text.splitlines())) <= 80
     headings = ["\ndata and I/O\n", "\nmodel (GPT-2 small", "\noptimizer: AdamW", "\nreliability\n"]
     assert sorted(headings, key=text.index) == headings
     assert text.index("\nreliability\n") < text.index("--nan_policy") < text.index("--overfit_batch")
@@ -421,7 +423,7 @@ def test_help_works_for_any_dataclass(capsys):
     assert "\nA tool's own flags.\n" in text
     assert "\ninputs\n  --path (str, default 'in.txt')\n        what to read; '#' in a string is not a " \
            "comment\n  --count (int, default 3)\n\noutput\n  --verbose (bool, default False)\n" \
-           "        print more\n        (and slower)" in text
+           "        print more (and slower)" in text
     assert "--dataset" not in text
 
 

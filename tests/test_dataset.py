@@ -66,6 +66,20 @@ def test_bad_data_is_one_clear_error(toy, problem, message):
         train.train(small_config(toy), ONE_DEVICE)
 
 
+def test_a_val_split_shorter_than_a_row_names_the_val_fraction_to_prepare_with(toy):
+    """Issue 42: val.bin of a few tokens; the message names the prepare command with a --val_fraction
+    that gives val one row (block_size 16 + 1 tokens) with room to spare."""
+    meta = toy / "data" / "toy" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "prepare": "python data/text/prepare.py "
+                                "--input_dir=corpus --out_dir=data/toy --val_fraction=0.0005 --seed=1"}))
+    np.arange(10, dtype=np.uint16).tofile(toy / "data" / "toy" / "val.bin")
+    with pytest.raises(dataset.DataError) as e:
+        dataset.open_split(small_config(toy), "val", 65)
+    assert str(e.value).endswith("fewer than block_size+1 = 17 (one row and its targets): lower --block_size, or "
+                                 "give val a larger share of the documents: `python data/text/prepare.py "
+                                 "--input_dir=corpus --out_dir=data/toy --seed=1 --val_fraction=0.002`")
+
+
 def test_a_bad_token_id_anywhere_in_the_data_is_found_before_training(tmp_path):
     """Every token is checked, not a sample: in 3M tokens, one bad id at an index that a
     1-in-3 sample would skip."""

@@ -9,6 +9,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import tokenizers
 
 import export_hf
 import hf
@@ -67,17 +68,32 @@ def test_a_llama_directory_with_its_tokenizer_end_to_end(tmp_path, capsys):
     assert_trees_equal(load(str(exported), block_size=16)[1], loaded)
 
 
-def test_char_level_exports_weights_only_and_bad_requests_are_one_line(tmp_path, capsys):
+CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65
+
+
+def test_char_level_export_round_trips_and_bad_requests_are_one_line(tmp_path, capsys):
+    """The character table becomes a tokenizer.json (issue 42: the export could not be sampled)."""
     make_dataset(tmp_path / "data")
+    meta = tmp_path / "data" / "toy" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "chars": CHARS}))
     config = small_config(tmp_path, max_iters=2, eval_interval=2, pad_vocab_to_multiple=8)
     train.train(config, jax.devices()[:1])
     capsys.readouterr()
     export_hf.main([f"--out_dir={config.out_dir}", f"--to={tmp_path / 'hf'}"])
     out = capsys.readouterr().out
-    assert "char-level, 65 symbols" in out and "exporting the weights only" in out
     assert "GPT2LMHeadModel" in out and sorted(os.listdir(tmp_path / "hf")) == [
-        "config.json", "generation_config.json", "model.safetensors"]
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 65  # padding dropped
+    text = "ROMEO:\nO, she doth teach  the torches!\n\n"
+    loaded = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    assert loaded.encode(text).ids == [CHARS.index(c) for c in text] and loaded.decode(loaded.encode(text).ids) == text
+    # The export samples as the checkpoint does: the same prompt ids, the same greedy text.
+    flags = ["--start=ROMEO: O", "--num_samples=1", "--max_new_tokens=12", "--temperature=0"]
+    samples = []
+    for source in (f"--out_dir={config.out_dir}", f"--init_from={tmp_path / 'hf'}"):
+        sample.main([source, *flags])
+        samples.append(capsys.readouterr().out)
+    assert samples[0] == samples[1] and samples[0].startswith("ROMEO: O")
 
     for flags, words in [
         ([f"--to={tmp_path / 'hf'}"], ["already exists and is not an empty directory"]),

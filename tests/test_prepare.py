@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,7 @@ from tokenizers import models, pre_tokenizers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tokenizer.py, dataset_writer.py and data/ live at the repo root
 
+import dataset_writer  # noqa: E402
 import tokenizer  # noqa: E402
 from data import corpus  # noqa: E402
 from data.fineweb import prepare as fineweb  # noqa: E402
@@ -196,6 +198,18 @@ def test_parquet_without_the_text_column(tmp_path):
     text_prep.main([f"--input_dir={tmp_path / 'in'}", f"--out_dir={tmp_path / 'out'}", "--text_key=body",
                     "--num_proc=1"])
     assert sorted(sum(read_dataset(tmp_path / "out"), [])) == sorted(DOCS)
+
+
+def test_a_val_split_shorter_than_a_row_names_the_val_fraction_that_gives_one(tmp_path, capsys):
+    """Issue 42: a small corpus left one document (17 tokens) in val, and nothing said so."""
+    write_docs(tmp_path / "in" / "a.jsonl", DOCS * 4)
+    text_prep.main([f"--input_dir={tmp_path / 'in'}", f"--out_dir={tmp_path / 'out'}", "--num_proc=1"])
+    out = capsys.readouterr().out
+    train, val = (int(n.replace(",", "")) for n in re.search(r"train: ([\d,]+) tokens, val: ([\d,]+) tokens", out).groups())
+    suggested = dataset_writer.val_fraction_for(1025, train + val)
+    assert f"note: val holds only {val} tokens and training needs block_size + 1 of them (1,025 at GPT-2's " \
+           f"1024): for more, run again with --val_fraction={suggested:g}" in out
+    assert 0.0005 < suggested <= 0.5
 
 
 def truncate(path: Path):

@@ -152,12 +152,19 @@ def test_save_files(tmp_path):
     with pytest.raises(ValueError, match=r"tokenizer\.json changed since it was loaded"):
         tok.save_files(tmp_path / "late")
 
-    assert tokenizer.char_tokenizer("ab").save_files(tmp_path / "char") is False
-    assert not (tmp_path / "char").exists()
+    # Every kind writes a tokenizer.json that reads text as it does (issue 42): char level too.
+    chars = tokenizer.char_tokenizer("\n ab\t")
+    assert chars.save_files(tmp_path / "char") is True
+    as_hf = tokenizer.hf_tokenizer(tmp_path / "char")
+    assert as_hf.encode("a b\n\n\tba ") == chars.encode("a b\n\n\tba ") and tokenizer.same_vocabulary(chars, as_hf)
 
     gpt2 = tmp_path / "gpt2"
     assert tokenizer.gpt2_tokenizer().save_files(gpt2) is True
-    assert sorted(p.name for p in gpt2.iterdir()) == ["merges.txt", "tokenizer_config.json", "vocab.json"]
+    assert sorted(p.name for p in gpt2.iterdir()) == ["merges.txt", "tokenizer.json", "tokenizer_config.json",
+                                                      "vocab.json"]
+    text = "Hello world, it's café time.\n\n  <|endoftext|>"
+    as_hf = tokenizer.hf_tokenizer(gpt2)
+    assert as_hf.encode(text) == tokenizer.gpt2_tokenizer().encode(text) and as_hf.stop_tokens == [50256]
     assert json.loads((gpt2 / "tokenizer_config.json").read_text()) == {
         "tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
         "unk_token": "<|endoftext|>", "model_max_length": 1024}

@@ -102,9 +102,13 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(toy, capsys):
     assert straight[-1][1] < straight[0][1]
 
 
-def test_tensorboard_events_profile_and_saved_config(toy):
+def test_tensorboard_events_profile_and_saved_config(toy, capsys):
     config = small_config(toy, tensorboard=True, sample_tokens=8, profile_steps="2:4")
     train.train(config, ONE_DEVICE)
+    # start-up prints the keys that differ from the defaults; config.json and TensorBoard keep them all
+    printed = capsys.readouterr().out.split("config (the keys that differ from the defaults")[1].split("\ndevices:")[0]
+    assert re.findall(r"\n  (\w+) +=", printed) == [f.name for f in dataclasses.fields(Config)
+                                                    if getattr(config, f.name) != f.default]
     events = EventAccumulator(os.path.join(config.out_dir, "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
     tags = events.Tags()["tensors"]
@@ -119,13 +123,15 @@ def test_tensorboard_events_profile_and_saved_config(toy):
               for f in files if f.endswith(".xplane.pb")]
     assert len(traces) == 1
     saved = json.loads(open(os.path.join(config.out_dir, "config.json")).read())
-    assert saved["n_layer"] == 2 and saved["dataset"] == "toy"
+    assert saved == dataclasses.asdict(config)
+    logged = tensor_util.make_ndarray(events.Tensors("config")[0].tensor_proto).item().decode()
+    assert json.loads(logged.strip("`\n")) == saved
 
 
 def test_mfu_divides_by_the_best_cpu_peak_measured_so_far(toy, monkeypatch):
     """A busy moment at start-up makes the measured CPU peak low and MFU high: each evaluation
     measures it again, and the steps after it divide by the best rate seen."""
-    rates = iter([1e9, 4e9, 2e9])  # start-up, the evaluations after steps 4 and 8
+    rates = iter([1e13, 4e13, 2e13])  # start-up, the evaluations after steps 4 and 8 (all above the steps' rate)
     monkeypatch.setattr(hardware, "measure_cpu_peak_flops", lambda: next(rates))
     config = small_config(toy, tensorboard=True)
     train.train(config, ONE_DEVICE)
@@ -140,6 +146,18 @@ def test_mfu_divides_by_the_best_cpu_peak_measured_so_far(toy, monkeypatch):
     assert sorted(implied_peak) == list(range(1, 8))  # step 0 compiles: no MFU
     for step in range(1, 8):
         assert implied_peak[step] == pytest.approx(implied_peak[1] * (1 if step < 4 else 4), rel=1e-5)
+
+
+def test_the_log_never_shows_mfu_above_100_percent_and_always_the_compile_time(toy, monkeypatch, capsys):
+    """A CPU peak measured at a busy moment (issue 42: `mfu 125.8%`): a step faster than the peak
+    measures it again, and where the step is faster still, its own rate is the best seen. The
+    first step's compile time is said whatever log_interval is (it was only at 1)."""
+    monkeypatch.setattr(hardware, "measure_cpu_peak_flops", lambda: 1.0)  # every measurement reads low
+    train.train(small_config(toy, max_iters=6, log_interval=2), ONE_DEVICE)
+    out = capsys.readouterr().out
+    printed = [float(m) for m in re.findall(r"mfu ([\d.]+)%", out)]
+    assert len(printed) == 3 and max(printed) <= 100.0
+    assert re.search(r"\nstep 0 \| compile \+ first step \d+\.\d s\n", out)
 
 
 def test_learning_rate_schedule():

@@ -59,8 +59,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: tokenizer.py, dataset_writer.py, data/
 from data import corpus  # noqa: E402
 from data.corpus import BadFile, InputError  # noqa: E402,F401  (InputError: the errors a user can fix)
-from dataset_writer import (DatasetWriter, PrepareError, TokenWriter, check_out_dir,  # noqa: E402
-                            format_prepare_command, run_prepare_script, token_dtype)
+from dataset_writer import (GPT2_ROW_TOKENS, DatasetWriter, PrepareError, TokenWriter,  # noqa: E402
+                            check_out_dir, format_prepare_command, run_prepare_script, token_dtype,
+                            val_fraction_for)
 from tokenizer import command_path, gpt2_tokenizer, hf_tokenizer  # noqa: E402
 
 PIECE_BYTES = (1 << 20, 64 << 20)  # input per piece, at least and at most: 1/64 of the corpus in between
@@ -486,6 +487,10 @@ def check_common_options(args):
 def print_summary(s, out_dir, t0):
     print(f"{s['files']} files, {s['documents']:,} documents ({s['val_documents']:,} in val)")
     print(f"train: {s['train_tokens']:,} tokens, val: {s['val_tokens']:,} tokens -> {out_dir}")
+    if s["val_tokens"] < GPT2_ROW_TOKENS:  # a run evaluates on rows of block_size + 1 val tokens
+        fraction = val_fraction_for(GPT2_ROW_TOKENS, s["train_tokens"] + s["val_tokens"])
+        print(f"note: val holds only {s['val_tokens']:,} tokens and training needs block_size + 1 of them "
+              f"({GPT2_ROW_TOKENS:,} at GPT-2's 1024): for more, run again with --val_fraction={fraction:g}")
     for why in s["skipped"]:
         print(f"skipped: {why}")
     print(f"done in {time.time() - t0:.1f}s")

@@ -1,0 +1,123 @@
+"""The README's commands work as written (issue 42), checked without running them: every
+```bash block is read, and each `python SCRIPT ...` in it must name files that exist and flags
+that its script takes; no two training examples may write into one out_dir (each would stop
+with "out_dir ... holds checkpoints of an earlier run" after the quickstart)."""
+
+import ast
+import dataclasses
+import re
+import shlex
+
+import pytest
+
+from configurator import Config
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+CONFIG_KEYS = {f.name for f in dataclasses.fields(Config)}
+
+
+def bash_blocks(text: str) -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def commands(block: str) -> list[list[str]]:
+    """Each simple command of a block as words: continuation lines joined, comments dropped, split
+    at &&, ; and |; `[--flag=value]` (an optional flag, as written in the README) kept as the flag."""
+    found = []
+    for line in block.replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+        lexer.whitespace_split, lexer.commenters = True, "#"
+        words = [w.strip("[]") for w in lexer]
+        command = []
+        for word in words + [";"]:
+            if word and set(word) <= set(";&|"):
+                if command:
+                    found.append(command)
+                command = []
+            else:
+                command.append(word)
+    return found
+
+
+def python_scripts(block: str) -> list[tuple[str, list[str]]]:
+    """(script, its arguments) of each `python SCRIPT.py ...` (also .venv/bin/python, after srun)."""
+    runs = []
+    for words in commands(block):
+        for i, word in enumerate(words[:-1]):
+            if re.fullmatch(r"(\S*/)?python3?", word) and words[i + 1].endswith(".py"):
+                runs.append((words[i + 1], words[i + 2:]))
+                break
+    return runs
+
+
+def own_options(script: str) -> set[str]:
+    """The flags a script defines itself: the fields of its dataclasses, argparse's options, and the
+    keys of an OWN_FLAGS dict (bench/compare_cpu.py's)."""
+    source = (ROOT / script).read_text()
+    keys = set(re.findall(r"add_argument\(\s*\"--(\w+)\"", source))
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+            keys |= {item.target.id for item in node.body if isinstance(item, ast.AnnAssign)}
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "OWN_FLAGS":
+            keys |= {key.value for key in node.value.keys}
+    return keys
+
+
+def takes_config(script: str) -> bool:
+    """train.py, and the commands that pass the flags they don't know on to train.py's Config."""
+    source = (ROOT / script).read_text()
+    return script == "train.py" or "load_with_options_or_exit" in source or "OWN_FLAGS" in source
+
+
+def config_file_value(path: str, key: str):
+    namespace = {}
+    exec(compile((ROOT / path).read_text(), path, "exec"), namespace)
+    return namespace.get(key)
+
+
+README = (ROOT / "README.md").read_text()
+RUNS = [run for block in bash_blocks(README) for run in python_scripts(block)]
+
+
+def test_the_readme_has_the_commands_this_test_reads():
+    scripts = {script for script, _ in RUNS}
+    assert {"train.py", "sample.py", "export_hf.py", "eval.py", "bench.py", "compile_aot.py"} <= scripts
+    assert any(script.startswith("data/") for script in scripts)
+
+
+@pytest.mark.parametrize("script, args", RUNS, ids=[" ".join([s, *a])[:70] for s, a in RUNS])
+def test_every_command_names_files_that_exist_and_flags_its_script_takes(script, args):
+    if script.startswith(("/", "..")):  # a checkout elsewhere (nanoGPT's model.py)
+        return
+    assert (ROOT / script).is_file(), f"{script} does not exist"
+    keys = own_options(script) | (CONFIG_KEYS if takes_config(script) else set())
+    for arg in args:
+        if arg.startswith("--"):
+            key = arg[2:].partition("=")[0]
+            assert key in keys, f"{script} has no option --{key}"
+            value = arg.partition("=")[2]
+            if value.endswith(".py") and not value.startswith(("/", "..")):
+                assert (ROOT / value).is_file(), f"{arg}: {value} does not exist"
+        elif arg.endswith(".py"):
+            assert (ROOT / arg).is_file(), f"config file {arg} does not exist"
+
+
+def test_no_two_training_examples_share_an_out_dir():
+    """A resumed run continues an earlier example's out_dir; the same command twice is one run."""
+    out_dirs, seen, resumed = {}, set(), []
+    for script, args in RUNS:
+        if script != "train.py" or tuple(args) in seen:
+            continue
+        seen.add(tuple(args))
+        flags = dict(a[2:].partition("=")[::2] for a in args if a.startswith("--"))
+        files = [a for a in args if a.endswith(".py")]
+        out_dir = flags.get("out_dir") or next(
+            (config_file_value(f, "out_dir") for f in reversed(files) if config_file_value(f, "out_dir")), Config.out_dir)
+        command = " ".join(["train.py", *args])
+        if flags.get("init_from") == "resume":
+            resumed.append((out_dir, command))
+        else:
+            assert out_dir not in out_dirs, f"{command!r} and {out_dirs.get(out_dir)!r} both write to {out_dir}"
+            out_dirs[out_dir] = command
+    for out_dir, command in resumed:
+        assert out_dir in out_dirs, f"{command!r} resumes {out_dir}, which no example above trains"
