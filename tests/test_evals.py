@@ -69,7 +69,7 @@ def test_scores_equal_one_forward_pass_per_choice_batched_or_not(model, tmp_path
     assert len(rows.tokens) == 24 and rows.start[0] == 12  # no start token at char level: context first
     reference = reference_sums(setup, params, rows)
     for batch_rows in (1, 5, 32):
-        sums, counts = evals.score_rows(setup, params, rows, batch_rows)
+        sums, counts, greedy = evals.score_rows(setup, params, rows, batch_rows)
         np.testing.assert_allclose(sums, reference, rtol=0, atol=1e-5)
         assert list(counts) == [len(t) - s for t, s in zip(rows.tokens, rows.start)]
     assert evals.multiple_choice(setup, params, TOK, examples, batch_rows=1) == \
@@ -82,20 +82,22 @@ def test_eight_devices_give_what_one_gives(model, tmp_path):
     rows = evals.choice_rows(examples, TOK, setup.model_config.block_size)
     setup8, _ = tiny(jax.devices(), data=8)
     params8 = jax.device_put(params, setup8.state_shardings["params"])
-    one, _ = evals.score_rows(setup, params, rows, 8)
-    eight, _ = evals.score_rows(setup8, params8, rows, 8)
+    one, _, _ = evals.score_rows(setup, params, rows, 8)
+    eight, _, _ = evals.score_rows(setup8, params8, rows, 8)
     np.testing.assert_allclose(eight, one, rtol=0, atol=1e-5)
 
 
 def test_acc_and_acc_norm_worked_by_hand():
-    """3 examples of 2 choices. Sums and token counts: (-4, 2 tokens) vs (-6, 4): acc picks
-    choice 0 (-4 > -6), acc_norm choice 1 (-1.5 > -2); (-3, 3) vs (-1, 1): both pick 1;
-    (-2, 1) vs (-9, 9): acc picks 0, acc_norm ties at -1 and takes the first, 0."""
+    """Per token, 3 examples of 2 choices. Sums and token counts: (-4, 2 tokens) vs (-6, 4): acc
+    picks choice 0 (-4 > -6), acc_norm choice 1 (-1.5 > -2); (-3, 3) vs (-1, 1): both pick 1;
+    (-2, 1) vs (-9, 9): acc picks 0, acc_norm ties at -1 and takes the first, 0.
+    Per character (the harness's), "bb" vs "c" at -5 vs -3: -2.5 > -3 picks 0; counting the space
+    before each choice would give -5/3 < -3/2 and pick 1."""
     examples = [evals.Example("a", ("b", "c"), label, f"x:{i}") for i, label in enumerate((1, 0, 0))]
     sums, counts = np.array([-4., -6, -3, -1, -2, -9]), np.array([2, 4, 3, 1, 1, 9])
-    assert evals.accuracy(examples, sums, counts) == {"acc": 1 / 3, "acc_norm": 2 / 3, "examples": 3}
-    by_char = evals.accuracy(examples, sums, counts, norm="char")  # " b", " c": 2 characters each
-    assert by_char["acc_norm"] == by_char["acc"] == 1 / 3  # equal lengths: the picks of acc
+    assert evals.accuracy(examples, sums, counts, norm="token") == {"acc": 1 / 3, "acc_norm": 2 / 3, "examples": 3}
+    by_char = evals.accuracy([evals.Example("a", ("bb", "c"), 0, "x:0")], np.array([-5., -3]), np.array([1, 1]))
+    assert by_char == {"acc": 0, "acc_norm": 1, "examples": 1}
 
 
 def test_perplexity_scores_every_token_once_in_half_overlapping_windows(model):
