@@ -11,7 +11,8 @@ prints one line: `hellaswag: acc A acc_norm B (N examples)`.
 Scoring follows lm-evaluation-harness (see evals.py), so the numbers compare with its tables:
 no token before a GPT-2 context, the BOS token before a Llama-style one (--prefix=auto);
 acc_norm per character of the choice. --prefix=eot puts <|endoftext|> first (as eval.py did
-before), --norm=token normalises per token (build-nanogpt, llm.c).
+before); build-nanogpt's and llm.c's HellaSwag ("completion style") is --norm=token
+--hellaswag_text=raw.
 """
 
 import dataclasses
@@ -34,8 +35,9 @@ class EvalConfig:
     task: str = "hellaswag"  # 'hellaswag' | 'choice' ({context, choices, label} jsonl) | 'perplexity' (text)
     data: str = ""  # the task's file; '' with hellaswag: its validation set, downloaded once
     limit: int = 0  # only the first N examples of hellaswag or choice (0 = all)
-    norm: str = "char"  # acc_norm per 'char' of the choice (lm-evaluation-harness) or per 'token' (build-nanogpt, llm.c)
-    prefix: str = "auto"  # before the context: 'auto' = the tokenizer's own (Llama's BOS; none for GPT-2), 'none', 'bos', 'eot'
+    norm: str = "char"  # acc_norm per 'char' of the choice (lm-evaluation-harness) or per 'token' (build-nanogpt)
+    hellaswag_text: str = "harness"  # 'harness' ("label: ctx_a Ctx_b", cleaned up) or 'raw' (ctx: build-nanogpt)
+    prefix: str = "auto"  # before a context: 'auto' (the tokenizer's own: Llama's BOS; GPT-2 none) | none | bos | eot
     batch_size: int = 32  # rows (choices or windows) per forward pass, over all devices
     dtype: str = "auto"  # a Hugging Face model's compute dtype: 'auto' = bfloat16 on GPUs/TPUs, else float32
     devices: int = 0  # split the rows over the first N devices (0 = all)
@@ -47,6 +49,7 @@ class EvalConfig:
                                            "scores the whole --data file: cut the file to score less")
         configurator.check_choice("norm", self.norm, ("char", "token"))
         configurator.check_choice("prefix", self.prefix, evals.PREFIXES)
+        configurator.check_choice("hellaswag_text", self.hellaswag_text, evals.HELLASWAG_TEXTS)
         configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
         for key in ("limit", "devices"):
             if getattr(self, key) < 0:
@@ -85,7 +88,7 @@ def main(argv):
             result = evals.perplexity(setup, params, tok, text, cfg.batch_size, label=cfg.task, prefix=cfg.prefix)
         else:
             path = cfg.data or evals.hellaswag_file()
-            examples = evals.read_examples(path, cfg.task, cfg.limit)
+            examples = evals.read_examples(path, cfg.task, cfg.limit, cfg.hellaswag_text)
             result = evals.multiple_choice(setup, params, tok, examples, cfg.norm, cfg.batch_size, label=cfg.task,
                                            prefix=cfg.prefix)
     except (OSError, ValueError) as e:  # EvalError, CheckpointError, HFError

@@ -43,6 +43,7 @@ import sharding
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 TASKS = configurator.EVAL_TASKS  # choice: {"context", "choices", "label"} per line
 PREFIXES = ("auto", "none", "bos", "eot")  # what a scored text starts after (context_prefix)
+HELLASWAG_TEXTS = ("harness", "raw")  # read_examples
 
 
 class EvalError(ValueError):
@@ -59,9 +60,11 @@ class Example:
     where: str  # FILE:LINE, for messages
 
 
-def read_examples(path: str, task: str, limit: int = 0) -> list:
-    """The examples of a jsonl file: HellaSwag's own (ctx, endings, label) or the generic
-    (context, choices, label); the first `limit` of them if limit > 0."""
+def read_examples(path: str, task: str, limit: int = 0, hellaswag_text: str = "harness") -> list:
+    """The examples of a jsonl file: HellaSwag's own (ctx, endings, label; with hellaswag_text=
+    'harness' its activity label, ctx_a and ctx_b as lm-evaluation-harness builds the text, 'raw'
+    ctx and endings as they are, as build-nanogpt and llm.c) or the generic (context, choices,
+    label); the first `limit` of them if limit > 0."""
     fields = ("ctx", "endings", "label") if task == "hellaswag" else ("context", "choices", "label")
     examples = []
     try:
@@ -79,8 +82,9 @@ def read_examples(path: str, task: str, limit: int = 0) -> list:
                     raise EvalError(f"{where}: no {', '.join(map(repr, missing))} field (a {task} line has "
                                     f"{', '.join(fields)})")
                 context, choices, label = (record[k] for k in fields)
-                if task == "hellaswag" and all(isinstance(record.get(k), str) for k in HELLASWAG_PARTS):
-                    context, choices = hellaswag_text(record)
+                if task == "hellaswag" and hellaswag_text == "harness" and all(
+                        isinstance(record.get(k), str) for k in HELLASWAG_PARTS):
+                    context, choices = harness_hellaswag(record)
                 if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) for c in choices)
                         and isinstance(context, str)):
                     raise EvalError(f"{where}: {fields[0]} must be a string and {fields[1]} a list of at least "
@@ -116,7 +120,7 @@ def clean_hellaswag(text: str) -> str:
     return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
 
 
-def hellaswag_text(record: dict) -> tuple:
+def harness_hellaswag(record: dict) -> tuple:
     """(context, choices) of a line of HellaSwag's own file, as the harness builds them:
     "Activity: ctx_a Ctx_b", the endings cleaned up the same way."""
     context = f"{record['activity_label']}: {record['ctx_a']} {record['ctx_b'].capitalize()}"

@@ -104,6 +104,8 @@ def test_hellaswag_lines_read_as_the_harness_reads_them(tmp_path):
     example, = evals.read_examples(str(path), "hellaswag")
     assert example.context == "Roof shingle removal: A man is sitting on a roof. He"
     assert example.choices == ("is using wrap.", " Remove the shingles. Use a pry bar.")  # the harness's own
+    raw, = evals.read_examples(str(path), "hellaswag", hellaswag_text="raw")  # build-nanogpt's
+    assert raw.context == "A man is sitting on a roof. he" and raw.choices[1].startswith(" [title] Remove")
 
 
 def test_eight_devices_give_what_one_gives(model, tmp_path):
