@@ -10,9 +10,8 @@ prints one line: `hellaswag: acc A acc_norm B (N examples)`.
 
 Scoring follows lm-evaluation-harness (see evals.py), so the numbers compare with its tables:
 no token before a GPT-2 context, the BOS token before a Llama-style one (--prefix=auto);
-acc_norm per character of the choice. --prefix=eot puts <|endoftext|> first (as eval.py did
-before); build-nanogpt's and llm.c's HellaSwag ("completion style") is --norm=token
---hellaswag_text=raw.
+acc_norm per character of the choice. --prefix=eot puts <|endoftext|> first; build-nanogpt's
+and llm.c's HellaSwag ("completion style") is --norm=token --hellaswag_text=raw.
 """
 
 import dataclasses

@@ -14,9 +14,9 @@ read as the harness reads them: activity label, ctx_a, ctx_b and endings, cleane
 
 Perplexity: the text's tokens after BOS (else <|endoftext|>), in windows of block_size; each
 window after the first moves on by half a window and scores only its new tokens, so every
-token is scored once with at least block_size / 2 tokens before it (where there are). Reported:
-the mean loss in nats, its exp (perplexity), and bits per UTF-8 byte (comparable across
-tokenizers).
+token after that start is scored once, in later windows with at least block_size / 2 tokens
+before it. Reported: the mean loss in nats, its exp (perplexity), and bits per UTF-8 byte
+(comparable across tokenizers).
 
 Rows (one per choice, or per window) are scored in batches, padded and masked, with the batch
 split over the mesh's batch axes like training; results do not depend on the batch size.
@@ -44,6 +44,7 @@ HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/
 TASKS = configurator.EVAL_TASKS  # choice: {"context", "choices", "label"} per line
 PREFIXES = ("auto", "none", "bos", "eot")  # what a scored text starts after (context_prefix)
 HELLASWAG_TEXTS = ("harness", "raw")  # read_examples
+HELLASWAG_PARTS = ("activity_label", "ctx_a", "ctx_b")  # what the harness builds a context from
 
 
 class EvalError(ValueError):
@@ -109,9 +110,6 @@ def read_examples(path: str, task: str, limit: int = 0, hellaswag_text: str = "h
     if not examples:
         raise EvalError(f"{path} has no examples")
     return examples
-
-
-HELLASWAG_PARTS = ("activity_label", "ctx_a", "ctx_b")
 
 
 def clean_hellaswag(text: str) -> str:
@@ -263,9 +261,9 @@ def make_scorer(setup):
 
 
 def score_rows(setup, params, rows: Rows, batch_rows: int = 32, label: str = "", scorer=None) -> tuple:
-    """(log-probability sums, target counts, all targets greedy) of every row, as NumPy arrays. Batches are padded
-    to a multiple of the mesh's batch axes and their length to a multiple of 64 (few shapes,
-    few compiles); padding is masked out."""
+    """(log-probability sums, target counts, whether all targets are the most likely tokens) of
+    every row, as NumPy arrays. Batches are padded to a multiple of the mesh's batch axes and
+    their length to a multiple of 64 (few shapes, few compiles); padding is masked out."""
     scorer = scorer or make_scorer(setup)
     split = sharding.batch_shards(setup.mesh)
     B = -(-batch_rows // split) * split

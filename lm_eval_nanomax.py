@@ -2,15 +2,16 @@
 pip install -r requirements-eval.txt).
 
     python lm_eval_nanomax.py --model_args out_dir=out-gpt2 --tasks hellaswag
-    python lm_eval_nanomax.py --model_args init_from=/path/to/SmolLM2-135M,batch_size=64 --tasks arc_easy,piqa
+    python lm_eval_nanomax.py --model_args init_from=/path/to/SmolLM2-135M --tasks arc_easy,piqa --batch_size 64
 
 takes every flag of the `lm_eval` command (--tasks, --limit, --num_fewshot, --output_path,
---include_path for local task files, ...) and adds `--model nanomax`. From Python, importing
-this file registers the model name: lm_eval.simple_evaluate(model="nanomax", model_args=...).
+--include_path for local task files, --batch_size: rows per forward pass, 32 unless given) and
+adds `--model nanomax`. From Python, importing this file registers the model name:
+lm_eval.simple_evaluate(model="nanomax", model_args=..., batch_size=32).
 
 model_args: out_dir=DIR (the newest intact checkpoint there) or init_from=NAME|DIR (a Hugging
-Face model); batch_size (rows per forward pass), dtype, devices, prefix, as eval.py takes them;
-max_gen_toks (generate_until's default length, 256 as the harness's own models).
+Face model); dtype, devices, prefix, as eval.py takes them; max_gen_toks (generate_until's
+default length, 256 as the harness's own models).
 
 The harness tokenizes (TemplateLM): a context starts with what the tokenizer itself puts first
 (prefix=auto: Llama's BOS, nothing for GPT-2), an empty one with BOS else <|endoftext|>; this
@@ -18,14 +19,17 @@ file scores the token rows with evals.py's batched scorer and generates with gen
 unless a task asks to sample.
 """
 
+import importlib
 import sys
 
 try:
-    import lm_eval.models  # noqa: F401  the harness's own models: its registry loads them only while it is empty
     from lm_eval import utils as lm_utils
     from lm_eval.__main__ import cli_evaluate
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
+    # The harness's own models ('hf', 'local-completions', ...): its registry looks them up only
+    # while it is empty, so they go in before 'nanomax' does.
+    importlib.import_module("lm_eval.models")
 except ImportError as e:
     raise ImportError(f"lm_eval_nanomax.py needs lm-evaluation-harness ({e}): "
                       f"pip install -r requirements-eval.txt") from None
@@ -48,7 +52,7 @@ class NanomaxLM(TemplateLM):
         super().__init__()
         if unused:
             raise configurator.ConfigError(f"nanomax model_args: unknown {', '.join(sorted(unused))}; known: "
-                                           f"out_dir, init_from, batch_size, dtype, devices, prefix, max_gen_toks")
+                                           f"out_dir, init_from, dtype, devices, prefix, max_gen_toks")
         batch_size = 32 if str(batch_size).startswith("auto") else int(batch_size)  # no automatic search
         self.cfg = eval_cli.EvalConfig(init_from=init_from, out_dir=out_dir, batch_size=batch_size, dtype=dtype,
                                        devices=int(devices), prefix=prefix)
@@ -67,11 +71,11 @@ class NanomaxLM(TemplateLM):
 
     @property
     def prefix_token_id(self):
-        """The token an empty context (and each rolling text) is scored after."""
-        start = evals.text_start(self.tok, self.cfg.prefix)
+        """The token an empty context (and each rolling text) is scored after: the harness needs one."""
+        start = evals.text_start(self.tok, self.cfg.prefix) or evals.text_start(self.tok)
         if not start:
-            raise evals.EvalError("this tokenizer has no BOS or end-of-text token to score a text from its start "
-                                  "after; pass prefix=bos or prefix=eot where it has one")
+            raise evals.EvalError("this tokenizer has neither a BOS nor an end-of-text token, which the harness "
+                                  "scores a text's first token after (empty contexts, loglikelihood_rolling)")
         return start[0]
 
     @property
@@ -161,8 +165,10 @@ class NanomaxLM(TemplateLM):
 
 
 def main(argv) -> None:
-    """The `lm_eval` command with this model registered: `--model nanomax` unless another is named."""
-    sys.argv = ["lm_eval", *(["--model", "nanomax"] if "--model" not in argv else []), *argv]
+    """The `lm_eval` command with this model registered: `--model nanomax` unless another is named,
+    and 32 rows a batch unless --batch_size says (the harness's default is 1)."""
+    sys.argv = ["lm_eval", *(["--model", "nanomax"] if "--model" not in argv else []),
+                *(["--batch_size", "32"] if not {"--batch_size", "-b"} & set(argv) else []), *argv]
     try:
         cli_evaluate()
     except (OSError, ValueError) as e:  # EvalError, ConfigError, CheckpointError, HFError

@@ -18,7 +18,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 import evals  # noqa: E402
 import generate  # noqa: E402
 import lm_eval_nanomax  # noqa: E402
-from test_hf import GPT2, LLAMA, export, random_hf_gpt2, random_params, write_hf_gpt2  # noqa: E402
+from test_hf import LLAMA, export, random_hf_gpt2, random_params, write_hf_gpt2  # noqa: E402
 from test_tokenizer import BOS, make_tokenizer, tokenizer_json  # noqa: E402
 
 GPT2_VOCAB = 50257
@@ -104,3 +104,5 @@ metric_list:
     harness = results["results"]["nanomax_toy"]
     ours = evals.multiple_choice(lm.setup, lm.params, lm.tok, evals.read_examples(str(data), "choice"))
     assert (harness["acc,none"], harness["acc_norm,none"]) == (ours["acc"], ours["acc_norm"])
+    # Registering 'nanomax' keeps the harness's own models findable (its registry loads them only while empty).
+    assert {"nanomax", "hf", "local-completions"} <= set(lm_eval.api.registry.model_registry.keys())
