@@ -6,7 +6,12 @@ perplexity. evals.py does the work; this is its command line.
     python eval.py --out_dir=out-shakespeare-char --task=perplexity --data=data/shakespeare_char/input.txt
     python eval.py --init_from=/path/to/SmolLM2-135M --task=choice --data=arc_easy.jsonl   # {context, choices, label}
 
-prints one line, e.g. `hellaswag: acc 0.2863 acc_norm 0.2955 (10042 examples)`.
+prints one line: `hellaswag: acc A acc_norm B (N examples)`.
+
+Scoring follows lm-evaluation-harness (see evals.py), so the numbers compare with its tables:
+no token before a GPT-2 context, the BOS token before a Llama-style one (--prefix=auto);
+acc_norm per character of the choice. --prefix=eot puts <|endoftext|> first; build-nanogpt's
+and llm.c's HellaSwag ("completion style") is --norm=token --hellaswag_text=raw.
 """
 
 import dataclasses
@@ -29,7 +34,9 @@ class EvalConfig:
     task: str = "hellaswag"  # 'hellaswag' | 'choice' ({context, choices, label} jsonl) | 'perplexity' (text)
     data: str = ""  # the task's file; '' with hellaswag: its validation set, downloaded once
     limit: int = 0  # only the first N examples of hellaswag or choice (0 = all)
-    norm: str = "token"  # acc_norm per 'token' (build-nanogpt, llm.c) or per 'char' (lm-eval)
+    norm: str = "char"  # acc_norm per 'char' of the choice (lm-evaluation-harness) or per 'token' (build-nanogpt)
+    hellaswag_text: str = "harness"  # 'harness' ("label: ctx_a Ctx_b", cleaned up) or 'raw' (ctx: build-nanogpt)
+    prefix: str = "auto"  # before a context: 'auto' (the tokenizer's own: Llama's BOS; GPT-2 none) | none | bos | eot
     batch_size: int = 32  # rows (choices or windows) per forward pass, over all devices
     dtype: str = "auto"  # a Hugging Face model's compute dtype: 'auto' = bfloat16 on GPUs/TPUs, else float32
     devices: int = 0  # split the rows over the first N devices (0 = all)
@@ -39,7 +46,9 @@ class EvalConfig:
         if self.task == "perplexity" and self.limit:
             raise configurator.ConfigError("--limit counts the examples of hellaswag and choice; perplexity "
                                            "scores the whole --data file: cut the file to score less")
-        configurator.check_choice("norm", self.norm, ("token", "char"))
+        configurator.check_choice("norm", self.norm, ("char", "token"))
+        configurator.check_choice("prefix", self.prefix, evals.PREFIXES)
+        configurator.check_choice("hellaswag_text", self.hellaswag_text, evals.HELLASWAG_TEXTS)
         configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
         for key in ("limit", "devices"):
             if getattr(self, key) < 0:
@@ -75,11 +84,12 @@ def main(argv):
                     text = f.read()
             except (OSError, UnicodeDecodeError) as e:
                 raise evals.EvalError(f"--data={cfg.data}: {e}") from None
-            result = evals.perplexity(setup, params, tok, text, cfg.batch_size, label=cfg.task)
+            result = evals.perplexity(setup, params, tok, text, cfg.batch_size, label=cfg.task, prefix=cfg.prefix)
         else:
             path = cfg.data or evals.hellaswag_file()
-            examples = evals.read_examples(path, cfg.task, cfg.limit)
-            result = evals.multiple_choice(setup, params, tok, examples, cfg.norm, cfg.batch_size, label=cfg.task)
+            examples = evals.read_examples(path, cfg.task, cfg.limit, cfg.hellaswag_text)
+            result = evals.multiple_choice(setup, params, tok, examples, cfg.norm, cfg.batch_size, label=cfg.task,
+                                           prefix=cfg.prefix)
     except (OSError, ValueError) as e:  # EvalError, CheckpointError, HFError
         sys.exit(f"error: {e}")
     print(f"{what}, {setup.model_config.dtype}, {time.perf_counter() - start:.1f} s", file=sys.stderr)

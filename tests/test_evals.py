@@ -15,8 +15,9 @@ import evals
 import plot
 import train
 from test_generate import tiny
+from test_tokenizer import BOS, make_tokenizer
 from test_train import ONE_DEVICE, make_dataset, small_config
-from tokenizer import char_tokenizer
+from tokenizer import char_tokenizer, gpt2_tokenizer, hf_tokenizer
 
 CHARS = " " + "".join(chr(0x101 + i) for i in range(64))  # a space joins context and choice
 TOK = char_tokenizer(CHARS)
@@ -69,11 +70,42 @@ def test_scores_equal_one_forward_pass_per_choice_batched_or_not(model, tmp_path
     assert len(rows.tokens) == 24 and rows.start[0] == 12  # no start token at char level: context first
     reference = reference_sums(setup, params, rows)
     for batch_rows in (1, 5, 32):
-        sums, counts = evals.score_rows(setup, params, rows, batch_rows)
+        sums, counts, greedy = evals.score_rows(setup, params, rows, batch_rows)
         np.testing.assert_allclose(sums, reference, rtol=0, atol=1e-5)
         assert list(counts) == [len(t) - s for t, s in zip(rows.tokens, rows.start)]
     assert evals.multiple_choice(setup, params, TOK, examples, batch_rows=1) == \
         evals.multiple_choice(setup, params, TOK, examples, batch_rows=32)
+
+
+def test_contexts_start_as_lm_evaluation_harness_starts_them(tmp_path):
+    """Nothing before a GPT-2 context, BOS before a Llama-style one; an empty context is BOS, else
+    <|endoftext|>; a context's trailing space moves to the continuation, which is what follows the
+    context's tokens in the encoding of both together. --prefix picks the other convention."""
+    gpt2, llama = gpt2_tokenizer(), hf_tokenizer(make_tokenizer(tmp_path / "tok"))
+    for tok, start, empty in ((gpt2, [], gpt2.eot_token), (llama, [BOS], BOS)):
+        context, ending = evals.encode_pair(tok, "Hello, world ", "again")
+        assert context == start + tok.encode("Hello, world")
+        assert context + ending == start + tok.encode("Hello, world again")
+        assert evals.encode_pair(tok, "", " again") == ([empty], tok.encode(" again"))
+    rows = evals.choice_rows([evals.Example("Hello, world", ("again", "x"), 0, "x:1")], gpt2, 64)
+    assert rows.tokens[0] == gpt2.encode("Hello, world again")  # no <|endoftext|> first
+    eot = evals.choice_rows([evals.Example("Hello, world", ("again", "x"), 0, "x:1")], gpt2, 64, prefix="eot")
+    assert eot.tokens[0] == [gpt2.eot_token] + rows.tokens[0]
+    assert evals.encode_pair(llama, "Hello", " again", prefix="none")[0] == llama.encode("Hello")
+    with pytest.raises(evals.EvalError, match="--prefix=bos: this tokenizer has no BOS token"):
+        evals.choice_rows([evals.Example("Hello", ("a", "b"), 0, "x:1")], gpt2, 64, prefix="bos")
+
+
+def test_hellaswag_lines_read_as_the_harness_reads_them(tmp_path):
+    path = tmp_path / "hs.jsonl"
+    path.write_text(json.dumps({"activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.",
+                                "ctx_b": "he", "ctx": "A man is sitting on a roof. he", "label": "1",
+                                "endings": ["is using wrap.", " [title] Remove the shingles. [step] Use a pry bar."]}))
+    example, = evals.read_examples(str(path), "hellaswag")
+    assert example.context == "Roof shingle removal: A man is sitting on a roof. He"
+    assert example.choices == ("is using wrap.", " Remove the shingles. Use a pry bar.")  # the harness's own
+    raw, = evals.read_examples(str(path), "hellaswag", hellaswag_text="raw")  # build-nanogpt's
+    assert raw.context == "A man is sitting on a roof. he" and raw.choices[1].startswith(" [title] Remove")
 
 
 def test_eight_devices_give_what_one_gives(model, tmp_path):
@@ -82,20 +114,22 @@ def test_eight_devices_give_what_one_gives(model, tmp_path):
     rows = evals.choice_rows(examples, TOK, setup.model_config.block_size)
     setup8, _ = tiny(jax.devices(), data=8)
     params8 = jax.device_put(params, setup8.state_shardings["params"])
-    one, _ = evals.score_rows(setup, params, rows, 8)
-    eight, _ = evals.score_rows(setup8, params8, rows, 8)
+    one, _, _ = evals.score_rows(setup, params, rows, 8)
+    eight, _, _ = evals.score_rows(setup8, params8, rows, 8)
     np.testing.assert_allclose(eight, one, rtol=0, atol=1e-5)
 
 
 def test_acc_and_acc_norm_worked_by_hand():
-    """3 examples of 2 choices. Sums and token counts: (-4, 2 tokens) vs (-6, 4): acc picks
-    choice 0 (-4 > -6), acc_norm choice 1 (-1.5 > -2); (-3, 3) vs (-1, 1): both pick 1;
-    (-2, 1) vs (-9, 9): acc picks 0, acc_norm ties at -1 and takes the first, 0."""
+    """Per token, 3 examples of 2 choices. Sums and token counts: (-4, 2 tokens) vs (-6, 4): acc
+    picks choice 0 (-4 > -6), acc_norm choice 1 (-1.5 > -2); (-3, 3) vs (-1, 1): both pick 1;
+    (-2, 1) vs (-9, 9): acc picks 0, acc_norm ties at -1 and takes the first, 0.
+    Per character (the harness's), "bb" vs "c" at -5 vs -3: -2.5 > -3 picks 0; counting the space
+    before each choice would give -5/3 < -3/2 and pick 1."""
     examples = [evals.Example("a", ("b", "c"), label, f"x:{i}") for i, label in enumerate((1, 0, 0))]
     sums, counts = np.array([-4., -6, -3, -1, -2, -9]), np.array([2, 4, 3, 1, 1, 9])
-    assert evals.accuracy(examples, sums, counts) == {"acc": 1 / 3, "acc_norm": 2 / 3, "examples": 3}
-    by_char = evals.accuracy(examples, sums, counts, norm="char")  # " b", " c": 2 characters each
-    assert by_char["acc_norm"] == by_char["acc"] == 1 / 3  # equal lengths: the picks of acc
+    assert evals.accuracy(examples, sums, counts, norm="token") == {"acc": 1 / 3, "acc_norm": 2 / 3, "examples": 3}
+    by_char = evals.accuracy([evals.Example("a", ("bb", "c"), 0, "x:0")], np.array([-5., -3]), np.array([1, 1]))
+    assert by_char == {"acc": 0, "acc_norm": 1, "examples": 1}
 
 
 def test_perplexity_scores_every_token_once_in_half_overlapping_windows(model):
@@ -160,6 +194,7 @@ def test_command_line_and_its_one_line_errors(tmp_path, monkeypatch, capsys):
         (["--task=choice", f"--data={tmp_path}"], ["Is a directory; pass --data=FILE.jsonl"]),
         (["--task=perplexity"], ["--task=perplexity needs --data=FILE"]),
         (["--task=perplexity", "--data=x.txt", "--limit=5"], ["--limit counts the examples", "cut the file"]),
+        (["--task=choice", f"--data={data}", "--prefix=bos"], ["--prefix=bos: this tokenizer has no BOS token"]),
         (["--task=choice", f"--data={write_examples(tmp_path / 'hs.jsonl', n=1)}"],  # HellaSwag's form
          ["no 'context', 'choices' field"]),
     ]:
