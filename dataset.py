@@ -39,6 +39,15 @@ def dataset_tokenizer(config: Config) -> tokenizer.Tokenizer | None:
         raise DataError(str(e)) from None
 
 
+def eot_token(config: Config) -> int | None:
+    """The id between documents, where document_masking starts one: the dataset's tokenizer's
+    end-of-text token; GPT-2's where there is no meta.json and the vocabulary is GPT-2's (bench.py and
+    compile_aot.py assume it then); else None (a char-level vocabulary has none)."""
+    if not os.path.exists(os.path.join(dataset_dir(config), "meta.json")):
+        return tokenizer.GPT2_EOT if config.vocab_size in (0, tokenizer.GPT2_VOCAB_SIZE) else None
+    return dataset_tokenizer(config).eot_token
+
+
 def read_vocab_size(config: Config) -> int:
     """vocab_size from the config, or else from the dataset's meta.json."""
     return config.vocab_size or dataset_tokenizer(config).vocab_size
