@@ -176,7 +176,7 @@ def test_document_masking_pipelined_and_sharded_trains_on_each_document_as_if_al
     config = small_config(tmp_path, n_head=4, mesh_stage=2, mesh_fsdp=2, mesh_tensor=2, mesh_data=1,
                           pipeline_microbatches=4, document_masking=True)
     mesh = train.make_mesh(config)
-    setup = train.make_setup(config, mesh, 64, eot_token=0)
+    setup = train.make_setup(config, mesh, 64, document_start=0)
     state = train.init_state(setup)
     params = jax.device_get(state["params"])  # the step donates the state
     batch, alone = document_batch(vocab=64)

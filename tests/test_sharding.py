@@ -363,7 +363,7 @@ def test_document_masking_sharded_trains_on_each_document_as_if_alone(tmp_path):
     over rows of several documents are the documents' own, each alone on one device."""
     config = dataclasses.replace(sharded_config(tmp_path, 2, 2, 2), n_embd=32, document_masking=True, **LLAMA_STYLE)
     mesh = sharding.make_mesh(2, 2, 2)
-    setup = train.make_setup(config, mesh, 64, eot_token=0)
+    setup = train.make_setup(config, mesh, 64, document_start=0)
     state = train.init_state(setup)
     params = jax.device_get(state["params"])  # the step donates the state
     batch, alone = document_batch(vocab=64)

@@ -30,6 +30,7 @@ import tokenizer
 import train
 from configurator import Config, ConfigError
 from test_hf import write_config
+from test_tokenizer import BOS, make_tokenizer
 
 ONE_DEVICE = jax.devices()[:1]
 
@@ -556,7 +557,7 @@ def test_document_masking_trains_on_each_document_as_if_alone(toy):
     """The train step's loss and gradient, and the eval step's loss, over rows of several documents are
     the documents' own, each alone; without document_masking they are not."""
     mesh = sharding.make_mesh(devices=ONE_DEVICE)
-    setup = train.make_setup(small_config(toy, document_masking=True), mesh, 65, eot_token=0)
+    setup = train.make_setup(small_config(toy, document_masking=True), mesh, 65, document_start=0)
     plain = train.make_setup(small_config(toy), mesh, 65)
     batch, alone = document_batch()
     state = train.init_state(setup)
@@ -570,18 +571,19 @@ def test_document_masking_trains_on_each_document_as_if_alone(toy):
                                [expected_loss, expected_loss, expected_grad_norm], rtol=1e-5, atol=1e-5)
 
 
-def test_document_masking_splits_at_the_datasets_end_of_text_token(tmp_path, monkeypatch):
-    """GPT-2's data: at <|endoftext|>; a char-level vocabulary has none: one clear error before anything
-    is written."""
+def test_document_masking_starts_documents_where_the_datasets_tokenizer_does(tmp_path, monkeypatch):
+    """At GPT-2's <|endoftext|>, a Llama-style tokenizer's begin-of-text token; a char-level vocabulary
+    has neither: one clear error before anything is written."""
     make_dataset(tmp_path / "data", vocab_size=50257)
     gpt2 = small_config(tmp_path, document_masking=True)
-    assert dataset.eot_token(gpt2) == tokenizer.GPT2_EOT
-    monkeypatch.setattr(train, "train_loop", lambda setup, *args: setup.eot_token)  # the step train() built
-    assert train.train(gpt2, ONE_DEVICE) == tokenizer.GPT2_EOT
+    monkeypatch.setattr(train, "train_loop", lambda setup, *args: setup.document_start)  # the step train() built
+    assert train.train(gpt2, ONE_DEVICE) == dataset.config_document_start(gpt2) == tokenizer.GPT2_EOT
+    llama = tokenizer.hf_tokenizer(make_tokenizer(tmp_path / "llama"))
+    assert dataset.document_start(llama) == llama.bos_token == BOS != llama.eot_token
     make_dataset(tmp_path / "data", name="chars")
     chars = small_config(tmp_path, dataset="chars", document_masking=True, out_dir=str(tmp_path / "chars-out"))
-    assert dataset.eot_token(chars) is None
-    with pytest.raises(ConfigError, match="document_masking=True starts a document at each end-of-text token, "
-                                          "and the dataset has none"):
+    assert dataset.config_document_start(chars) is None
+    with pytest.raises(ConfigError, match="document_masking=True starts a document at each begin-of-text or "
+                                          "end-of-text token, and the dataset has neither"):
         train.train(chars, ONE_DEVICE)
     assert not os.path.exists(chars.out_dir)
