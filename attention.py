@@ -1,6 +1,7 @@
 """Causal softmax attention written out, with its own backward ('einsum' in model.py): float32
 scores, query blocks that skip the score tiles above the diagonal, grouped-query heads, and
-nanoGPT's dropout on the attention probabilities. jax only.
+nanoGPT's dropout on the attention probabilities; and the masks and positions of packed rows
+(several examples in one row, told apart by segment ids). jax only.
 """
 
 import functools
@@ -15,14 +16,32 @@ def causal_mask(start_B, T: int, S: int):
     return (jnp.arange(S) <= query_position_BxT[:, :, None])[:, None]
 
 
-def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dropout_rate: float = 0.0, dropout_key=None):
+def segment_positions(segment_ids_BxT):
+    """Each token's position within its segment: 0 where a row starts or the id changes (segments
+    are contiguous runs of one id), counting up from there."""
+    T = segment_ids_BxT.shape[1]
+    starts_BxT = jnp.concatenate([jnp.ones_like(segment_ids_BxT[:, :1], bool),
+                                  segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+    t_T = jnp.arange(T, dtype=jnp.int32)
+    return t_T - jax.lax.cummax(jnp.where(starts_BxT, t_T, 0), axis=1)
+
+
+def same_segment(segment_ids_BxT, start: int, end: int, S: int):
+    """(B, 1, end - start, S): query t in [start, end) and key s < S belong to the same segment."""
+    return (segment_ids_BxT[:, start:end, None] == segment_ids_BxT[:, None, :S])[:, None]
+
+
+def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dropout_rate: float = 0.0, dropout_key=None,
+                     segment_ids_BxT=None):
     """Causal softmax attention written out ('einsum'), with its backward: scores in float32, heads shared
     by groups of G = N / K query heads (grouped-query: keys and values repeated per group). With a
-    dropout_key, attention probabilities are dropped at dropout_rate (nanoGPT's attn_dropout)."""
+    dropout_key, attention probabilities are dropped at dropout_rate (nanoGPT's attn_dropout). With
+    segment ids (B, T), a query sees only the keys of its own segment."""
     G = q_BxTxNxH.shape[2] // k_BxTxKxH.shape[2]
     k_BxTxNxH, v_BxTxNxH = (jnp.repeat(x, G, axis=2) if G > 1 else x for x in (k_BxTxKxH, v_BxTxKxH))
     key = dropout_key if dropout_rate > 0 else None
-    return _attend(q_BxTxNxH * q_BxTxNxH.shape[-1] ** -0.5, k_BxTxNxH, v_BxTxNxH, key, dropout_rate)
+    return _attend(q_BxTxNxH * q_BxTxNxH.shape[-1] ** -0.5, k_BxTxNxH, v_BxTxNxH, key, segment_ids_BxT,
+                   dropout_rate)
 
 
 def attention_keep_mask(key, rate: float, shape_BxNxTxS):
@@ -40,9 +59,9 @@ def query_blocks(T: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attend(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate: float):
-    return _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attend(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, dropout_rate: float):
+    return _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, dropout_rate)[0]
 
 
 def _dropped(p_BxNxCxS, keep_mask, start: int, end: int, rate: float):
@@ -52,7 +71,7 @@ def _dropped(p_BxNxCxS, keep_mask, start: int, end: int, rate: float):
     return jnp.where(keep_mask[:, :, start:end, :end], p_BxNxCxS / (1.0 - rate), 0.0)
 
 
-def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate):
+def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, dropout_rate):
     # einsums straight on the projection's (B, T, N, H) layout: no transposed copies of q, k, v
     (B, T, N, _), S = q_BxTxNxH.shape, k_BxSxNxH.shape[1]
     keep_BxNxTxS = None if dropout_key is None else attention_keep_mask(dropout_key, dropout_rate, (B, N, T, S))
@@ -60,7 +79,10 @@ def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, dropout_rate):
     for start, end in query_blocks(T):
         s_BxNxCxS = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH[:, start:end], k_BxSxNxH[:, :end],
                                preferred_element_type=jnp.float32)
-        s_BxNxCxS = jnp.where(causal_mask(jnp.full(B, start), end - start, end), s_BxNxCxS, -jnp.inf)
+        visible = causal_mask(jnp.full(B, start), end - start, end)
+        if segment_ids_BxT is not None:  # packed rows: not the keys of other segments either
+            visible = visible & same_segment(segment_ids_BxT, start, end, end)
+        s_BxNxCxS = jnp.where(visible, s_BxNxCxS, -jnp.inf)
         p_BxNxCxS = jnp.exp(s_BxNxCxS - s_BxNxCxS.max(-1, keepdims=True))
         p_BxNxCxS = p_BxNxCxS / p_BxNxCxS.sum(-1, keepdims=True)
         used_BxNxCxS = _dropped(p_BxNxCxS, keep_BxNxTxS, start, end, dropout_rate)
@@ -74,7 +96,8 @@ def _attend_bwd(dropout_rate, saved, do_BxTxNxH):
     """Softmax's backward needs rowsum(dP * P), which equals rowsum(dO * O) (FlashAttention's
     trick): a (B, T, N) reduction over H instead of one over the (B, N, T, T) scores. With dropout
     P is the dropped P' = P * mask / (1 - rate) in O and dV, and dP = dP' * mask / (1 - rate); the
-    trick still holds, as rowsum(dP * P) = rowsum(dP' * P')."""
+    trick still holds, as rowsum(dP * P) = rowsum(dP' * P'). Masked scores (causal, other segments)
+    have P = 0, so dS = P * (dP - delta) is 0 there without the mask."""
     q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH, dropout_key = saved
     (B, T, N, _), S = q_BxTxNxH.shape, k_BxSxNxH.shape[1]
     keep_BxNxTxS = None if dropout_key is None else attention_keep_mask(dropout_key, dropout_rate, (B, N, T, S))
@@ -93,7 +116,7 @@ def _attend_bwd(dropout_rate, saved, do_BxTxNxH):
         for j, (key_start, key_end) in enumerate(blocks[:i + 1]):  # keys [0, end), by block
             dk_blocks[j] += dk_BxSxNxH[:, key_start:key_end]
             dv_blocks[j] += dv_BxSxNxH[:, key_start:key_end]
-    return (*(jnp.concatenate(parts, axis=1) for parts in (dq_blocks, dk_blocks, dv_blocks)), None)
+    return (*(jnp.concatenate(parts, axis=1) for parts in (dq_blocks, dk_blocks, dv_blocks)), None, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

@@ -152,7 +152,8 @@ def compile_step(config: configurator.Config, target: Target, vocab_size: int) -
     if n_slices > 1 and math.prod(dcn) != n_slices:
         raise AotError(f"the topology has {n_slices} slices: set dcn_stage x dcn_data x dcn_expert x dcn_fsdp x "
                        f"dcn_tensor to {n_slices} (e.g. --dcn_data={n_slices})")
-    setup = train.make_setup(config, train.make_mesh(config, target.devices), vocab_size)
+    mesh = train.make_mesh(config, target.devices)
+    setup = train.make_setup(config, mesh, vocab_size, dataset.config_document_start(config))
     estimate = estimate_memory(setup)
     start = time.perf_counter()
     lowered = train.lower(setup)
@@ -295,7 +296,8 @@ def xla_flops_per_step(setup: train.Setup) -> float | None:
         mesh = train.make_mesh(config, jax.devices("cpu")[:1])
     except RuntimeError:  # JAX_PLATFORMS without cpu
         return None
-    cost = train.lower(train.make_setup(config, mesh, setup.model_config.vocab_size)).cost_analysis()
+    one_device_setup = train.make_setup(config, mesh, setup.model_config.vocab_size, setup.document_start)
+    cost = train.lower(one_device_setup).cost_analysis()
     if isinstance(cost, list):  # older JAX: one dict per program
         cost = cost[0] if cost else None
     if not cost or "flops" not in cost:

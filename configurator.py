@@ -42,6 +42,8 @@ class Config:
     overwrite_out_dir: bool = False  # a fresh run into an out_dir that holds checkpoints: delete
     #                                  them first (else it is refused)
     seed: int = 1337  # the batch and the dropout mask of step s depend only on (seed, s)
+    document_masking: bool = False  # rows hold several documents, each opened by the tokenizer's begin-of-text
+    #                                 token (else end-of-text): attention stays within one, positions from 0
     # model (GPT-2 small by default, as in the paper)
     n_layer: int = 12
     n_head: int = 12
@@ -301,7 +303,7 @@ ROLES = {
                   "beta1", "beta2", "grad_clip", "decay_lr", "warmup_iters", "lr_decay_iters", "min_lr",
                   "muon_learning_rate", "muon_momentum", "muon_weight_decay", "dropout",
                   "router_aux_loss_coef", "router_z_loss_coef"),
-    "data": ("dataset", "data_dir", "seed", "overfit_batch"),
+    "data": ("dataset", "data_dir", "seed", "overfit_batch", "document_masking"),
     "run": ("out_dir", "init_from", "overwrite_out_dir", "max_iters", "eval_interval", "eval_iters",
             "eval_only", "eval_tasks", "eval_tasks_limit", "log_interval", "always_save_checkpoint",
             "max_to_keep", "keep_best", "nan_policy", "stack_dump_interval", "profile_steps", "tensorboard",

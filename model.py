@@ -20,6 +20,10 @@ the step computes, not the weights: `attention` ('xla', 'einsum': attention.py, 
 `quantization` (int8/fp8 operands for the blocks' matmuls, quantization.py) and
 `pipeline_stages` (the layer stack as a pipeline over the `stage` mesh axis, pipeline.py).
 
+Packed rows (several examples in one row, pretraining's documents or fine-tuning's conversations)
+carry segment ids (B, T): attention never crosses a segment and positions restart at 0 in each,
+in every attention path; without them the program is the one it always was.
+
 For generation, `GPT.decode` runs new tokens against a KV cache (keys and values of the
 tokens seen before); the training forward `GPT.__call__` never touches it. hf.py maps Hugging
 Face GPT-2 and Llama-family weights to and from this model's parameter layout.
@@ -34,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 import pipeline
-from attention import causal_attention, causal_mask
+from attention import causal_attention, causal_mask, same_segment, segment_positions
 from layers import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init
 from moe import MoE
 
@@ -161,6 +165,20 @@ def rope(x_BxTxNxH, position_BxT, config: GPTConfig):
 ROTATIONS = {"learned": no_rotation, "rope": rope}
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Packed rows: ids_BxT (equal ids = one example; each example a contiguous run) and each token's
+    position within its example, which the position embedding (wpe or RoPE) uses."""
+    ids_BxT: jax.Array
+    position_BxT: jax.Array
+
+    @classmethod
+    def of(cls, segment_ids_BxT) -> "Segments":
+        ids_BxT = jnp.asarray(segment_ids_BxT, jnp.int32)
+        return cls(ids_BxT, segment_positions(ids_BxT))
+
+
 CACHE_AXES = ("layers", "batch", "seq", "heads", "head_dim")
 
 
@@ -212,9 +230,10 @@ class Attention(nnx.Module):
         self.out_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
         self.config = config
 
-    def __call__(self, x_BTxD, batch_size: int, start_B, dropout_key=None, cache=None):
+    def __call__(self, x_BTxD, batch_size: int, start_B, dropout_key=None, cache=None, segments=None):
         """Row b's T tokens sit at positions start_B[b] + [0, T). Without a cache: causal
-        self-attention over them (training: start_B = 0). With a layer's cache (B, S, K, H):
+        self-attention over them (training: start_B = 0), or with `segments` (packed rows, no
+        cache) within each segment, at the segments' positions. With a layer's cache (B, S, K, H):
         their keys and values are written there and they attend to every cached position up
         to their own."""
         config = self.config
@@ -228,15 +247,17 @@ class Attention(nnx.Module):
         k_BxTxKxH, v_BxTxKxH = qkv_BxTxCxKxH[:, :, G], qkv_BxTxCxKxH[:, :, G + 1]
         normalize = HEAD_NORMS[config.qk_norm]  # qk_norm: unit RMS per head, before RoPE
         rotate = ROTATIONS[config.pos_embedding]  # RoPE turns q and k by position; GPT-2 does not
-        position_BxT = start_B[:, None] + jnp.arange(T)
+        position_BxT = start_B[:, None] + jnp.arange(T) if segments is None else segments.position_BxT
         q_BxTxNxH = rotate(normalize(q_BxTxNxH, config), position_BxT, config)
         k_BxTxKxH = rotate(normalize(k_BxTxKxH, config), position_BxT, config)
         k_probs, k_out = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         dropping = k_probs is not None and config.dropout > 0  # only the written-out attention drops probabilities
+        segment_ids_BxT = None if segments is None else segments.ids_BxT
         if cache is None and (config.attention == "einsum" or dropping):
-            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, config.dropout, k_probs)
-        elif cache is None:
-            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=True,
+            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, config.dropout, k_probs, segment_ids_BxT)
+        elif cache is None:  # cuDNN takes the segments' mask as an additive bias
+            mask = None if segments is None else same_segment(segment_ids_BxT, 0, T, T)
+            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True,
                                                      implementation=config.attention)
         else:
             cache = cache.write(k_BxTxKxH, v_BxTxKxH, start_B)
@@ -272,10 +293,10 @@ class Block(nnx.Module):
         self.mlp = MoE(config, k_mlp) if sparse else MLPS[config.mlp](config, k_mlp)
         self.sparse = sparse
 
-    def __call__(self, x_BTxD, batch_size: int, start_B, dropout_key=None, cache=None):
+    def __call__(self, x_BTxD, batch_size: int, start_B, dropout_key=None, cache=None, segments=None):
         """(x, cache, router stats): the stats are MoE's, {} for a dense layer."""
         k_attn, k_mlp = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        y_BTxD, cache = self.attn(self.ln_1(x_BTxD), batch_size, start_B, k_attn, cache)
+        y_BTxD, cache = self.attn(self.ln_1(x_BTxD), batch_size, start_B, k_attn, cache, segments)
         x_BTxD = x_BTxD + y_BTxD
         if self.sparse:
             y_BTxD, stats = self.mlp(self.ln_2(x_BTxD), batch_size, k_mlp)
@@ -314,26 +335,32 @@ class GPT(nnx.Module):
         self.ln_f = NORMS[config.norm](config)
         self.config = config
 
-    def __call__(self, idx_BxT, dropout_key=None):
+    def __call__(self, idx_BxT, dropout_key=None, segment_ids_BxT=None):
         """Token ids (B, T) -> float32 logits (B, T, padded vocab). Dropout only with a key."""
-        return self.forward(idx_BxT, dropout_key)[0]
+        return self.forward(idx_BxT, dropout_key, segment_ids_BxT)[0]
 
-    def forward(self, idx_BxT, dropout_key=None):
+    def forward(self, idx_BxT, dropout_key=None, segment_ids_BxT=None):
         """(logits, router stats): the stats of every sparse layer, stacked (router_stats);
-        {} for a dense model."""
+        {} for a dense model. segment_ids_BxT (int32, B x T) packs several examples in a row: equal
+        ids are one example, a contiguous run; a token attends only to its own example, whose
+        positions start at 0. Each example's logits are then the ones it gets alone (a mixture of
+        experts: with capacity_factor 0; a capacity is shared by a row's tokens)."""
         config = self.config
         B, T = idx_BxT.shape
         if T > config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {config.block_size}")
         x_BxTxD = self._embed_tokens(idx_BxT)
-        if self.wpe is not None:
+        segments = None if segment_ids_BxT is None else Segments.of(segment_ids_BxT)
+        if self.wpe is not None and segments is not None:
+            x_BxTxD = x_BxTxD + self.wpe[...][segments.position_BxT].astype(config.dtype)
+        elif self.wpe is not None:
             x_BxTxD = x_BxTxD + self.wpe[...][:T].astype(config.dtype)
         # Between the matmuls, activations are 2-D (B*T, D): XLA:CPU's fast matmul path wants
         # one contracting dimension, and a weight gradient over (B, T) is 2x slower there.
         x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         x_BTxD = dropout(x_BTxD, config.dropout, k_emb)
-        x_BTxD, _, stats = self._run_blocks(x_BTxD, B, jnp.zeros(B, jnp.int32), k_layers)
+        x_BTxD, _, stats = self._run_blocks(x_BTxD, B, jnp.zeros(B, jnp.int32), k_layers, segments=segments)
         logits_BxTxV = self._unembed(self.ln_f(x_BTxD)).reshape(B, T, -1)
         return self._mask_padding(logits_BxTxV), stats
 
@@ -381,39 +408,39 @@ class GPT(nnx.Module):
         is_real_token = jnp.arange(config.padded_vocab_size) < config.vocab_size
         return jnp.where(is_real_token, logits_xV, -jnp.inf)
 
-    def _run_blocks(self, x_BTxD, batch_size: int, start_B, dropout_key, cache=None):
+    def _run_blocks(self, x_BTxD, batch_size: int, start_B, dropout_key, cache=None, segments=None):
         """The layer stacks in order; with a cache (L, B, S, K, H), each layer reads and writes
         its slice. Returns (x, cache, the sparse layers' router stats)."""
         config = self.config
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
         if self.dense_blocks is None:
-            return self._run_stack(self.blocks, x_BTxD, batch_size, start_B, layer_keys, cache)
+            return self._run_stack(self.blocks, x_BTxD, batch_size, start_B, layer_keys, cache, segments)
         n = config.n_layer - config.sparse_layers  # the dense stack comes first
         part = lambda tree, lo, hi: None if tree is None else jax.tree.map(lambda a: a[lo:hi], tree)
         x_BTxD, dense_cache, _ = self._run_stack(self.dense_blocks, x_BTxD, batch_size, start_B,
-                                                 part(layer_keys, 0, n), part(cache, 0, n))
+                                                 part(layer_keys, 0, n), part(cache, 0, n), segments)
         x_BTxD, sparse_cache, stats = self._run_stack(self.blocks, x_BTxD, batch_size, start_B,
-                                                      part(layer_keys, n, None), part(cache, n, None))
+                                                      part(layer_keys, n, None), part(cache, n, None), segments)
         if cache is not None:
             cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), dense_cache, sparse_cache)
         return x_BTxD, cache, stats
 
-    def _run_stack(self, blocks, x_BTxD, batch_size: int, start_B, layer_keys, cache):
+    def _run_stack(self, blocks, x_BTxD, batch_size: int, start_B, layer_keys, cache, segments=None):
         config = self.config
         graphdef, stacked_state = nnx.split(blocks)
 
-        def one_layer(batch_size: int, start_B):
+        def one_layer(batch_size: int, start_B, segments):
             def layer(x_BTxD, layer_inputs):
                 layer_state, layer_key, layer_cache = layer_inputs
                 x_BTxD, layer_cache, stats = nnx.merge(graphdef, layer_state)(
-                    x_BTxD, batch_size, start_B, layer_key, layer_cache)
+                    x_BTxD, batch_size, start_B, layer_key, layer_cache, segments)
                 return x_BTxD, (layer_cache, stats)
             if config.remat_policy == "none":
                 return layer
             return jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat_policy])
 
-        def run_layers(x_BTxD, layers, batch_size: int, start_B):
-            layer = one_layer(batch_size, start_B)
+        def run_layers(x_BTxD, layers, batch_size: int, start_B, segments=None):
+            layer = one_layer(batch_size, start_B, segments)
             if config.scan_layers:
                 return jax.lax.scan(layer, x_BTxD, layers)
             outputs = []  # unrolled: same stacked weights, one copy of the layer per depth in the program
@@ -423,14 +450,21 @@ class GPT(nnx.Module):
             return x_BTxD, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
         if config.pipeline_stages == 1 or cache is not None:  # decoding never pipelines
-            x_BTxD, (cache, stats) = run_layers(x_BTxD, (stacked_state, layer_keys, cache), batch_size, start_B)
+            x_BTxD, (cache, stats) = run_layers(x_BTxD, (stacked_state, layer_keys, cache), batch_size, start_B,
+                                                segments)
             return x_BTxD, cache, stats
+
+        M = config.pipeline_microbatches
+        rows = batch_size // M
+        # The micro-batches' segments, as pipeline.run cuts the rows: micro-batch m has rows m, m + M, ...
+        micro_segments = None if segments is None else jax.tree.map(
+            lambda a_BxT: a_BxT.reshape(rows, M, -1).swapaxes(0, 1), segments)
 
         def micro_batch_layers(x_NxD, layers, microbatch):
             state, keys = layers
             keys = None if keys is None else jax.vmap(jax.random.fold_in, (0, None))(keys, microbatch)
-            rows = batch_size // config.pipeline_microbatches
-            x_NxD, (_, stats) = run_layers(x_NxD, (state, keys, None), rows, start_B[:rows])
+            segments = None if micro_segments is None else jax.tree.map(lambda a: a[microbatch], micro_segments)
+            x_NxD, (_, stats) = run_layers(x_NxD, (state, keys, None), rows, start_B[:rows], segments)
             return x_NxD, stats
 
         x_BTxD, stats = pipeline.run(micro_batch_layers, (stacked_state, layer_keys), x_BTxD, batch_size,

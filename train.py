@@ -64,6 +64,7 @@ class Setup:
     #                        lives between steps (host memory for what `offload` names)
     abstract_state: dict  # the same tree of ShapeDtypeStructs (with shardings)
     compute_shardings: dict  # the same, all in device memory: where the step computes with it
+    document_start: int | None = None  # the id each document starts with, where document_masking splits rows
 
     @property
     def abstract_params(self):  # as inference.ModelSetup has them (checkpoint.load_pretrained)
@@ -83,9 +84,15 @@ class Setup:
         return jax.sharding.NamedSharding(self.mesh, spec)
 
 
-def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
+def make_setup(config: Config, mesh, vocab_size: int, document_start: int | None = None) -> Setup:
     """Shapes and shardings of the train state, derived without allocating it: the model's
-    (inference.model_setup), and the optimizer state's on top."""
+    (inference.model_setup), and the optimizer state's on top. document_start: the id each document of
+    the dataset starts with (dataset.document_start), which document_masking needs."""
+    if config.document_masking and document_start is None:
+        raise configurator.ConfigError(
+            "document_masking=True starts a document at each begin-of-text or end-of-text token, and the "
+            "dataset has neither (a char-level tokenizer, or no meta.json to name one): prepare the data with "
+            "a tokenizer that has them (GPT-2's, a Hugging Face one), or set document_masking=False")
     model = inference.model_setup(config, mesh, vocab_size)
     param_shardings, abstract_params = model.param_shardings, model.abstract_params
     optimizer = make_optimizer(config)
@@ -99,7 +106,8 @@ def make_setup(config: Config, mesh, vocab_size: int) -> Setup:
                 "step": jax.ShapeDtypeStruct((), jnp.int32)}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
-    return Setup(config, model.model_config, mesh, model.graphdef, optimizer, shardings, abstract, compute)
+    return Setup(config, model.model_config, mesh, model.graphdef, optimizer, shardings, abstract, compute,
+                 document_start)
 
 
 def offloaded_parts(config: Config, mesh) -> tuple:
@@ -132,8 +140,16 @@ def init_state(setup: Setup, params=None) -> dict:
         return jax.jit(init, out_shardings=setup.state_shardings)(params)
 
 
+def document_segments(setup: Setup, x_BxT):
+    """document_masking: segment ids (B, T) for the model, a new one at each document's first token;
+    None without it."""
+    if not setup.config.document_masking:
+        return None
+    return jnp.cumsum(x_BxT == setup.document_start, axis=1, dtype=jnp.int32)
+
+
 def cross_entropy(setup: Setup, params, x_BxT, y_BxT, dropout_key=None):
-    logits_BxTxV = nnx.merge(setup.graphdef, params)(x_BxT, dropout_key)
+    logits_BxTxV = nnx.merge(setup.graphdef, params)(x_BxT, dropout_key, document_segments(setup, x_BxT))
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, y_BxT).mean()
 
 
@@ -141,7 +157,8 @@ def training_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None):
     """(loss to differentiate, (cross-entropy, router stats)): a mixture of experts adds its
     router's load-balancing and z-losses, each averaged over the sparse layers and weighted."""
     c = setup.config
-    logits_BxTxV, stats = nnx.merge(setup.graphdef, params).forward(x_BxT, dropout_key)
+    logits_BxTxV, stats = nnx.merge(setup.graphdef, params).forward(x_BxT, dropout_key,
+                                                                    document_segments(setup, x_BxT))
     loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, y_BxT).mean()
     if not stats:
         return loss, (loss, {})
@@ -327,7 +344,7 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     if tasks and tok is None:
         raise evals.EvalError("eval_tasks need the dataset's tokenizer, and this dataset has no meta.json")
     mesh = make_mesh(config, devices)
-    setup = make_setup(config, mesh, vocab_size)
+    setup = make_setup(config, mesh, vocab_size, dataset.document_start(tok))
     train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
     if config.compiled_train_step:  # built by compile_aot.py; refused unless made for this run
         train_step = compiled_step.load(config.compiled_train_step, setup, lambda: lower(setup))
