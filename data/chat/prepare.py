@@ -23,7 +23,7 @@ than block_size + 1 tokens (a row of the batch and its last target) is dropped, 
 counts them.
 
 Val: the conversations of --val_input, or else each conversation with probability val_fraction
-(drawn from a hash of its file, line and the seed, so the split depends on nothing else). --hub
+(drawn from a hash of its file's name, its line or row and the seed: nothing else). --hub
 downloads a Hugging Face dataset's .parquet files (into the Hugging Face cache; offline, the
 cached copy is used), its test* files going to val. An existing dataset in out_dir is replaced
 only once the new one is complete.
@@ -38,7 +38,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: chat.py, tokenizer.py, data/
@@ -101,8 +100,8 @@ def conversation(row) -> list:
 
 
 def read_rows(path):
-    """Yields (where, row): "FILE:LINE" or "FILE, row N" and the row's object. Malformed JSON or a
-    file that can't be read raises InputError naming the place."""
+    """Yields (where, position, row): "FILE:LINE" or "FILE, row N", the line or row, and the row's
+    object. Malformed JSON or a file that can't be read raises InputError naming the place."""
     name = str(path)
     if name.endswith(".parquet"):
         try:
@@ -112,7 +111,7 @@ def read_rows(path):
             n = 0
             for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=columns):
                 for row in batch.to_pylist():
-                    yield f"{name}, row {n}", row
+                    yield f"{name}, row {n}", n, row
                     n += 1
         except corpus.READ_ERRORS as e:
             raise InputError(f"{name}: not a readable parquet file ({corpus.first_line(e)})") from None
@@ -130,7 +129,7 @@ def read_rows(path):
                     raise InputError(f"{name}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
                 except json.JSONDecodeError as e:
                     raise InputError(f"{name}:{lineno}: malformed JSON ({e.msg}, column {e.colno})") from None
-                yield f"{name}:{lineno}", row
+                yield f"{name}:{lineno}", lineno, row
     except (OSError, EOFError) as e:
         if isinstance(e, FileNotFoundError | PermissionError):
             raise
@@ -153,9 +152,9 @@ def find_files(option) -> list:
     return files
 
 
-def in_val(seed, where, val_fraction) -> bool:
-    """The conversation's draw for val: its place (file and line or row) hashed with the seed."""
-    digest = hashlib.blake2b(where.encode(), digest_size=8, key=str(seed).encode()).digest()
+def in_val(seed, path, position, val_fraction) -> bool:
+    """The conversation's draw for val: its file's name and its line or row, hashed with the seed."""
+    digest = hashlib.blake2b(f"{Path(path).name}\n{position}".encode(), digest_size=8, key=str(seed).encode()).digest()
     return int.from_bytes(digest, "big") < val_fraction * 2**64
 
 
@@ -209,12 +208,12 @@ def prepare(inputs, out_dir, tokenizer="gpt2", val_inputs=None, val_fraction=0.0
     with DatasetWriter(out_dir, token_dtype(tok.vocab_size), extra) as ds:
         splits, seen, start = {"train": Split(ds, "train"), "val": Split(ds, "val")}, 0, time.time()
         for path, forced in sources:
-            for where, row in read_rows(path):
+            for where, position, row in read_rows(path):
                 try:
                     ids, mask = chat.tokenize_conversation(tok, conversation(row))
                 except (ValueError, chat.ChatError) as e:  # a ChatError is a ValueError too
                     raise InputError(f"{where}: {e}") from None
-                split = forced or ("val" if not val_inputs and in_val(seed, where, val_fraction) else "train")
+                split = forced or ("val" if not val_inputs and in_val(seed, path, position, val_fraction) else "train")
                 splits[split].add(ids, mask, capacity, truncate)
                 seen += 1
                 if seen % 10_000 == 0:
