@@ -548,7 +548,7 @@ def test_only_targets_that_count_make_the_loss_and_the_gradient(toy):
 
 def test_a_micro_batch_without_targets_adds_nothing_under_gradient_accumulation(toy):
     """The loss is normalised by the whole step's targets: a micro-batch with none gives the step of
-    the other micro-batch alone (not half of it, and no 0/0); a step with none changes nothing."""
+    the other micro-batch alone (not half of it, and no 0/0); a step with none has a loss and gradient of 0."""
     x, y, counts = random_targets(small_config(toy), n_micro=2)
     y = np.where(counts, y, -1)
     y[1] = -1  # the second micro-batch: all prompt
@@ -559,12 +559,9 @@ def test_a_micro_batch_without_targets_adds_nothing_under_gradient_accumulation(
         with sharding.activate(setup.mesh):
             state, metrics = train.jit_train_step(setup)(train.init_state(setup), (x[:n_micro], targets))
         results.append((jax.tree.map(np.asarray, state["params"]), jax.tree.map(np.asarray, metrics)))
-    (accumulated, m2), (alone, m1), (untouched, m0) = results
+    (accumulated, m2), (alone, m1), (_, m0) = results
     assert m2["finite"] and m1["finite"] and m0["finite"]
     np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)
     np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), accumulated, alone)
-    assert m0["loss"] == 0 and m0["grad_norm"] == 0
-    initial = jax.tree.map(np.asarray, train.init_state(train.make_setup(
-        small_config(toy), sharding.make_mesh(devices=ONE_DEVICE), 65))["params"])
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7), untouched, initial)
+    assert m0["loss"] == 0 and m0["grad_norm"] == 0  # (weight decay still applies)
