@@ -117,7 +117,7 @@ class TrainBench:
         self.config, self.devices = config, devices
         self.vocab_size = bench_vocab_size(config)
         self.mesh = train.make_mesh(config, devices)
-        self.setup = train.make_setup(config, self.mesh, self.vocab_size, dataset.eot_token(config))
+        self.setup = train.make_setup(config, self.mesh, self.vocab_size, dataset.config_document_start(config))
         self.peak, self.peak_source = hardware.peak_flops(devices)  # before anything else runs on a CPU
         self.state = train.init_state(self.setup)
         self.batch = random_batch(self.setup, self.vocab_size)

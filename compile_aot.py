@@ -153,7 +153,7 @@ def compile_step(config: configurator.Config, target: Target, vocab_size: int) -
         raise AotError(f"the topology has {n_slices} slices: set dcn_stage x dcn_data x dcn_expert x dcn_fsdp x "
                        f"dcn_tensor to {n_slices} (e.g. --dcn_data={n_slices})")
     mesh = train.make_mesh(config, target.devices)
-    setup = train.make_setup(config, mesh, vocab_size, dataset.eot_token(config))
+    setup = train.make_setup(config, mesh, vocab_size, dataset.config_document_start(config))
     estimate = estimate_memory(setup)
     start = time.perf_counter()
     lowered = train.lower(setup)
@@ -296,7 +296,7 @@ def xla_flops_per_step(setup: train.Setup) -> float | None:
         mesh = train.make_mesh(config, jax.devices("cpu")[:1])
     except RuntimeError:  # JAX_PLATFORMS without cpu
         return None
-    one_device_setup = train.make_setup(config, mesh, setup.model_config.vocab_size, setup.eot_token)
+    one_device_setup = train.make_setup(config, mesh, setup.model_config.vocab_size, setup.document_start)
     cost = train.lower(one_device_setup).cost_analysis()
     if isinstance(cost, list):  # older JAX: one dict per program
         cost = cost[0] if cost else None

@@ -42,8 +42,8 @@ class Config:
     overwrite_out_dir: bool = False  # a fresh run into an out_dir that holds checkpoints: delete
     #                                  them first (else it is refused)
     seed: int = 1337  # the batch and the dropout mask of step s depend only on (seed, s)
-    document_masking: bool = False  # rows hold several documents: each end-of-text token starts one, and
-    #                                 attention stays within it, at positions from 0 (learned and RoPE)
+    document_masking: bool = False  # rows hold several documents, each opened by the tokenizer's begin-of-text
+    #                                 token (else end-of-text): attention stays within one, positions from 0
     packing: bool = False  # a fine-tuning set (data/chat/prepare.py): several conversations per row, each
     #                        attending only to itself; False: one per row, padded
     # model (GPT-2 small by default, as in the paper)

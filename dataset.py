@@ -43,13 +43,22 @@ def dataset_tokenizer(config: Config) -> tokenizer.Tokenizer | None:
         raise DataError(str(e)) from None
 
 
-def eot_token(config: Config) -> int | None:
-    """The id between documents, where document_masking starts one: the dataset's tokenizer's
-    end-of-text token; GPT-2's where there is no meta.json and the vocabulary is GPT-2's (bench.py and
-    compile_aot.py assume it then); else None (a char-level vocabulary has none)."""
+def document_start(tok: tokenizer.Tokenizer | None) -> int | None:
+    """The id each document starts with, where document_masking starts a segment: the begin-of-text
+    token (Llama's prepared data: <bos> text <eot>), else the end-of-text token (GPT-2's: text
+    <|endoftext|>, which opens the next document as a sample from nothing starts); None for a
+    char-level vocabulary, which has neither."""
+    if tok is None:
+        return None
+    return tok.bos_token if tok.bos_token is not None else tok.eot_token
+
+
+def config_document_start(config: Config) -> int | None:
+    """document_start of the config's dataset; GPT-2's where there is no meta.json and the vocabulary
+    is GPT-2's (bench.py and compile_aot.py assume it then)."""
     if not os.path.exists(os.path.join(dataset_dir(config), "meta.json")):
         return tokenizer.GPT2_EOT if config.vocab_size in (0, tokenizer.GPT2_VOCAB_SIZE) else None
-    return dataset_tokenizer(config).eot_token
+    return document_start(dataset_tokenizer(config))
 
 
 def read_vocab_size(config: Config) -> int:

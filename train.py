@@ -64,7 +64,7 @@ class Setup:
     #                        lives between steps (host memory for what `offload` names)
     abstract_state: dict  # the same tree of ShapeDtypeStructs (with shardings)
     compute_shardings: dict  # the same, all in device memory: where the step computes with it
-    eot_token: int | None = None  # the dataset's end-of-text id, where document_masking splits rows
+    document_start: int | None = None  # the id each document starts with, where document_masking splits rows
 
     @property
     def abstract_params(self):  # as inference.ModelSetup has them (checkpoint.load_pretrained)
@@ -84,15 +84,15 @@ class Setup:
         return jax.sharding.NamedSharding(self.mesh, spec)
 
 
-def make_setup(config: Config, mesh, vocab_size: int, eot_token: int | None = None) -> Setup:
+def make_setup(config: Config, mesh, vocab_size: int, document_start: int | None = None) -> Setup:
     """Shapes and shardings of the train state, derived without allocating it: the model's
-    (inference.model_setup), and the optimizer state's on top. eot_token: the dataset's end-of-text
-    id, which document_masking needs."""
-    if config.document_masking and eot_token is None:
+    (inference.model_setup), and the optimizer state's on top. document_start: the id each document of
+    the dataset starts with (dataset.document_start), which document_masking needs."""
+    if config.document_masking and document_start is None:
         raise configurator.ConfigError(
-            "document_masking=True starts a document at each end-of-text token, and the dataset has none (a "
-            "char-level tokenizer, or no meta.json to name one): prepare the data with a tokenizer that has one "
-            "(GPT-2's, a Hugging Face one), or set document_masking=False")
+            "document_masking=True starts a document at each begin-of-text or end-of-text token, and the "
+            "dataset has neither (a char-level tokenizer, or no meta.json to name one): prepare the data with "
+            "a tokenizer that has them (GPT-2's, a Hugging Face one), or set document_masking=False")
     model = inference.model_setup(config, mesh, vocab_size)
     param_shardings, abstract_params = model.param_shardings, model.abstract_params
     optimizer = make_optimizer(config)
@@ -107,7 +107,7 @@ def make_setup(config: Config, mesh, vocab_size: int, eot_token: int | None = No
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
     return Setup(config, model.model_config, mesh, model.graphdef, optimizer, shardings, abstract, compute,
-                 eot_token)
+                 document_start)
 
 
 def offloaded_parts(config: Config, mesh) -> tuple:
@@ -141,11 +141,11 @@ def init_state(setup: Setup, params=None) -> dict:
 
 
 def document_segments(setup: Setup, x_BxT):
-    """document_masking: segment ids (B, T) for the model, a new one at each end-of-text token (in
-    GPT-2's data it opens the next document, as a BOS token would); None without it."""
+    """document_masking: segment ids (B, T) for the model, a new one at each document's first token;
+    None without it."""
     if not setup.config.document_masking:
         return None
-    return jnp.cumsum(x_BxT == setup.eot_token, axis=1, dtype=jnp.int32)
+    return jnp.cumsum(x_BxT == setup.document_start, axis=1, dtype=jnp.int32)
 
 
 def segment_ids(setup: Setup, x_BxT, packed_BxT=None):
@@ -371,7 +371,7 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
                                 f"{dataset.dataset_dir(config)} holds text: prepare one with data/chat/prepare.py "
                                 f"(for text, document_masking=True keeps documents apart)")
     if config.document_masking and chat:
-        raise dataset.DataError(f"document_masking=True splits text at its end-of-text tokens, and "
+        raise dataset.DataError(f"document_masking=True splits text into its documents, and "
                                 f"{dataset.dataset_dir(config)} is a fine-tuning set: use packing=True instead")
     open_split = dataset.open_chat_split if chat else dataset.open_split
     splits = {s: open_split(config, s, vocab_size) for s in ("train", "val")}
@@ -379,7 +379,7 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     if tasks and tok is None:
         raise evals.EvalError("eval_tasks need the dataset's tokenizer, and this dataset has no meta.json")
     mesh = make_mesh(config, devices)
-    setup = make_setup(config, mesh, vocab_size, tok.eot_token if tok else None)
+    setup = make_setup(config, mesh, vocab_size, dataset.document_start(tok))
     train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
     if config.compiled_train_step:  # built by compile_aot.py; refused unless made for this run
         train_step = compiled_step.load(config.compiled_train_step, setup, lambda: lower(setup))

@@ -838,11 +838,15 @@ def test_written_out_attention_and_its_backward_equal_xla(n_head, n_kv_head, T):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
-def test_attention_dropout_and_its_backward_equal_autodiff_of_the_formula():
+@pytest.mark.parametrize("segmented", [False, True])
+def test_attention_dropout_and_its_backward_equal_autodiff_of_the_formula(segmented):
     """nanoGPT's attention dropout in the written-out attention (two query blocks at T = 40,
     grouped-query): probabilities dropped by the mask attention_keep_mask draws from the key and
-    the survivors scaled by 1 / (1 - rate); its backward draws the same mask again."""
+    the survivors scaled by 1 / (1 - rate); its backward draws the same mask again. Segmented: packed
+    rows (a segment across the two query blocks), where a query sees only its own segment's keys."""
     T, rate, key = 40, 0.25, jax.random.key(9)
+    ids = jnp.array([[0] * 7 + [1] * 25 + [2] * 8, [4] * 40]) if segmented else None
+    visible = jnp.tril(jnp.ones((T, T), bool)) & (True if ids is None else (ids[:, None, :, None] == ids[:, None, None]))
     kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(kq, (2, T, 4, 8))
     k, v = (jax.random.normal(x, (2, T, 2, 8)) for x in (kk, kv))
@@ -851,17 +855,18 @@ def test_attention_dropout_and_its_backward_equal_autodiff_of_the_formula():
     def formula(q, k, v):
         k, v = (jnp.repeat(x, 2, axis=2) for x in (k, v))
         scores = jnp.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(8)
-        p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf))
+        p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf))
         p = jnp.where(attention.attention_keep_mask(key, rate, p.shape), p / (1 - rate), 0.0)
         return jnp.einsum("bnts,bsnh->btnh", p, v)
 
-    ours, our_pullback = jax.vjp(lambda q, k, v: attention.causal_attention(q, k, v, rate, key), q, k, v)
+    ours, our_pullback = jax.vjp(lambda q, k, v: attention.causal_attention(q, k, v, rate, key, ids), q, k, v)
     theirs, their_pullback = jax.vjp(formula, q, k, v)
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
     for a, b in zip(our_pullback(dy), their_pullback(dy)):  # dq, dk, dv
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
-    assert np.abs(ours - attention.causal_attention(q, k, v)).max() > 0.1  # it does drop
-    np.testing.assert_array_equal(attention.causal_attention(q, k, v, 0.0, key), attention.causal_attention(q, k, v))
+    assert np.abs(ours - attention.causal_attention(q, k, v, 0.0, None, ids)).max() > 0.1  # it does drop
+    np.testing.assert_array_equal(attention.causal_attention(q, k, v, 0.0, key, ids),
+                                  attention.causal_attention(q, k, v, 0.0, None, ids))
 
 
 def test_layer_norm_backward_equals_autodiff_of_its_formula():
@@ -877,3 +882,78 @@ def test_layer_norm_backward_equals_autodiff_of_its_formula():
     reference = jax.grad(loss(formula), argnums=(0, 1, 2))(x, scale, bias)
     for a, b in zip(ours, reference):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+# --- packed rows: segment ids -------------------------------------------------------------
+
+PACKED_ROWS = ((9, 14, 6), (20, 12))  # example lengths per row of 32; row 0 ends with 3 filler tokens
+
+
+def packing(T=32, vocab=TINY.vocab_size, seed=5):
+    """Examples of the lengths in PACKED_ROWS, packed into rows with segment ids (the filler at the end
+    of a row is a segment of its own), and each alone at the start of a row of its own (causal: what
+    follows it there does not change its logits). Returns the packed inputs, targets and ids (R, T),
+    the alone inputs and targets (E, T), and for every example token its (row, t) in both."""
+    rng = np.random.default_rng(seed)
+    x, y = rng.integers(0, vocab, (2, len(PACKED_ROWS), T)).astype(np.int32)
+    ids = np.zeros((len(PACKED_ROWS), T), np.int32)
+    alone_x, alone_y = rng.integers(0, vocab, (2, sum(map(len, PACKED_ROWS)), T)).astype(np.int32)
+    packed_at, alone_at, e = [], [], 0
+    for r, lengths in enumerate(PACKED_ROWS):
+        start = 0
+        for i, n in enumerate(lengths):
+            ids[r, start:start + n] = 7 - i  # any ids: equal within a run, different from the next
+            alone_x[e, :n], alone_y[e, :n] = x[r, start:start + n], y[r, start:start + n]
+            packed_at += [(r, start + t) for t in range(n)]
+            alone_at += [(e, t) for t in range(n)]
+            start, e = start + n, e + 1
+        ids[r, start:] = 99
+    return x, y, ids, alone_x, alone_y, tuple(np.array(packed_at).T), tuple(np.array(alone_at).T)
+
+
+PACKED_VARIANTS = {  # every attention path; block 32 gives the written-out attention two query blocks
+    "learned positions, xla": dataclasses.replace(TINY, attention="xla"),
+    "learned positions, einsum, unrolled, remat": dataclasses.replace(TINY, attention="einsum", scan_layers=False,
+                                                                       remat_policy="full"),
+    "rope, grouped-query, xla": dataclasses.replace(LLAMA, attention="xla"),
+    "rope, grouped-query, einsum, a dense layer then experts": dataclasses.replace(
+        LLAMA, attention="einsum", n_experts=4, experts_per_token=2, moe_dense_layers=1, capacity_factor=0.0),
+}
+
+
+@pytest.mark.parametrize("name", PACKED_VARIANTS)
+def test_packed_examples_get_the_losses_and_gradients_they_get_alone(name):
+    """Packed with segment ids, each example's per-token losses, and the gradient of their sum, are
+    those of the example alone in a row; without the ids they are not (attention crosses examples
+    and positions run on)."""
+    config = dataclasses.replace(PACKED_VARIANTS[name], block_size=32)
+    gpt = randomize(nnx.jit(lambda: GPT(config, jax.random.key(0)))())
+    graphdef, state = nnx.split(gpt)
+    x, y, ids, alone_x, alone_y, packed_at, alone_at = packing()
+
+    def token_losses(state, x, y, at, ids=None):
+        logp = jax.nn.log_softmax(nnx.merge(graphdef, state)(x, segment_ids_BxT=ids))
+        losses = -jnp.take_along_axis(logp, y[..., None], -1)[..., 0][at]
+        return losses.sum(), losses
+
+    @jax.jit
+    def both(state):
+        (_, packed), packed_grads = jax.value_and_grad(token_losses, has_aux=True)(state, x, y, packed_at, ids)
+        (_, alone), alone_grads = jax.value_and_grad(token_losses, has_aux=True)(state, alone_x, alone_y, alone_at)
+        return packed, alone, token_losses(state, x, y, packed_at)[1], packed_grads, alone_grads
+
+    packed, alone, unsegmented, packed_grads, alone_grads = both(state)
+    np.testing.assert_allclose(packed, alone, rtol=0, atol=1e-5)
+    assert np.abs(unsegmented - alone).max() > 1e-2
+    grads = list(zip(jax.tree.leaves(packed_grads), jax.tree.leaves(alone_grads), strict=True))
+    assert len(grads) == len(param_leaves(gpt)) and max(np.abs(b).max() for _, b in grads) > 1e-2
+    for a, b in grads:
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+def test_segment_positions_restart_at_each_run_and_one_segment_is_the_unpacked_model():
+    ids = jnp.array([[0, 0, 0, 1, 1, 2], [5, 5, 3, 3, 5, 5]])  # runs, not sorted ids
+    np.testing.assert_array_equal(attention.segment_positions(ids), [[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 0, 1]])
+    gpt, idx = nnx.jit(lambda: GPT(LLAMA, jax.random.key(0)))(), tokens()
+    one_segment = nnx.jit(lambda gpt, idx: (gpt(idx, segment_ids_BxT=jnp.full(idx.shape, 3)), gpt(idx)))
+    np.testing.assert_allclose(*one_segment(gpt, idx), rtol=0, atol=1e-6)

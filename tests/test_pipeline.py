@@ -11,7 +11,7 @@ import model
 import pipeline
 import sharding
 import train
-from test_train import make_dataset, small_config
+from test_train import document_batch, loss_alone, make_dataset, small_config
 
 
 @pytest.mark.parametrize("stages, microbatches, n_repeats", [(2, 4, 1), (4, 4, 1), (4, 8, 1), (2, 4, 4), (4, 4, 2)])
@@ -155,3 +155,38 @@ def test_offload_without_host_memory_is_one_clear_error():
     mesh = types.SimpleNamespace(devices=np.array([device]))
     with pytest.raises(configurator.ConfigError, match="offload='optimizer' keeps state in the host's pinned memory"):
         train.offloaded_parts(configurator.Config(offload="optimizer"), mesh)
+
+
+def test_pipelined_packed_rows_equal_the_plain_stack_circular():
+    """Segment ids follow their rows into the micro-batches (m holds rows m, m + M, ...; each row packed
+    differently here) through the circular schedule: the same logits as the plain stack's."""
+    config = model.GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, pos_embedding="rope")
+    idx = jax.random.randint(jax.random.key(1), (4, 16), 0, 64)
+    ids = np.cumsum(np.arange(16)[None] % np.array([[3], [5], [16], [7]]) == 0, axis=1)
+    piped = dataclasses.replace(config, pipeline_stages=2, pipeline_microbatches=2, layers_per_stage=1)
+    forward = lambda c, segments: model.GPT(c, jax.random.key(0))(idx, segment_ids_BxT=segments)
+    plain, piped, unsegmented = jax.jit(lambda: (forward(config, ids), forward(piped, ids), forward(config, None)))()
+    np.testing.assert_allclose(piped, plain, rtol=0, atol=1e-5)
+    assert np.abs(unsegmented - plain).max() > 1e-3
+
+
+def test_document_masking_pipelined_and_sharded_trains_on_each_document_as_if_alone(tmp_path):
+    """stage=2 x fsdp=2 x tensor=2 (GPipe, 4 micro-batches): the step's loss and gradient norm over rows
+    of several documents are the documents' own, each alone on one device."""
+    config = small_config(tmp_path, n_head=4, mesh_stage=2, mesh_fsdp=2, mesh_tensor=2, mesh_data=1,
+                          pipeline_microbatches=4, document_masking=True)
+    mesh = train.make_mesh(config)
+    setup = train.make_setup(config, mesh, 64, document_start=0)
+    state = train.init_state(setup)
+    params = jax.device_get(state["params"])  # the step donates the state
+    batch, alone = document_batch(vocab=64)
+    with sharding.activate(mesh):
+        _, metrics = train.jit_train_step(setup)(state, tuple(jax.device_put(a, setup.micro_batch_sharding)
+                                                             for a in batch))
+    one_device = train.make_mesh(dataclasses.replace(config, mesh_stage=1, mesh_fsdp=1, mesh_tensor=1),
+                                 jax.devices()[:1])
+    plain = train.make_setup(dataclasses.replace(config, document_masking=False, mesh_stage=1, mesh_fsdp=1,
+                                                 mesh_tensor=1), one_device, 64)
+    with sharding.activate(one_device):
+        expected = loss_alone(plain, params, alone)
+    np.testing.assert_allclose([metrics["loss"], metrics["grad_norm"]], expected, rtol=1e-5, atol=1e-5)

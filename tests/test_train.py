@@ -12,6 +12,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
@@ -29,6 +30,7 @@ import tokenizer
 import train
 from configurator import Config, ConfigError
 from test_hf import write_config
+from test_tokenizer import BOS, make_tokenizer
 
 ONE_DEVICE = jax.devices()[:1]
 
@@ -565,3 +567,74 @@ def test_a_micro_batch_without_targets_adds_nothing_under_gradient_accumulation(
     np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), accumulated, alone)
     assert m0["loss"] == 0 and m0["grad_norm"] == 0  # (weight decay still applies)
+
+
+# ----------------------------------------------------------------------------- document masking
+
+def document_batch(rows=8, T=16, vocab=65, eot=0, seed=0):
+    """Rows of whole documents as GPT-2's data holds them, each opened by the end-of-text token `eot`
+    (a row's first document is cut short): x, y (1, rows, T) for one micro-step; and every document
+    alone at the start of a row of its own, (x, y, mask of its tokens) (rows a multiple of 8)."""
+    rng = np.random.default_rng(seed)
+    seq = rng.integers(1, vocab, (rows, T + 1)).astype(np.int32)
+    for r in range(rows):
+        seq[r, rng.choice(np.arange(1, T), size=r % 3 + 1, replace=False)] = eot  # 1 to 3 more documents
+    x, y = seq[:, :-1], seq[:, 1:]
+    documents = [(r, s, e) for r in range(rows) for s, e in zip(*(lambda b: (b, [*b[1:], T]))(
+        [0, *np.flatnonzero(x[r] == eot)]))]
+    n = -(-len(documents) // 8) * 8
+    alone_x, alone_y = rng.integers(1, vocab, (2, n, T)).astype(np.int32)
+    mask = np.zeros((n, T), np.float32)
+    for i, (r, s, e) in enumerate(documents):
+        alone_x[i, :e - s], alone_y[i, :e - s], mask[i, :e - s] = x[r, s:e], y[r, s:e], 1.0
+    return (x[None], y[None]), (alone_x, alone_y, mask)
+
+
+def loss_alone(setup, params, alone):
+    """(mean loss, gradient norm) of a document_batch's tokens, each document run alone, as one step of
+    rows x T tokens sees them."""
+    alone_x, alone_y, mask = alone
+
+    def loss(params):
+        logits = nnx.merge(setup.graphdef, params)(alone_x)
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, alone_y)
+        return (per_token * mask).sum() / mask.sum()
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    return float(value), float(optax.tree.norm(grads))
+
+
+def test_document_masking_trains_on_each_document_as_if_alone(toy):
+    """The train step's loss and gradient, and the eval step's loss, over rows of several documents are
+    the documents' own, each alone; without document_masking they are not."""
+    mesh = sharding.make_mesh(devices=ONE_DEVICE)
+    setup = train.make_setup(small_config(toy, document_masking=True), mesh, 65, document_start=0)
+    plain = train.make_setup(small_config(toy), mesh, 65)
+    batch, alone = document_batch()
+    state = train.init_state(setup)
+    with sharding.activate(mesh):
+        expected_loss, expected_grad_norm = loss_alone(plain, state["params"], alone)
+        evaluated = float(train.jit_eval_step(setup)(state["params"], (batch[0][0], batch[1][0])))
+        evaluated_plain = float(train.jit_eval_step(plain)(state["params"], (batch[0][0], batch[1][0])))
+        _, metrics = train.jit_train_step(setup)(state, batch)
+    assert abs(evaluated_plain - expected_loss) > 1e-3
+    np.testing.assert_allclose([evaluated, metrics["loss"], metrics["grad_norm"]],
+                               [expected_loss, expected_loss, expected_grad_norm], rtol=1e-5, atol=1e-5)
+
+
+def test_document_masking_starts_documents_where_the_datasets_tokenizer_does(tmp_path, monkeypatch):
+    """At GPT-2's <|endoftext|>, a Llama-style tokenizer's begin-of-text token; a char-level vocabulary
+    has neither: one clear error before anything is written."""
+    make_dataset(tmp_path / "data", vocab_size=50257)
+    gpt2 = small_config(tmp_path, document_masking=True)
+    monkeypatch.setattr(train, "train_loop", lambda setup, *args: setup.document_start)  # the step train() built
+    assert train.train(gpt2, ONE_DEVICE) == dataset.config_document_start(gpt2) == tokenizer.GPT2_EOT
+    llama = tokenizer.hf_tokenizer(make_tokenizer(tmp_path / "llama"))
+    assert dataset.document_start(llama) == llama.bos_token == BOS != llama.eot_token
+    make_dataset(tmp_path / "data", name="chars")
+    chars = small_config(tmp_path, dataset="chars", document_masking=True, out_dir=str(tmp_path / "chars-out"))
+    assert dataset.config_document_start(chars) is None
+    with pytest.raises(ConfigError, match="document_masking=True starts a document at each begin-of-text or "
+                                          "end-of-text token, and the dataset has neither"):
+        train.train(chars, ONE_DEVICE)
+    assert not os.path.exists(chars.out_dir)
