@@ -188,7 +188,8 @@ class DatasetWriter:
             ds.commit(meta, files=tok.files)   # files: a Hugging Face tokenizer's, or none
 
     Leaving the block without commit() (a bad input, an exception, Ctrl-C) removes the
-    temporaries, and the old dataset stays byte for byte as it was.
+    temporaries, and the old dataset stays byte for byte as it was. extra={name: dtype} adds files
+    written alike, ds.extra[name] (a fine-tuning set's loss mask); meta.json lists them.
     """
 
     def __init__(self, out_dir, dtype: str = "uint16", extra=None):
