@@ -44,6 +44,8 @@ class Config:
     seed: int = 1337  # the batch and the dropout mask of step s depend only on (seed, s)
     document_masking: bool = False  # rows hold several documents, each opened by the tokenizer's begin-of-text
     #                                 token (else end-of-text): attention stays within one, positions from 0
+    packing: bool = False  # a fine-tuning set (data/chat/prepare.py): several conversations per row, each
+    #                        attending only to itself; False: one per row, padded
     # model (GPT-2 small by default, as in the paper)
     n_layer: int = 12
     n_head: int = 12
@@ -303,7 +305,7 @@ ROLES = {
                   "beta1", "beta2", "grad_clip", "decay_lr", "warmup_iters", "lr_decay_iters", "min_lr",
                   "muon_learning_rate", "muon_momentum", "muon_weight_decay", "dropout",
                   "router_aux_loss_coef", "router_z_loss_coef"),
-    "data": ("dataset", "data_dir", "seed", "overfit_batch", "document_masking"),
+    "data": ("dataset", "data_dir", "seed", "overfit_batch", "document_masking", "packing"),
     "run": ("out_dir", "init_from", "overwrite_out_dir", "max_iters", "eval_interval", "eval_iters",
             "eval_only", "eval_tasks", "eval_tasks_limit", "log_interval", "always_save_checkpoint",
             "max_to_keep", "keep_best", "nan_policy", "stack_dump_interval", "profile_steps", "tensorboard",

@@ -19,6 +19,10 @@ import numpy as np
 
 from tokenizer import HF_FILES, command_path
 
+# The extra files a dataset may have (dataset.py reads them): a stale one is removed by name only.
+EXTRA_NAMES = tuple(f"{split}.{kind}.bin" for split in ("train", "val") for kind in ("mask", "starts"))
+
+
 class PrepareError(Exception):
     """Something wrong with a prepare script's input or output folder: one line for the user."""
 
@@ -176,11 +180,15 @@ def check_out_dir(out_dir):
 
 
 def _old_kind(meta_path):
+    """(kind, extra file names) of the dataset meta_path describes; (None, []) if none."""
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    return meta.get("kind") if isinstance(meta, dict) else None
+        return None, []
+    if not isinstance(meta, dict):
+        return None, []
+    extra = meta.get("extra_files")
+    return meta.get("kind"), extra if isinstance(extra, list) else []
 
 
 class DatasetWriter:
@@ -192,13 +200,16 @@ class DatasetWriter:
             ds.commit(meta, files=tok.files)   # files: a Hugging Face tokenizer's, or none
 
     Leaving the block without commit() (a bad input, an exception, Ctrl-C) removes the
-    temporaries, and the old dataset stays byte for byte as it was.
+    temporaries, and the old dataset stays byte for byte as it was. extra={name: dtype} adds files
+    written alike, ds.extra[name] (a fine-tuning set's loss mask); meta.json lists them.
     """
 
-    def __init__(self, out_dir, dtype: str = "uint16"):
+    def __init__(self, out_dir, dtype: str = "uint16", extra=None):
         self.out_dir, self.dtype = Path(out_dir), dtype
         self.train = TokenWriter(self.out_dir / "train.bin", dtype)
         self.val = TokenWriter(self.out_dir / "val.bin", dtype)
+        # Files of numbers beside the tokens, {name: dtype} (a fine-tuning set's loss mask), written alike.
+        self.extra = {name: TokenWriter(self.out_dir / name, kind) for name, kind in (extra or {}).items()}
         self.meta_path = self.out_dir / "meta.json"
         self.meta_tmp = self.out_dir / "meta.json.tmp"
         self._copies = []  # (NAME.tmp, NAME) of the files commit() copies in
@@ -207,31 +218,39 @@ class DatasetWriter:
         check_out_dir(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.train.start()
-            self.val.start()
+            for writer in self._writers():
+                writer.start()
         except BaseException:
             self._discard()
             raise
         return self
 
+    def _writers(self):
+        return [self.train, self.val, *self.extra.values()]
+
     def commit(self, meta: dict, files=()):
         """files are copied into the dataset under their own names (a Hugging Face tokenizer's)."""
-        self.train.finish()
-        self.val.finish()
+        for writer in self._writers():
+            writer.finish()
         for src in map(Path, files):
             dst = self.out_dir / src.name
             self._copies.append((dst.with_name(dst.name + ".tmp"), dst))
             _copy_synced(src, self._copies[-1][0])
-        _write_json_synced(self.meta_tmp, {**meta, "dtype": self.dtype})  # how to read the token files
+        extra_files = {"extra_files": sorted(self.extra)} if self.extra else {}
+        _write_json_synced(self.meta_tmp, {**meta, "dtype": self.dtype, **extra_files})  # how to read the files
         # Tokenizer files an old Hugging Face dataset left and the new one lacks would be read
         # with the new tokenizer.json; without such a dataset those names are not ours to remove.
+        # Likewise the extra files an old dataset names and the new one lacks.
+        old_kind, old_extra = _old_kind(self.meta_path)
         stale = ({self.out_dir / name for name in HF_FILES} - {dst for _, dst in self._copies}
-                 if _old_kind(self.meta_path) == "huggingface" else ())
+                 if old_kind == "huggingface" else set())
+        stale |= {self.out_dir / name for name in old_extra if name in EXTRA_NAMES} - {
+            self.out_dir / name for name in self.extra}
         # All that can fail is done; only renames are left. meta.json leaves first and comes
         # back last, so no meta.json ever vouches for a mix of old and new files.
         self.meta_path.unlink(missing_ok=True)
-        self.train.commit()
-        self.val.commit()
+        for writer in self._writers():
+            writer.commit()
         for tmp, dst in self._copies:
             os.replace(tmp, dst)
         for path in stale:
@@ -239,8 +258,8 @@ class DatasetWriter:
         os.replace(self.meta_tmp, self.meta_path)
 
     def _discard(self):
-        self.train.discard()
-        self.val.discard()
+        for writer in self._writers():
+            writer.discard()
         for tmp, _ in self._copies:
             tmp.unlink(missing_ok=True)
         self.meta_tmp.unlink(missing_ok=True)

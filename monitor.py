@@ -178,6 +178,10 @@ def print_summary(log, setup, splits: dict, peak: str) -> None:
               f"state, plus activations (compile_aot.py reports the compiler's total)")
     log.print(f"data: {len(splits['train']):,} train / {len(splits['val']):,} val tokens; "
               f"{config.tokens_per_step:,} tokens per step")
+    if hasattr(splits["train"], "row_start"):  # a fine-tuning set (dataset.ChatSplit)
+        train = splits["train"]
+        log.print(f"fine-tuning: {len(train.starts):,} train conversations in {len(train.row_start):,} rows "
+                  f"({'packed' if config.packing else 'one a row'}), {int(train.mask.sum()):,} tokens to learn")
     log.print(f"peak: {peak}")
     resuming = " (resuming its latest checkpoint)" if config.init_from == "resume" else ""
     log.print(f"writing to {os.path.abspath(config.out_dir)}{resuming}")

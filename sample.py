@@ -4,16 +4,20 @@
     python sample.py --init_from=gpt2 --start="Hello, my name is" --top_p=0.9
     python sample.py --init_from=/path/to/Llama-3.2-1B --start="The capital of France is" --temperature=0
     python sample.py --out_dir=out-shakespeare-char --start=FILE:prompts.txt   # one prompt per line
+    python sample.py --out_dir=out-sft-tasks --chat=True --temperature=0   # a conversation: type, it answers
+    python sample.py --out_dir=out-sft-tasks --chat=True --messages=chat.json   # the user turns of a file
 
 The generation itself (prefill + decode in one compiled loop) is generate.py's.
 """
 
 import dataclasses
+import json
 import os
 import sys
 
 import jax
 
+import chat
 import configurator
 import sharding
 from generate import decode_sample, encode_prompt, generate, stop_token_ids, weights_in_compute_dtype
@@ -43,6 +47,10 @@ class SampleConfig:
     #                      GPUs and TPUs, float32 on CPUs; a checkpoint keeps the one it trained in
     quantization: str = "auto"  # the matmuls of the blocks: 'auto' (a checkpoint's own; 'none' for a Hugging
     #                             Face model) | 'none' | 'int8' | 'fp8', whatever trained it
+    chat: bool = False  # a conversation, rendered with the model's chat template (as serve.py does): each
+    #                     line typed is a user turn, and the assistant's answer streams back; Ctrl-D ends it
+    messages: str = ""  # with chat: a JSON file of [{role, content}] whose system messages open the
+    #                     conversation and whose user messages are sent in turn, instead of typed ones
 
     def __post_init__(self):
         for key in ("num_samples", "max_new_tokens", "mesh_data", "mesh_tensor"):
@@ -54,6 +62,8 @@ class SampleConfig:
             raise configurator.ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         configurator.check_choice("quantization", self.quantization, ("auto", *QUANTIZATION_MODES))
         configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        if self.messages and not self.chat:
+            raise configurator.ConfigError("--messages is the conversation of --chat=True: add it")
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -97,6 +107,54 @@ def read_prompts(start: str) -> list[str]:
     return texts
 
 
+# ----------------------------------------------------------------------------- chat
+
+def read_messages(path: str) -> list[dict]:
+    """--messages: a JSON list of {role, content}."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return chat.check_messages(json.load(f))
+    except (OSError, ValueError) as e:  # json's and chat's errors are ValueErrors
+        raise ValueError(f"--messages={path}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def typed_turns():
+    """Lines typed at the prompt, until Ctrl-D; blank ones are skipped."""
+    while True:
+        try:
+            line = input("user> ")
+        except EOFError:
+            print()
+            return
+        if line.strip():
+            yield line
+
+
+def converse(cfg: SampleConfig, setup, params, tok, given=None) -> list[dict]:
+    """A conversation: each user turn (typed, or of the messages `given`) and the model's answer to
+    all that came before it, streamed. Returns the messages."""
+    if given is not None:
+        history = [m for m in given if m["role"] == "system"]
+        turns = (m["content"] for m in given if m["role"] == "user")
+    else:
+        history, turns = [], typed_turns()
+    stop_ids = stop_token_ids(tok, cfg.stop)
+    for n, text in enumerate(turns):
+        if given is not None:
+            print(f"user> {text}")
+        history.append({"role": "user", "content": text})
+        prompt = tok.encode(chat.render(tok, history))  # a template that wants BOS writes it itself
+        print("assistant> ", end="", flush=True)
+        stream = StreamPrinter(tok, [], stop_ids)
+        out = generate(setup, params, [prompt], cfg.max_new_tokens, seed=cfg.seed + n, temperature=cfg.temperature,
+                       top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=stop_ids, kv_cache=cfg.kv_cache,
+                       on_token=stream, vocab=tok.vocab_size)
+        stream.finish()
+        reply = [int(i) for i in out.tokens[0] if int(i) not in stop_ids]
+        history.append({"role": "assistant", "content": tok.decode(reply)})
+    return history
+
+
 def main(argv):
     cfg = configurator.load_config_or_exit(argv, SampleConfig)
     try:
@@ -106,6 +164,7 @@ def main(argv):
         mesh = sharding.make_mesh(cfg.mesh_data, 1, cfg.mesh_tensor,
                                   devices=jax.devices()[:cfg.mesh_data * cfg.mesh_tensor])
         texts = read_prompts(cfg.start)  # before loading: a missing file is not worth the wait
+        given = read_messages(cfg.messages) if cfg.messages else None
         if cfg.init_from == "resume":
             setup, params, step, tok = load_checkpoint(cfg.out_dir, mesh, cfg.quantization)
             print(f"loaded step {step} from {os.path.abspath(cfg.out_dir)}", file=sys.stderr)
@@ -113,6 +172,9 @@ def main(argv):
             setup, params, tok = load_hf(cfg.init_from, mesh, cfg.quantization, default_dtype(cfg.dtype))
             print(f"loaded {cfg.init_from} ({tok.summary()})", file=sys.stderr)
         params = weights_in_compute_dtype(setup.graphdef, params)  # once: bfloat16 halves the memory
+        if cfg.chat:
+            converse(cfg, setup, params, tok, given)
+            return
         prompts = [encode_prompt(tok, text) for text in texts for _ in range(cfg.num_samples)]
         stop_ids = stop_token_ids(tok, cfg.stop)
         stream = StreamPrinter(tok, prompts[0], stop_ids) if cfg.stream else None

@@ -122,6 +122,11 @@ class Tokenizer:
         "<|endoftext|>" must not end there."""
         return self.encode(text)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """(encode(text), the index in text of the character each token starts at): what a
+        fine-tuning set's loss mask needs to know which tokens spell the assistant's words."""
+        raise NotImplementedError
+
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]  # accepts numpy and jax arrays too
         bad = sorted({i for i in ids if not 0 <= i < self.vocab_size})
@@ -158,6 +163,9 @@ class CharTokenizer(Tokenizer):
         except KeyError:
             missing = "".join(sorted(set(text) - self._stoi.keys()))
             raise ValueError(f"characters not in the vocabulary: {missing!r}") from None
+
+    def encode_with_offsets(self, text):
+        return self.encode(text), list(range(len(text)))
 
     def _decode(self, ids):
         return "".join(self.chars[i] for i in ids)
@@ -199,6 +207,10 @@ class GPT2Tokenizer(Tokenizer):
 
     def encode_ordinary(self, text):
         return self._enc.encode_ordinary(text)
+
+    def encode_with_offsets(self, text):
+        ids = self.encode(text)
+        return ids, self._enc.decode_with_offsets(ids)[1]
 
     def _decode(self, ids):
         return self._enc.decode(ids)
@@ -300,6 +312,10 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text):
         return _ids_of(self._tok, text)
+
+    def encode_with_offsets(self, text):
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets]
 
     def encode_ordinary(self, text):
         if self._ordinary is None:

@@ -148,48 +148,76 @@ def document_segments(setup: Setup, x_BxT):
     return jnp.cumsum(x_BxT == setup.document_start, axis=1, dtype=jnp.int32)
 
 
-def cross_entropy(setup: Setup, params, x_BxT, y_BxT, dropout_key=None):
-    logits_BxTxV = nnx.merge(setup.graphdef, params)(x_BxT, dropout_key, document_segments(setup, x_BxT))
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, y_BxT).mean()
+def segment_ids(setup: Setup, x_BxT, packed_BxT=None):
+    """The model's segment ids: a packed fine-tuning batch's own, else document_masking's (or None)."""
+    return packed_BxT if packed_BxT is not None else document_segments(setup, x_BxT)
 
 
-def training_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None):
-    """(loss to differentiate, (cross-entropy, router stats)): a mixture of experts adds its
-    router's load-balancing and z-losses, each averaged over the sparse layers and weighted."""
+def summed_cross_entropy(logits_BxTxV, y_BxT):
+    """(cross-entropy summed over the targets, how many there are): a target < 0 is none (a
+    fine-tuning set's prompt tokens, padding) and adds exactly 0, whatever its logits."""
+    is_target = y_BxT >= 0
+    losses_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, jnp.where(is_target, y_BxT, 0))
+    return jnp.where(is_target, losses_BxT, 0.0).sum(), is_target.sum()
+
+
+def cross_entropy(setup: Setup, params, x_BxT, y_BxT, packed_BxT=None):
+    """The mean over the batch's targets (0 where it has none)."""
+    logits_BxTxV = nnx.merge(setup.graphdef, params)(x_BxT, None, segment_ids(setup, x_BxT, packed_BxT))
+    total, count = summed_cross_entropy(logits_BxTxV, y_BxT)
+    return total / jnp.maximum(count, 1)
+
+
+def training_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None, packed_BxT=None, n_targets=None, n_micro=1):
+    """(loss to differentiate, (cross-entropy, router stats)) of one micro-batch, as its share of the
+    step's: the cross-entropy summed over its targets and divided by n_targets, the step's number
+    of targets (default: its own), so that the micro-batches' losses and gradients add up to those
+    of the whole step's mean; a micro-batch without targets adds 0. A mixture of experts adds its
+    router's load-balancing and z-losses, each averaged over the sparse layers, weighted, and
+    divided by n_micro."""
     c = setup.config
     logits_BxTxV, stats = nnx.merge(setup.graphdef, params).forward(x_BxT, dropout_key,
-                                                                    document_segments(setup, x_BxT))
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, y_BxT).mean()
+                                                                    segment_ids(setup, x_BxT, packed_BxT))
+    total, count = summed_cross_entropy(logits_BxTxV, y_BxT)
+    loss = total / (jnp.maximum(count, 1) if n_targets is None else n_targets)
     if not stats:
         return loss, (loss, {})
     stats = jax.tree.map(lambda per_layer: per_layer.mean(0), stats)
-    total = loss + c.router_aux_loss_coef * stats["balance_loss"] + c.router_z_loss_coef * stats["z_loss"]
-    return total, (loss, stats)
+    aux = c.router_aux_loss_coef * stats["balance_loss"] + c.router_z_loss_coef * stats["z_loss"]
+    return loss + aux / n_micro, (loss, stats)
+
+
+def batch_arrays(config: Config) -> int:
+    """How many (micro-steps, B, T) arrays a step's batch has: inputs and targets (< 0: none), and
+    with packing the segment ids."""
+    return 3 if config.packing else 2
 
 
 def make_train_step(setup: Setup):
-    """train_step(state, (x, y)) -> (state, metrics), with x, y of shape (micro-steps, B, T)."""
+    """train_step(state, (x, y[, segment ids])) -> (state, metrics), each of shape (micro-steps, B, T)."""
     config = setup.config
 
     def train_step(state, batch):
-        x_AxBxT, y_AxBxT = batch
+        x_AxBxT, y_AxBxT, packed_AxBxT = (*batch, None)[:3]
         params = on_device(state["params"], setup.compute_shardings["params"])  # offload: from the host
         step_key = jax.random.fold_in(jax.random.key(config.seed), state["step"])
-        grad_fn = jax.value_and_grad(lambda p, x, y, k: training_loss(setup, p, x, y, k), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, *args: training_loss(setup, p, *args), has_aux=True)
+        n_micro = x_AxBxT.shape[0]
+        # The loss is the mean over the step's targets, however they fall into micro-batches.
+        n_targets = jnp.maximum((y_AxBxT >= 0).sum(), 1)
 
         def micro_step(grad_sum, inputs):
-            x_BxT, y_BxT, i = inputs
+            x_BxT, y_BxT, packed_BxT, i = inputs
             key = jax.random.fold_in(step_key, i) if config.dropout > 0 else None
-            (_, (loss, router)), grads = grad_fn(params, x_BxT, y_BxT, key)
+            (_, (loss, router)), grads = grad_fn(params, x_BxT, y_BxT, key, packed_BxT, n_targets, n_micro)
             grads = jax.lax.with_sharding_constraint(grads, setup.compute_shardings["params"])
             return jax.tree.map(jnp.add, grad_sum, grads), (loss, router)
 
         # Gradient accumulation as a scan: one compiled loop, not one dispatch per micro-step.
         zeros = jax.tree.map(jnp.zeros_like, params)
-        n_micro = x_AxBxT.shape[0]
-        grad_sum, (losses, router) = jax.lax.scan(micro_step, zeros, (x_AxBxT, y_AxBxT, jnp.arange(n_micro)))
-        grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
-        loss, grad_norm = losses.mean(), optax.tree.norm(grads)
+        grads, (losses, router) = jax.lax.scan(micro_step, zeros,
+                                               (x_AxBxT, y_AxBxT, packed_AxBxT, jnp.arange(n_micro)))
+        loss, grad_norm = losses.sum(), optax.tree.norm(grads)
         # Offloaded optimizer state comes to the device only now, after the backward passes.
         old_opt_state = on_device(state["opt_state"], setup.compute_shardings["opt_state"])
         updates, opt_state = setup.optimizer.update(grads, old_opt_state, params)
@@ -223,24 +251,24 @@ def make_eval_step(setup: Setup):
 
 
 def jit_train_step(setup: Setup):
-    micro_batches = setup.micro_batch_sharding
+    micro_batches = (setup.micro_batch_sharding,) * batch_arrays(setup.config)
     return jax.jit(make_train_step(setup), donate_argnums=0,
-                   in_shardings=(setup.state_shardings, (micro_batches, micro_batches)),
+                   in_shardings=(setup.state_shardings, micro_batches),
                    out_shardings=(setup.state_shardings, setup.state_shardings["step"]))
 
 
 def jit_eval_step(setup: Setup):
     return jax.jit(make_eval_step(setup),
-                   in_shardings=(setup.state_shardings["params"], (setup.batch_sharding,) * 2),
+                   in_shardings=(setup.state_shardings["params"], (setup.batch_sharding,) * batch_arrays(setup.config)),
                    out_shardings=setup.state_shardings["step"])  # replicated: every host can read it
 
 
 def batch_struct(setup: Setup) -> tuple:
-    """The (x, y) micro-batches that train.py feeds the step, as abstract arrays."""
+    """The (x, y[, segment ids]) micro-batches that train.py feeds the step, as abstract arrays."""
     c = setup.config
     shape = (c.gradient_accumulation_steps, c.batch_size, c.block_size)
     x = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.micro_batch_sharding)
-    return x, x
+    return (x,) * batch_arrays(c)
 
 
 def lower(setup: Setup):
@@ -318,9 +346,9 @@ def estimate_losses(eval_step, params, splits: dict, setup: Setup, rows) -> dict
     for split, tokens in splits.items():
         total, start = 0.0, time.perf_counter()
         for i in range(config.eval_iters):
-            x, y = dataset.batch_for_step(tokens, config, i, split, rows, n_micro=1, stream=1)
+            arrays = dataset.step_batch(tokens, config, i, split, rows, n_micro=1, stream=1)
             batch = tuple(sharding.global_batch(a[0], setup.batch_sharding, (config.batch_size,
-                          config.block_size)) for a in (x, y))
+                          config.block_size)) for a in arrays)
             total += eval_step(params, batch)
             if (i + 1) % 10 == 0 or i + 1 == config.eval_iters:
                 total = float(total)  # wait here now and then, so the progress line is honest
@@ -339,7 +367,16 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
         raise dataset.DataError(f"{dataset.dataset_dir(config)}: its tokenizer ({tok.summary()}) has more "
                                 f"tokens than the model's vocab_size {vocab_size}: prepare the data with "
                                 f"the model's tokenizer, or raise vocab_size")
-    splits = {s: dataset.open_split(config, s, vocab_size) for s in ("train", "val")}
+    chat = dataset.chat_meta(config) is not None  # a fine-tuning set: conversations and a loss mask
+    if config.packing and not chat:
+        raise dataset.DataError(f"packing=True packs the conversations of a fine-tuning set, and "
+                                f"{dataset.dataset_dir(config)} holds text: prepare one with data/chat/prepare.py "
+                                f"(for text, document_masking=True keeps documents apart)")
+    if config.document_masking and chat:
+        raise dataset.DataError(f"document_masking=True splits text into its documents, and "
+                                f"{dataset.dataset_dir(config)} is a fine-tuning set: use packing=True instead")
+    open_split = dataset.open_chat_split if chat else dataset.open_split
+    splits = {s: open_split(config, s, vocab_size) for s in ("train", "val")}
     tasks = evals.load_tasks(config.eval_tasks, config.eval_tasks_limit)  # read now: a bad file fails early
     if tasks and tok is None:
         raise evals.EvalError("eval_tasks need the dataset's tokenizer, and this dataset has no meta.json")
@@ -491,10 +528,10 @@ class Run:
     def train_one_step(self, train_step) -> dict:
         config, step = self.config, self.step
         n_micro = config.gradient_accumulation_steps
-        x, y = dataset.batch_for_step(self.splits["train"], config, 0 if config.overfit_batch else step,
-                                      "train", self.rows, n_micro)
+        arrays = dataset.step_batch(self.splits["train"], config, 0 if config.overfit_batch else step,
+                                    "train", self.rows, n_micro)
         shape = (n_micro, config.batch_size, config.block_size)
-        batch = tuple(sharding.global_batch(a, self.setup.micro_batch_sharding, shape) for a in (x, y))
+        batch = tuple(sharding.global_batch(a, self.setup.micro_batch_sharding, shape) for a in arrays)
         if step == self.profile_start:
             jax.profiler.start_trace(os.path.join(config.out_dir, "profile"))
         with jax.profiler.StepTraceAnnotation("train", step_num=step):

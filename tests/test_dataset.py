@@ -125,3 +125,71 @@ def test_a_vocabulary_over_65536_tokens_trains_resumes_and_samples_from_uint32_f
     prompt = [int(i) for i in phrases[0, :4]]
     new = generate.generate(setup, params, [prompt], 12, temperature=0).tokens[0]
     assert len(new) == 12 and run_tok.encode(run_tok.decode(prompt + new)) == prompt + new
+
+
+def chat_dataset(root, lengths, name="chats"):
+    """A fine-tuning set as data/chat/prepare.py writes it: conversation c is the tokens 10*c + (0, 1, ...)
+    (char-level ids), its second half masked 1 (its 'assistant turn')."""
+    out = root / name
+    out.mkdir(parents=True)
+    for split in ("train", "val"):
+        tokens = np.concatenate([10 * c + np.arange(n) for c, n in enumerate(lengths)])
+        mask = np.concatenate([np.arange(n) >= n // 2 for n in lengths])
+        starts = np.cumsum([0] + list(lengths[:-1]))
+        for suffix, values, dtype in (("", tokens, np.uint16), (".mask", mask, np.uint8),
+                                      (".starts", starts, np.uint64)):
+            values.astype(dtype).tofile(out / f"{split}{suffix}.bin")
+    chars = "".join(chr(0x100 + i) for i in range(10 * len(lengths)))
+    (out / "meta.json").write_text(json.dumps({"kind": "char", "chars": chars, "vocab_size": len(chars),
+                                               "chat": {"block_size": 8}}))
+    return 10 * len(lengths)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_fine_tuning_batches_are_whole_conversations_with_targets_only_where_the_mask_says(tmp_path, packing):
+    lengths = [5, 9, 3, 7, 2, 4, 6, 9]
+    vocab = chat_dataset(tmp_path, lengths)
+    config = small_config(tmp_path, data_dir=str(tmp_path), dataset="chats", block_size=8, batch_size=2,
+                          packing=packing)
+    assert dataset.chat_meta(config) == {"block_size": 8}
+    data = dataset.open_chat_split(config, "train", vocab)
+    # rows: one conversation each, or consecutive ones filling 9 tokens (inputs and the last target)
+    rows = [[0], [1], [2], [3], [4], [5], [6], [7]] if not packing else [[0], [1], [2], [3, 4], [5], [6], [7]]
+    assert [list(data.starts).index(s) for s in data.row_start] == [r[0] for r in rows]
+    everything = np.arange(2)
+    seen = []
+    for step in range(len(rows)):  # 2 steps x 2 micro-batches x 2 rows: every row once per epoch (here 7 or 8 rows)
+        arrays = dataset.chat_batch_for_step(data, config, step, "train", everything, n_micro=2)
+        assert len(arrays) == (3 if packing else 2)
+        for row in zip(*(a.reshape(-1, 8) for a in arrays)):
+            x, y = row[:2]
+            conversations = [c for c in range(len(lengths)) if 10 * c <= x[0] < 10 * c + 10]
+            first = conversations[0]
+            members = next(r for r in rows if r[0] == first)
+            seen.append(first)
+            expected = np.concatenate([10 * c + np.arange(lengths[c]) for c in members])
+            is_target = np.concatenate([np.arange(lengths[c]) >= lengths[c] // 2 for c in members])
+            n = len(expected)
+            np.testing.assert_array_equal(x[:n], expected[:8])
+            np.testing.assert_array_equal(x[n:], 0)  # padding
+            np.testing.assert_array_equal(y[:n - 1], np.where(is_target[1:], expected[1:], -1))
+            np.testing.assert_array_equal(y[n - 1:], -1)  # no target in the padding
+            if packing:  # each conversation a segment of its own, from 1; padding 0
+                ids = np.concatenate([np.full(lengths[c], i + 1) for i, c in enumerate(members)])
+                np.testing.assert_array_equal(row[2][:n], ids[:8])
+                np.testing.assert_array_equal(row[2][n:], 0)
+    epoch = len(rows)
+    assert sorted(seen[:epoch]) == [r[0] for r in rows]  # an epoch draws each row once
+    again = dataset.chat_batch_for_step(data, config, 1, "train", everything, n_micro=2)
+    one_row = dataset.chat_batch_for_step(data, config, 1, "train", everything[1:], n_micro=2)
+    for a, b, c in zip(dataset.chat_batch_for_step(data, config, 1, "train", everything, n_micro=2), again, one_row):
+        np.testing.assert_array_equal(a, b)  # a pure function of (seed, step)
+        np.testing.assert_array_equal(a[:, 1:], c)  # a process's rows are a slice of the batch
+
+
+def test_a_fine_tuning_set_longer_than_the_run_s_block_size_is_refused(tmp_path):
+    vocab = chat_dataset(tmp_path, [6, 9, 3])
+    config = small_config(tmp_path, data_dir=str(tmp_path), dataset="chats", block_size=4)
+    with pytest.raises(dataset.DataError, match=r"holds 2 conversations longer than block_size \+ 1 = 5 tokens.*"
+                                                r"--block_size=4"):
+        dataset.open_chat_split(config, "train", vocab)

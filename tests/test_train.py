@@ -327,9 +327,9 @@ def poison_step(monkeypatch, poisoned_step: int):
         x, y = batch_for_step(tokens, config, step, split, *args, **kwargs)
         return (np.zeros_like(x), y) if split == "train" and step == poisoned_step else (x, y)
 
-    def poisoned_loss(setup, params, x, y, key=None):
+    def poisoned_loss(setup, params, x, y, *rest):
         poison = jnp.where(jnp.all(x == 0), jnp.nan, 1.0)
-        return jax.tree.map(lambda a: a * poison, training_loss(setup, params, x, y, key))
+        return jax.tree.map(lambda a: a * poison, training_loss(setup, params, x, y, *rest))
 
     monkeypatch.setattr(dataset, "batch_for_step", poisoned_batch)
     monkeypatch.setattr(train, "training_loss", poisoned_loss)
@@ -535,6 +535,57 @@ def test_int8_training_ends_within_3_percent_of_float(shakespeare_char, tmp_path
         final[mode] = plot.read_scalars(config.out_dir)["eval/val_loss"][-1][1]
     assert final["none"] < 2.6  # it learned (ln 84 = 4.4 at the start)
     assert abs(final["int8"] - final["none"]) <= 0.03 * final["none"], final
+
+
+# ----------------------------------------------------------------------------- fine-tuning's loss
+
+def random_targets(config: Config, n_micro=1, seed=0):
+    """Inputs, targets and which targets count (about a third), (n_micro, B, T) each."""
+    rng = np.random.default_rng(seed)
+    shape = (n_micro, config.batch_size, config.block_size)
+    return rng.integers(0, 65, shape), rng.integers(0, 65, shape), rng.random(shape) < 0.3
+
+
+def test_only_targets_that_count_make_the_loss_and_the_gradient(toy):
+    """A target < 0 (a prompt's token, padding) is none: the loss and gradient are the mean over the
+    others, whatever the ids at the prompt's positions were."""
+    config = small_config(toy)
+    setup = train.make_setup(config, sharding.make_mesh(devices=ONE_DEVICE), 65)
+    params = train.init_state(setup)["params"]
+    x, y, counts = (a[0] for a in random_targets(config))
+    other_y = np.where(counts, y, (y + 1 + np.arange(y.size).reshape(y.shape)) % 65)  # other prompt targets
+
+    def reference(p, targets):  # the masked mean, written out
+        logits = nnx.merge(setup.graphdef, p)(jnp.asarray(x))
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(targets)[..., None], -1)[..., 0]
+        return -(picked * counts).sum() / counts.sum()
+
+    ours = jax.value_and_grad(lambda p: train.training_loss(setup, p, x, np.where(counts, y, -1))[0])(params)
+    for targets in (y, other_y):
+        expected = jax.value_and_grad(reference)(params, targets)
+        np.testing.assert_allclose(ours[0], expected[0], rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), ours[1], expected[1])
+
+
+def test_a_micro_batch_without_targets_adds_nothing_under_gradient_accumulation(toy):
+    """The loss is normalised by the whole step's targets: a micro-batch with none gives the step of
+    the other micro-batch alone (not half of it, and no 0/0); a step with none has a loss and gradient of 0."""
+    x, y, counts = random_targets(small_config(toy), n_micro=2)
+    y = np.where(counts, y, -1)
+    y[1] = -1  # the second micro-batch: all prompt
+    results = []
+    for n_micro, targets in ((2, y), (1, y[:1]), (1, np.full_like(y[:1], -1))):
+        setup = train.make_setup(small_config(toy, gradient_accumulation_steps=n_micro),
+                                 sharding.make_mesh(devices=ONE_DEVICE), 65)
+        with sharding.activate(setup.mesh):
+            state, metrics = train.jit_train_step(setup)(train.init_state(setup), (x[:n_micro], targets))
+        results.append((jax.tree.map(np.asarray, state["params"]), jax.tree.map(np.asarray, metrics)))
+    (accumulated, m2), (alone, m1), (_, m0) = results
+    assert m2["finite"] and m1["finite"] and m0["finite"]
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), accumulated, alone)
+    assert m0["loss"] == 0 and m0["grad_norm"] == 0  # (weight decay still applies)
 
 
 # ----------------------------------------------------------------------------- document masking
