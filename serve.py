@@ -5,6 +5,10 @@
     curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "ROMEO:", "max_tokens": 40, "temperature": 0}'
 
+GET / is the chat page (web/: HTML, CSS and JavaScript, no build step). With --api_key=KEY (or the
+environment variable NANOMAX_API_KEY), every /v1 request needs `Authorization: Bearer KEY` (401
+otherwise); / and /health need none.
+
 Routes: POST /v1/completions and POST /v1/chat/completions (with "stream": true, Server-Sent
 Events ending in `data: [DONE]`), GET /v1/models, GET /health (503 until the engine's programs are
 compiled, then 200 with the engine's numbers). Errors have OpenAI's shape, {"error": {"message",
@@ -28,16 +32,21 @@ import uuid
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
+import auth
 import chat
 import configurator
 import engine
 import generate
 import inference
 from quantization import MODES as QUANTIZATION_MODES
+
+WEB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web")  # the chat page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +64,7 @@ class ServeConfig:
     quantization: str = "auto"  # the blocks' matmuls: 'auto' (a checkpoint's own; 'none' for a Hugging Face
     #                             model) | 'none' | 'int8' | 'fp8'
     log_interval: float = 10.0  # seconds between summary lines while busy (0 = none)
+    api_key: str = ""  # if set, /v1 requests need 'Authorization: Bearer <api_key>'; '' = NANOMAX_API_KEY's, or none
 
     def __post_init__(self):
         for key in ("slots", "max_queue"):
@@ -316,7 +326,7 @@ def make_app(server: Server) -> Starlette:
     async def models(request: HTTPRequest):
         return JSONResponse({"object": "list", "data": [
             {"id": server.name, "object": "model", "created": server.created, "owned_by": "nanomax",
-             "max_model_len": server.context}]})
+             "max_model_len": server.context, "has_chat_template": server.tok.chat_template is not None}]})
 
     async def completions(request: HTTPRequest):
         return await handle(request, chat_mode=False)
@@ -397,11 +407,12 @@ def make_app(server: Server) -> Starlette:
         except (ValueError, KeyError) as e:
             raise APIError(400, f"the prompt can't be encoded with this model's vocabulary ({e})", "prompt") from None
 
+    keyed = [Middleware(auth.RequireKey, key=server.cfg.api_key)] if server.cfg.api_key else []
     return Starlette(routes=[
         Route("/health", health), Route("/v1/models", models),
         Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"])])
-
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Mount("/", StaticFiles(directory=WEB_DIR, html=True))], middleware=keyed)  # GET / is web/index.html
 
 class Reply:
     """A completion's answer, whole or as Server-Sent Events, in OpenAI's shapes."""
@@ -550,6 +561,9 @@ def summaries(server: Server, stop: threading.Event) -> None:
 
 def main(argv) -> None:
     cfg = configurator.load_config_or_exit(argv, ServeConfig)
+    cfg = dataclasses.replace(cfg, api_key=cfg.api_key or os.environ.get("NANOMAX_API_KEY", ""))
+    if warning := auth.exposure_warning(cfg.host, cfg.port, cfg.api_key):
+        print(warning, flush=True)
     try:
         server = Server(cfg)
     except (OSError, ValueError) as e:  # CheckpointError, HFError, MeshError, ConfigError
@@ -561,7 +575,8 @@ def main(argv) -> None:
     stop_summaries = threading.Event()
     if cfg.log_interval > 0:
         threading.Thread(target=summaries, args=(server, stop_summaries), daemon=True).start()
-    print(f"serving on http://{cfg.host}:{cfg.port}/v1 (GET /health is 200 once compiled)", flush=True)
+    print(f"serving on http://{cfg.host}:{cfg.port}: the chat page at /, the API at /v1"
+          f"{' (API key required)' if cfg.api_key else ''} (GET /health is 200 once compiled)", flush=True)
     try:
         uv.run()
     finally:
