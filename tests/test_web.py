@@ -3,7 +3,7 @@
 payload, so that the model's own text tests that nothing it says is run as HTML.
 
 One server and one browser for the module; each test opens the page afresh with its own saved
-state. The screenshot in docs/ comes from the same browser: `python tests/test_web.py OUT_DIR PNG`.
+state. The screenshot in docs/ comes from the same browser: `PYTHONPATH=. python tests/test_web.py OUT_DIR PNG`.
 """
 
 import json
@@ -323,9 +323,9 @@ def screenshot(out_dir, png, prompt="ROMEO:"):
     """The page continuing `prompt` with the model in out_dir, as a PNG."""
     log_path = os.path.join(tempfile.mkdtemp(), "serve.log")
     url, process = start_server(out_dir, log_path)
-    driver = start_browser(1000, 640)
+    driver = start_browser(1000, 700)
     try:
-        open_page(driver, url, {"temperature": "0.8", "max_tokens": "400"})
+        open_page(driver, url, {"temperature": "0.8", "max_tokens": "120"})
         driver.find_element(By.ID, "prompt").send_keys(prompt)
         driver.find_element(By.ID, "continue").click()
         wait(driver, lambda: text(driver, "#output-meta"))

@@ -31,6 +31,7 @@ function button(label, onClick) {
 function showError(message) {
   $("error").textContent = message;
   $("error").hidden = !message;
+  if (message) $("error").scrollIntoView({block: "nearest"});
 }
 
 // ---------------------------------------------------------------- talking to the server
@@ -127,7 +128,8 @@ function renderChat() {
     item.append(actions);
     return item;
   }));
-  $("messages").lastElementChild?.scrollIntoView({block: "end"});
+  const bottom = $("error").hidden ? $("messages").lastElementChild : $("error");
+  bottom?.scrollIntoView({block: "nearest"});
 }
 
 // Streams the assistant's answer to the conversation so far into a new message.
