@@ -414,6 +414,7 @@ def make_app(server: Server) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Mount("/", StaticFiles(directory=WEB_DIR, html=True))], middleware=keyed)  # GET / is web/index.html
 
+
 class Reply:
     """A completion's answer, whole or as Server-Sent Events, in OpenAI's shapes."""
 
