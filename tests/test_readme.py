@@ -5,14 +5,16 @@ with "out_dir ... holds checkpoints of an earlier run" after the quickstart)."""
 
 import ast
 import dataclasses
+import importlib.util
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
 from configurator import Config
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent
 CONFIG_KEYS = {f.name for f in dataclasses.fields(Config)}
 
 
@@ -63,6 +65,15 @@ def own_options(script: str) -> set[str]:
     return keys
 
 
+def harness_options() -> set[str]:
+    """lm_eval's command-line flags, which lm_eval_nanomax.py passes on (its own come from lm-eval)."""
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None:
+        pytest.skip("lm-eval is not installed (pip install -r requirements-eval.txt): its flags are unknown")
+    cli = Path(spec.origin).parent / "_cli"
+    return {key for f in cli.glob("*.py") for key in re.findall(r"add_argument\(\s*\"--(\w+)\"", f.read_text())}
+
+
 def takes_config(script: str) -> bool:
     """train.py, and the commands that pass the flags they don't know on to train.py's Config."""
     source = (ROOT / script).read_text()
@@ -91,6 +102,8 @@ def test_every_command_names_files_that_exist_and_flags_its_script_takes(script,
         return
     assert (ROOT / script).is_file(), f"{script} does not exist"
     keys = own_options(script) | (CONFIG_KEYS if takes_config(script) else set())
+    if script == "lm_eval_nanomax.py":
+        keys |= harness_options()
     for arg in args:
         if arg.startswith("--"):
             key = arg[2:].partition("=")[0]
