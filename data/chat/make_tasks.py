@@ -97,7 +97,7 @@ def make(out_dir, n_conversations=6000, val_conversations=200, seed=0) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--out_dir", default="data/chat/tasks")
     parser.add_argument("--conversations", type=int, default=6000, help="train conversations")
     parser.add_argument("--val_conversations", type=int, default=200, help="held-out conversations")

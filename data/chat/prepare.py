@@ -252,7 +252,7 @@ def hub_files(repo_id, folder):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--input", help="a .jsonl, .jsonl.gz or .parquet file of conversations, or a folder of them")
     parser.add_argument("--hub", help="a Hugging Face dataset of conversations, e.g. HuggingFaceTB/smol-smoltalk")
     parser.add_argument("--hub_folder", default="data", help="the folder of its .parquet files")
