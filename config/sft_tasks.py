@@ -14,7 +14,8 @@ n_layer = 2
 n_head = 4
 n_embd = 64
 # RoPE's relative positions suit the task: each answer's letters sit at a fixed distance from the
-# question's. (Llama's rmsnorm + swiglu, which export_hf.py could export, learned it ~2x slower here with AdamW.)
+# question's. (Llama's rmsnorm + swiglu, which export_hf.py could export, learned it ~2x slower here
+# with AdamW.)
 pos_embedding = "rope"
 block_size = 128  # as prepare.py's --block_size
 scan_layers = False
