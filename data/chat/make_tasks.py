@@ -1,5 +1,5 @@
-"""An offline chat set a tiny model learns on a CPU in a minute or two: conversations of one to
-three turns where the user asks for a three-letter word reversed or two digits added, and a
+"""An offline chat set a tiny model learns on a CPU in under half a minute: conversations of one to
+three turns where the user asks for a three-letter word in capitals or two digits added, and a
 tokenizer for it (bytes, plus ChatML's <|im_start|> and <|im_end|>, with a ChatML chat template).
 
     python data/chat/make_tasks.py [--out_dir=data/chat/tasks] [--conversations=6000] [--seed=0]
@@ -8,7 +8,7 @@ tokenizer for it (bytes, plus ChatML's <|im_start|> and <|im_end|>, with a ChatM
 
 writes OUT_DIR/train.jsonl and OUT_DIR/val.jsonl (OpenAI's {"messages": [...]}, one conversation
 a line) and OUT_DIR/tokenizer/ (tokenizer.json, tokenizer_config.json). val is held out: no word
-it asks to reverse is asked in train, so those answers can't be remembered, only worked out (its
+it asks to capitalize is asked in train, so those answers can't be remembered, only worked out (its
 sums of two digits are the same 100 as train's: they are learned as facts).
 """
 
@@ -61,7 +61,7 @@ def question(rng: random.Random) -> tuple[str, str]:
 
 def conversations(n: int, rng: random.Random, seen: set, new: set | None = None) -> list[dict]:
     """n conversations of 1 to 3 turns, each question added to seen; with `new`, none of whose
-    words to reverse is in `new` (the held-out conversations' words)."""
+    words to capitalize is in `new` (the held-out conversations' words)."""
     result = []
     while len(result) < n:
         messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.2 else []
