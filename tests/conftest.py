@@ -12,8 +12,11 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 # Many tests compile the same small programs, and the train.py runs they start compile them again:
 # a compilation cache for this session (inherited by those processes) compiles each program once.
 # It starts empty, so every program is still compiled by this run.
-_compilation_cache = tempfile.mkdtemp(prefix="nanomax-tests-xla-cache-")
-atexit.register(shutil.rmtree, _compilation_cache, ignore_errors=True)
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _compilation_cache
+# Under pytest-xdist the workers inherit the controller's cache, so a program compiled by one is
+# found by the other; the controller removes it at the end.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    _compilation_cache = tempfile.mkdtemp(prefix="nanomax-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _compilation_cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _compilation_cache
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
