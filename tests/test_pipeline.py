@@ -11,7 +11,7 @@ import model
 import pipeline
 import sharding
 import train
-from test_train import document_batch, loss_alone, make_dataset, small_config
+from test_train import make_dataset, masked_step_and_alone, small_config
 
 
 @pytest.mark.parametrize("stages, microbatches, n_repeats", [(2, 4, 1), (4, 4, 1), (4, 8, 1), (2, 4, 4), (4, 4, 2)])
@@ -176,18 +176,5 @@ def test_document_masking_pipelined_and_sharded_trains_on_each_document_as_if_al
     of several documents are the documents' own, each alone on one device."""
     config = small_config(tmp_path, n_head=4, mesh_stage=2, mesh_fsdp=2, mesh_tensor=2, mesh_data=1,
                           pipeline_microbatches=4, document_masking=True)
-    mesh = train.make_mesh(config)
-    setup = train.make_setup(config, mesh, 64, document_start=0)
-    state = train.init_state(setup)
-    params = jax.device_get(state["params"])  # the step donates the state
-    batch, alone = document_batch(vocab=64)
-    with sharding.activate(mesh):
-        _, metrics = train.jit_train_step(setup)(state, tuple(jax.device_put(a, setup.micro_batch_sharding)
-                                                             for a in batch))
-    one_device = train.make_mesh(dataclasses.replace(config, mesh_stage=1, mesh_fsdp=1, mesh_tensor=1),
-                                 jax.devices()[:1])
-    plain = train.make_setup(dataclasses.replace(config, document_masking=False, mesh_stage=1, mesh_fsdp=1,
-                                                 mesh_tensor=1), one_device, 64)
-    with sharding.activate(one_device):
-        expected = loss_alone(plain, params, alone)
-    np.testing.assert_allclose([metrics["loss"], metrics["grad_norm"]], expected, rtol=1e-5, atol=1e-5)
+    got, expected = masked_step_and_alone(config, train.make_mesh(config))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

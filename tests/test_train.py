@@ -623,6 +623,25 @@ def loss_alone(setup, params, alone):
     return float(value), float(optax.tree.norm(grads))
 
 
+def masked_step_and_alone(config, mesh, vocab: int = 64):
+    """(loss, gradient norm) of document_masking's train step on `mesh` over a document_batch, and
+    what loss_alone gives for the same initial parameters on one device."""
+    setup = train.make_setup(config, mesh, vocab, document_start=0)
+    state = train.init_state(setup)
+    params = jax.device_get(state["params"])  # the step donates the state
+    batch, alone = document_batch(vocab=vocab)
+    with sharding.activate(mesh):
+        _, metrics = train.jit_train_step(setup)(state, tuple(jax.device_put(a, setup.micro_batch_sharding)
+                                                             for a in batch))
+    one_device = sharding.make_mesh(devices=ONE_DEVICE)
+    single = dataclasses.replace(config, document_masking=False, mesh_stage=1, mesh_data=1, mesh_fsdp=1,
+                                 mesh_tensor=1)
+    plain = train.make_setup(single, one_device, vocab)
+    with sharding.activate(one_device):
+        expected = loss_alone(plain, params, alone)
+    return [float(metrics["loss"]), float(metrics["grad_norm"])], expected
+
+
 def test_document_masking_trains_on_each_document_as_if_alone(toy):
     """The train step's loss and gradient, and the eval step's loss, over rows of several documents are
     the documents' own, each alone; without document_masking they are not."""
