@@ -24,6 +24,7 @@ import openai
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -116,7 +117,9 @@ def client(server):
 # ----------------------------------------------------------------------------- driving the page
 
 def wait(browser, condition, seconds=60):
-    return WebDriverWait(browser, seconds, poll_frequency=0.05).until(lambda _: condition())
+    # The page re-renders its messages as tokens arrive: an element read mid-render is stale; look again.
+    return WebDriverWait(browser, seconds, poll_frequency=0.05,
+                         ignored_exceptions=(StaleElementReferenceException,)).until(lambda _: condition())
 
 
 def open_page(browser, url, settings=None, mode=None, messages=()):
