@@ -1,4 +1,4 @@
-"""The API key in front of serve.py's /v1 routes, as OpenAI's and vLLM's servers check it: a
+"""The API key in front of serve.py's /v1 and tokenizer routes, as OpenAI's and vLLM's servers check it: a
 request must carry `Authorization: Bearer KEY`, or it gets a 401 in OpenAI's error shape. The
 chat page and /health stay open (the page asks for the key and sends it itself).
 """
@@ -8,6 +8,7 @@ import hmac
 from starlette.responses import JSONResponse
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+KEYED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")  # paths that need the key
 
 REFUSED = {"error": {
     "message": "missing or wrong API key: this server needs the header 'Authorization: Bearer KEY' with the "
@@ -16,13 +17,13 @@ REFUSED = {"error": {
 
 
 class RequireKey:
-    """ASGI middleware: a request to /v1 without the key gets a 401."""
+    """ASGI middleware: a request to /v1 (or the tokenizer's routes) without the key gets a 401."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self.allowed(scope):
+        if scope["type"] == "http" and scope["path"].startswith(KEYED) and not self.allowed(scope):
             refused = JSONResponse(REFUSED, status_code=401, headers={"WWW-Authenticate": "Bearer"})
             return await refused(scope, receive, send)
         await self.app(scope, receive, send)

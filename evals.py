@@ -260,6 +260,21 @@ def make_scorer(setup):
                    out_shardings=(replicated, replicated, replicated))
 
 
+def make_token_scorer(setup, top: int):
+    """token_logprobs(params, tokens_BxL) -> (log-probability of each token after the first, B x L-1;
+    the `top` most likely tokens at each of those positions as (log-probabilities, ids), B x L-1 x top):
+    the prompt's scores that an OpenAI completion with echo and logprobs reports."""
+    vocab = setup.model_config.vocab_size
+
+    def token_logprobs(params, tokens_BxL):
+        logits_BxTxV = nnx.merge(setup.graphdef, params)(tokens_BxL[:, :-1])[..., :vocab]
+        logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+        picked_BxT = jnp.take_along_axis(logp_BxTxV, tokens_BxL[:, 1:, None], axis=-1)[..., 0]
+        return picked_BxT, jax.lax.top_k(logp_BxTxV, top)
+
+    return jax.jit(token_logprobs)
+
+
 def score_rows(setup, params, rows: Rows, batch_rows: int = 32, label: str = "", scorer=None) -> tuple:
     """(log-probability sums, target counts, whether all targets are the most likely tokens) of
     every row, as NumPy arrays. Batches are padded to a multiple of the mesh's batch axes and

@@ -6,12 +6,14 @@
          -d '{"prompt": "ROMEO:", "max_tokens": 40, "temperature": 0}'
 
 GET / is the chat page (web/: HTML, CSS and JavaScript, no build step). With --api_key=KEY (or the
-environment variable NANOMAX_API_KEY), every /v1 request needs `Authorization: Bearer KEY` (401
-otherwise); / and /health need none.
+environment variable NANOMAX_API_KEY), every /v1 and tokenizer request needs `Authorization:
+Bearer KEY` (401 otherwise); / and /health need none.
 
 Routes: POST /v1/completions and POST /v1/chat/completions (with "stream": true, Server-Sent
-Events ending in `data: [DONE]`), GET /v1/models, GET /health (503 until the engine's programs are
-compiled, then 200 with the engine's numbers). Errors have OpenAI's shape, {"error": {"message",
+Events ending in `data: [DONE]`; completions' echo with logprobs scores the prompt's tokens too),
+GET /v1/models, GET /health (503 until the engine's programs are compiled, then 200 with the
+engine's numbers), and vLLM's GET /tokenizer_info, POST /tokenize and POST /detokenize, so that
+lm-evaluation-harness's local-completions model runs against the server with nothing else. Errors have OpenAI's shape, {"error": {"message",
 "type", "param", "code"}}: 400 for a bad request, 404 for another model's name, 429 when the queue
 is full, 503 while starting or stopping. The model loads before the server listens (a bad
 out_dir is one line, no server); the programs compile in a thread while /health already answers;
@@ -30,6 +32,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -42,8 +45,10 @@ import auth
 import chat
 import configurator
 import engine
+import evals
 import generate
 import inference
+import sharding
 from quantization import MODES as QUANTIZATION_MODES
 
 WEB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web")  # the chat page
@@ -141,8 +146,6 @@ def parse_logprobs(body: dict, chat_mode: bool) -> int | None:
         return _get(body, "top_logprobs", (int,), 0, *in_range)
     if body.get("logprobs") is None:
         return None
-    if body.get("echo"):
-        raise APIError(400, "'echo' with 'logprobs' (the prompt's log-probabilities) is not supported", "echo")
     return _get(body, "logprobs", (int,), 0, *in_range)
 
 
@@ -276,6 +279,7 @@ class Server:
             cfg.out_dir if cfg.init_from == "resume" else cfg.init_from))
         self.created = int(time.time())
         self.engine: engine.Engine | None = None
+        self.token_scorer = None  # echo with logprobs: made on first use
         self.stopping = False
         print(f"loaded {source} as '{self.name}' ({self.tok.summary()}, {setup.model_config.dtype}, "
               f"context {self.context})", flush=True)
@@ -296,6 +300,23 @@ class Server:
         if self.engine is None:
             raise APIError(503, "the model is still compiling: try again in a moment (GET /health says when)")
         return self.engine
+
+    def prompt_logprobs(self, ids: list) -> list:
+        """The prompt as engine.Tokens, as echo with logprobs reports them (lm-evaluation-harness's
+        local-completions scores continuations this way): the first token has no log-probability,
+        each later one its own and the TOP most likely. The prompt is padded to its engine bucket,
+        so there is one program per bucket, compiled on first use. Called off the event loop."""
+        e = self.ready()
+        if self.token_scorer is None:
+            self.token_scorer = evals.make_token_scorer(self.setup, TOP)
+        length = next(b for b in e.buckets if b >= len(ids))
+        tokens_1xL = np.zeros((1, length), np.int32)
+        tokens_1xL[0, :len(ids)] = ids
+        with sharding.activate(e.mesh):
+            picked, (top_logprobs, top_ids) = self.token_scorer(e.params, tokens_1xL)
+        picked, top_logprobs, top_ids = (np.asarray(a)[0].tolist() for a in (picked, top_logprobs, top_ids))
+        return [engine.Token(ids[0], None, None)] + [
+            engine.Token(token, picked[t], tuple(zip(top_ids[t], top_logprobs[t]))) for t, token in enumerate(ids[1:])]
 
     def check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -338,12 +359,7 @@ def make_app(server: Server) -> Starlette:
         generations = []
         try:
             server.ready()
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise APIError(400, "the body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise APIError(400, "the body must be a JSON object")
+            body = await json_body(request)
             server.check_model(body)
             if chat_mode:
                 sampling = parse_sampling(body, {"messages", "logprobs", "top_logprobs"},
@@ -361,14 +377,54 @@ def make_app(server: Server) -> Starlette:
             for ids in prompts:
                 for k in range(sampling.n):
                     generations.append(Generation(server, ids, sampling, k))
+            scored = echo and not chat_mode and sampling.logprobs is not None
+            prompt_tokens = [await asyncio.to_thread(server.prompt_logprobs, ids) if scored else []
+                             for ids in prompts]
         except APIError as e:
             for g in generations:  # a full queue part of the way: none of them runs
                 g.cancel()
             return error_response(e)
-        reply = Reply(server, chat_mode, generations, prompts, sampling, echo)
+        reply = Reply(server, chat_mode, generations, prompts, sampling, echo, prompt_tokens)
         if sampling.stream:
             return StreamingResponse(reply.events(), media_type="text/event-stream")
         return await reply.whole()
+
+    # vLLM's tokenizer routes, which lm-evaluation-harness's local-completions uses to tokenize on the
+    # server (tokenizer_backend=remote): the same ids as serve.py's own, no tokenizer files needed.
+    async def tokenizer_info(request: HTTPRequest):
+        tok = server.tok
+        text = lambda token: None if token is None else tok.decode([token])
+        return JSONResponse({"tokenizer_class": type(tok).__name__, "eos_token": text(tok.eot_token),
+                             "bos_token": text(tok.bos_token), "pad_token": None,
+                             "chat_template": tok.chat_template, "model_max_length": server.context})
+
+    async def tokenize(request: HTTPRequest):
+        try:
+            body = await json_body(request)
+            prompt = _get(body, "prompt", (str,), None, hint="a string")
+            with_bos = _get(body, "add_special_tokens", (bool,), True)
+            tokens = encode(prompt, with_bos) if prompt or with_bos else []
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse({"count": len(tokens), "max_model_len": server.context, "tokens": tokens})
+
+    async def detokenize(request: HTTPRequest):
+        try:
+            tokens = _get(await json_body(request), "tokens", (list,), None, hint="a list of token ids")
+            if not all(isinstance(t, int) and 0 <= t < server.tok.vocab_size for t in tokens):
+                raise APIError(400, f"token ids must be in [0, {server.tok.vocab_size})", "tokens")
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse({"prompt": server.tok.decode(tokens)})
+
+    async def json_body(request: HTTPRequest) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        return body
 
     def completion_prompts(body: dict) -> list:
         prompt = body.get("prompt")
@@ -412,14 +468,17 @@ def make_app(server: Server) -> Starlette:
         Route("/health", health), Route("/v1/models", models),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info), Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Mount("/", StaticFiles(directory=WEB_DIR, html=True))], middleware=keyed)  # GET / is web/index.html
 
 
 class Reply:
     """A completion's answer, whole or as Server-Sent Events, in OpenAI's shapes."""
 
-    def __init__(self, server, chat_mode, generations, prompts, sampling, echo):
+    def __init__(self, server, chat_mode, generations, prompts, sampling, echo, prompt_tokens):
         self.server, self.chat, self.generations, self.prompts = server, chat_mode, generations, prompts
+        self.prompt_tokens = prompt_tokens  # per prompt: its engine.Tokens when echoed with logprobs
         self.sampling, self.echo = sampling, echo and not chat_mode
         self.id = ("chatcmpl-" if chat_mode else "cmpl-") + uuid.uuid4().hex[:24]
         self.object = "chat.completion" if chat_mode else "text_completion"
@@ -432,6 +491,10 @@ class Reply:
 
     def prefix(self, i: int) -> str:
         return self.server.tok.decode(self.prompts[i // self.sampling.n]) if self.echo else ""
+
+    def echoed(self, i: int) -> list:
+        """The prompt's engine.Tokens that choice i's logprobs start with (echo and logprobs)."""
+        return self.prompt_tokens[i // self.sampling.n] if self.echo else []
 
     def choice(self, i: int, text: str, finish_reason, tokens=(), offset=0, first=False, streaming=False) -> dict:
         logprobs = self.logprobs(tokens, offset)
@@ -456,7 +519,8 @@ class Reply:
                                 for t in tokens]}
         offsets = [offset + sum(len(text(t.id)) for t in tokens[:j]) for j in range(len(tokens))]
         return {"tokens": [text(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{text(i): lp for i, lp in t.top[:k]} for t in tokens], "text_offset": offsets}
+                "top_logprobs": [None if t.top is None else {text(i): lp for i, lp in t.top[:k]} for t in tokens],
+                "text_offset": offsets}
 
     async def whole(self):
         texts, tokens = [""] * len(self.generations), [[] for _ in self.generations]
@@ -472,7 +536,8 @@ class Reply:
             for g in self.generations:
                 g.cancel()
         self.server.log_request(self.generations)
-        choices = [self.choice(i, self.prefix(i) + t, g.finish_reason, tokens[i], len(self.prefix(i)))
+        choices = [self.choice(i, self.prefix(i) + t, g.finish_reason, self.echoed(i) + tokens[i],
+                               0 if self.echoed(i) else len(self.prefix(i)))
                    for i, (g, t) in enumerate(zip(self.generations, texts))]
         return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
                              "model": self.server.name, "choices": choices, "usage": self.usage()})
@@ -489,7 +554,7 @@ class Reply:
             try:
                 first, offset = True, len(self.prefix(i))
                 if self.echo:
-                    await queue.put((i, self.prefix(i), None, [], 0, False))
+                    await queue.put((i, self.prefix(i), None, self.echoed(i), 0, False))
                 async for piece, tokens in g.pieces():
                     await queue.put((i, piece, None, tokens, offset, first))
                     first, offset = False, offset + len(piece)

@@ -37,6 +37,7 @@ def test_v1_needs_the_bearer_key_and_refuses_in_openais_shape():
         assert "Authorization: Bearer" in body["error"]["message"]
     assert get("/v1/models", "Bearer s3cret") == (200, None)
     assert get("/v1/models", "bearer s3cret") == (200, None)  # the scheme's case does not matter (RFC 6750)
+    assert get("/tokenize", None)[0] == get("/tokenizer_info", None)[0] == 401  # the tokenizer's routes too
     assert get("/", None) == get("/health", None) == get("/app.js", None) == (200, None)  # the page is open
 
 

@@ -13,11 +13,13 @@ import tokenizers
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed "
                                                 "(pip install -r requirements-eval.txt)")
 from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import evals  # noqa: E402
 import generate  # noqa: E402
 import lm_eval_nanomax  # noqa: E402
+from test_serve import start_server  # noqa: E402
 from test_hf import LLAMA, export, random_hf_gpt2, random_params, write_hf_gpt2  # noqa: E402
 from test_tokenizer import BOS, make_tokenizer, tokenizer_json  # noqa: E402
 
@@ -56,6 +58,23 @@ def test_the_harness_log_likelihoods_equal_evals_py(models, name):
     start = {"gpt2": [], "llama": [BOS]}[name]  # GPT-2: nothing before the context; Llama: its BOS
     assert ours_pairs[0][0] == start + first
     assert ours_pairs[-1][0] == [{"gpt2": GPT2_VOCAB - 1, "llama": BOS}[name]]  # an empty context
+
+
+def test_local_completions_against_serve_py_gives_the_adapters_log_likelihoods(models):
+    """The harness's own OpenAI-API model pointed at a running serve.py: it tokenizes through the
+    server's /tokenize and scores with echo + logprobs on /v1/completions."""
+    lm = models["gpt2"]
+    url, process = start_server(f"--init_from={lm.cfg.init_from}", "--slots=2", "--log_interval=0")
+    try:
+        served_lm = LocalCompletionsAPI(base_url=url + "/v1/completions", tokenizer_backend="remote", model="gpt2",
+                                        max_length=64, batch_size=4, max_retries=1)
+        pairs = [(c, " " + x) for c in CONTEXTS for x in CHOICES[:2]]
+        served, direct = served_lm.loglikelihood(requests(pairs)), lm.loglikelihood(requests(pairs))
+    finally:
+        process.kill()
+        process.wait()
+    np.testing.assert_allclose([ll for ll, _ in served], [ll for ll, _ in direct], rtol=0, atol=1e-4)
+    assert [g for _, g in served] == [g for _, g in direct]
 
 
 def test_rolling_log_likelihood_of_a_short_text_is_perplexitys(models):

@@ -52,12 +52,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(run):
-    """The server on the trained run; the last test of this file stops it with SIGTERM."""
+def start_server(*flags) -> tuple:
+    """(url, process) of serve.py with these flags on a free port, once /health says 200."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}",
-                                f"--port={port}", "--slots=4", "--max_queue=16", "--log_interval=0"],
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), *flags, f"--port={port}"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline, status = time.time() + 180, None
@@ -71,6 +69,13 @@ def server(run):
             pass
         time.sleep(0.3)
     assert status == 200, process.stdout.read() if process.poll() is not None else "no 200 from /health"
+    return url, process
+
+
+@pytest.fixture(scope="module")
+def server(run):
+    """The server on the trained run; the last test of this file stops it with SIGTERM."""
+    url, process = start_server(f"--out_dir={run}", "--slots=4", "--max_queue=16", "--log_interval=0")
     yield url, process
     if process.poll() is None:
         process.kill()
@@ -204,6 +209,34 @@ def test_logprobs_are_the_models_own(client, loaded):
                                      for c in content)  # greedy: the chosen token is the most likely
 
 
+def test_echo_with_logprobs_scores_the_prompt_and_tokenizer_routes_match(client, server, loaded):
+    """echo + logprobs (what lm-evaluation-harness's local-completions asks): every prompt token after
+    the first with the model's log-probability of it and the k most likely, then the new tokens; and
+    vLLM's /tokenize, /detokenize and /tokenizer_info give serve.py's own ids."""
+    setup, params, _, tok = loaded
+    url = server[0]
+    health = lambda: json.loads(urllib.request.urlopen(url + "/health").read())
+    assert health()["compiles_while_serving"] == 0  # the requests so far all ran on the start-up programs
+    ids = generate.encode_prompt(tok, "hello world")
+    logits = nnx.merge(setup.graphdef, params)(jnp.asarray([ids]))[0, :, :tok.vocab_size]
+    expected = np.asarray(jax.nn.log_softmax(logits))
+    reply = client.completions.create(model="out", prompt="hello world", max_tokens=1, temperature=0,
+                                      logprobs=2, echo=True)
+    lp = reply.choices[0].logprobs
+    assert lp.tokens == [tok.decode([i]) for i in ids] + [tok.decode([expected[-1].argmax()])]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], [expected[t, i] for t, i in enumerate(ids[1:] + [
+        expected[-1].argmax()])], atol=1e-4)
+    best = np.argsort(-expected[2])[:2]
+    assert list(lp.top_logprobs[3]) == [tok.decode([i]) for i in best]
+    assert lp.text_offset == list(range(len(ids) + 1)) and reply.choices[0].text.startswith("hello world")
+    assert post(url + "/tokenize", {"prompt": "hello", "add_special_tokens": False})[1]["tokens"] == tok.encode("hello")
+    assert post(url + "/detokenize", {"tokens": tok.encode("hello")})[1] == {"prompt": "hello"}
+    info = json.loads(urllib.request.urlopen(url + "/tokenizer_info", timeout=10).read())
+    assert info["model_max_length"] == 32 and info["eos_token"] is None  # a character vocabulary has none
+    assert post(url + "/tokenize", {"prompt": 3})[0] == 400
+
+
 @pytest.mark.parametrize("body, status, param, words", [
     (None, 400, None, "not valid JSON"),
     ({"prompt": "ab", "max_tokens": "x"}, 400, "max_tokens", "an integer >= 1"),
@@ -230,7 +263,7 @@ def test_models_and_a_disconnect_mid_stream_frees_its_slot(server, client):
     url = server[0]
     assert [m.id for m in client.models.list().data] == ["out"]
     health = lambda: json.loads(urllib.request.urlopen(url + "/health").read())
-    aborted = health()["aborted"]
+    aborted, compiles = health()["aborted"], health()["compiles_while_serving"]
     with stream_lines(url, {"prompt": "ab", "max_tokens": 29, "n": 16}) as response:  # 4 rounds of 4 slots
         next(lines_of(response))  # the first token arrived; now hang up
     for _ in range(100):
@@ -240,7 +273,7 @@ def test_models_and_a_disconnect_mid_stream_frees_its_slot(server, client):
         time.sleep(0.05)
     assert now["busy"] == now["queued"] == 0 and now["aborted"] > aborted
     assert client.completions.create(model="out", prompt="ab", max_tokens=3).usage.completion_tokens == 3
-    assert health()["compiles_while_serving"] == 0  # every program was compiled at start-up
+    assert health()["compiles_while_serving"] == compiles  # no program compiled for these requests
 
 
 def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(server):
