@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tokenizers
 
+import chat
 import export_hf
 import hf
 import inference
@@ -94,6 +95,12 @@ def test_char_level_export_round_trips_and_bad_requests_are_one_line(tmp_path, c
         sample.main([source, *flags])
         samples.append(capsys.readouterr().out)
     assert samples[0] == samples[1] and samples[0].startswith("ROMEO: O")
+    # serve.py's default chat template goes with it: transformers' apply_chat_template gives serve.py's ids.
+    exported, original = hf_tokenizer(tmp_path / "hf"), inference.load_checkpoint(config.out_dir)[3]
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "O, she doth"},
+                {"role": "user", "content": "teach!"}]
+    assert exported.chat_template == chat.DEFAULT_TEMPLATE and original.chat_template is None
+    assert exported.encode(chat.render(exported, messages)) == original.encode(chat.render(original, messages))
 
     for flags, words in [
         ([f"--to={tmp_path / 'hf'}"], ["already exists and is not an empty directory"]),
