@@ -263,13 +263,19 @@ def _where(path, offset, lineno):
     return f"{path}:{lineno}"
 
 
-def _parse_record(line: bytes, text_key, at) -> str:
+def parse_json_line(line: bytes, where):
+    """The JSON value on one line of a .jsonl file; BadFile naming where() (FILE:LINE) if it is not
+    UTF-8 or not JSON. `where` is called only then: counting lines can cost a read of the file."""
     try:
-        record = json.loads(line.decode("utf-8"))
+        return json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise BadFile(f"{_where(*at)}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        raise BadFile(f"{where()}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise BadFile(f"{_where(*at)}: malformed JSON ({e.msg}, column {e.colno})") from None
+        raise BadFile(f"{where()}: malformed JSON ({e.msg}, column {e.colno})") from None
+
+
+def _parse_record(line: bytes, text_key, at) -> str:
+    record = parse_json_line(line, lambda: _where(*at))
     if not isinstance(record, dict) or text_key not in record:
         raise InputError(f"{_where(*at)}: no {text_key!r} field (choose another with --text_key)")
     text = record[text_key]

@@ -32,7 +32,6 @@ only once the new one is complete.
 import argparse
 import gzip
 import hashlib
-import json
 import os
 import sys
 import time
@@ -123,13 +122,8 @@ def read_rows(path):
                 line = line.removeprefix(corpus.BOM) if lineno == 1 else line
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line.decode("utf-8"))
-                except UnicodeDecodeError as e:
-                    raise InputError(f"{name}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{name}:{lineno}: malformed JSON ({e.msg}, column {e.colno})") from None
-                yield f"{name}:{lineno}", lineno, row
+                where = f"{name}:{lineno}"
+                yield where, lineno, corpus.parse_json_line(line, lambda: where)
     except (OSError, EOFError) as e:
         if isinstance(e, FileNotFoundError | PermissionError):
             raise
