@@ -68,9 +68,10 @@ MESSAGES = [{"role": "system", "content": "You answer briefly."},
             {"role": "assistant", "content": "42"}]
 # Made once with transformers 5.25.0 in a separate venv (never a dependency here):
 #   PreTrainedTokenizerFast.from_pretrained(template_tokenizer(DIR, style)).apply_chat_template(MESSAGES)
-#   and (MESSAGES[:-1], add_generation_prompt=True)
+#   and (MESSAGES[:-1], add_generation_prompt=True): the first PROMPT_LENGTH ids of the conversation's.
+PROMPT_LENGTH = {"llama3": 122, "chatml": 119}
 EXPECTED = {
-    ("llama3", "conversation"): [
+    "llama3": [
         0, 320, 303, 85, 86, 71, 79, 321, 201, 201, 59, 81, 87, 268, 80, 85, 89, 262, 312, 75, 71, 72, 78, 91,
         16, 2, 320, 87, 85, 262, 321, 201, 201, 272, 3, 223, 51, 87, 9, 71, 85, 86, 15, 69, 71, 319, 9, 87,
         80, 223, 287, 260, 223, 308, 246, 33, 2, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 321, 201, 201, 35, 223,
@@ -78,28 +79,13 @@ EXPECTED = {
         321, 201, 201, 35, 296, 311, 223, 13, 223, 21, 18, 33, 2, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 321,
         201, 201, 22, 20, 2,
     ],
-    ("llama3", "prompt"): [
-        0, 320, 303, 85, 86, 71, 79, 321, 201, 201, 59, 81, 87, 268, 80, 85, 89, 262, 312, 75, 71, 72, 78, 91,
-        16, 2, 320, 87, 85, 262, 321, 201, 201, 272, 3, 223, 51, 87, 9, 71, 85, 86, 15, 69, 71, 319, 9, 87,
-        80, 223, 287, 260, 223, 308, 246, 33, 2, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 321, 201, 201, 35, 223,
-        69, 81, 72, 72, 71, 71, 16, 201, 49, 72, 86, 71, 80, 223, 85, 79, 67, 265, 16, 2, 320, 87, 85, 262,
-        321, 201, 201, 35, 296, 311, 223, 13, 223, 21, 18, 33, 2, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 321,
-        201, 201,
-    ],
-    ("chatml", "conversation"): [
+    "chatml": [
         320, 303, 85, 86, 71, 79, 201, 59, 81, 87, 268, 80, 85, 89, 262, 312, 75, 71, 72, 78, 91, 16, 321, 201,
         320, 87, 85, 262, 201, 272, 3, 223, 51, 87, 9, 71, 85, 86, 15, 69, 71, 319, 9, 87, 80, 223, 287, 260,
         223, 308, 246, 33, 321, 201, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 201, 35, 223, 69, 81, 72, 72, 71,
         71, 16, 201, 49, 72, 86, 71, 80, 223, 85, 79, 67, 265, 16, 321, 201, 320, 87, 85, 262, 201, 223, 223, 35,
         296, 311, 223, 13, 223, 21, 18, 33, 223, 223, 321, 201, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 201, 22,
         20, 321, 201,
-    ],
-    ("chatml", "prompt"): [
-        320, 303, 85, 86, 71, 79, 201, 59, 81, 87, 268, 80, 85, 89, 262, 312, 75, 71, 72, 78, 91, 16, 321, 201,
-        320, 87, 85, 262, 201, 272, 3, 223, 51, 87, 9, 71, 85, 86, 15, 69, 71, 319, 9, 87, 80, 223, 287, 260,
-        223, 308, 246, 33, 321, 201, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 201, 35, 223, 69, 81, 72, 72, 71,
-        71, 16, 201, 49, 72, 86, 71, 80, 223, 85, 79, 67, 265, 16, 321, 201, 320, 87, 85, 262, 201, 223, 223, 35,
-        296, 311, 223, 13, 223, 21, 18, 33, 223, 223, 321, 201, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 201,
     ],
 }
 
@@ -119,8 +105,8 @@ def learned_runs(tok, ids, mask) -> list[str]:
 def test_a_conversation_tokenizes_as_transformers_does_and_masks_the_assistants_turns(tmp_path, style, end_of_turn):
     tok = tokenizer.hf_tokenizer(template_tokenizer(tmp_path / style, style))
     ids, mask = chat.tokenize_conversation(tok, MESSAGES)
-    assert ids == EXPECTED[style, "conversation"]
-    assert tok.encode(chat.render(tok, MESSAGES[:-1])) == EXPECTED[style, "prompt"]  # what serve.py sends
+    assert ids == EXPECTED[style]
+    assert tok.encode(chat.render(tok, MESSAGES[:-1])) == EXPECTED[style][:PROMPT_LENGTH[style]]  # serve.py's
     # 1 on each assistant turn and its end-of-turn token; 0 on the newline the template writes after it
     assert learned_runs(tok, ids, mask) == ["A coffee.\nOften small." + end_of_turn, "42" + end_of_turn]
 
