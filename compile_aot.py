@@ -23,6 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+import communication
 import compiled_step
 import configurator
 import dataset
@@ -456,6 +457,8 @@ def report(r: Result) -> str:
     if r.compiled:
         moved = ", ".join(f"{kind} {size(nbytes)} x{count}" for kind, (nbytes, count) in r.collectives.items())
         lines.append(f"collectives per device per step (results, loops counted): {moved or 'none'}")
+        lines += communication.table(r.collectives, communication.expected(r.setup), r.target.devices[0],
+                                     r.flops / r.target.peak_flops if r.target.peak_flops else None)
     return "\n".join(lines)
 
 

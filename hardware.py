@@ -33,7 +33,7 @@ CHIPS = [
     Chip(("H100",), 989e12, 80 * 10**9, 3.35e12, 900e9, {"int8": 2, "fp8": 2}),
     Chip(("H200",), 989e12, 141 * 10**9, 4.8e12, 900e9, {"int8": 2, "fp8": 2}),
     Chip(("A100",), 312e12, 80 * 10**9, 2.0e12, 600e9, {"int8": 2}),  # the 80 GB part
-    Chip(("TPU v4",), 275e12, 32 * GiB, 1.2e12, None, {}, "v4", 3, 2),
+    Chip(("TPU v4",), 275e12, 32 * GiB, 1.2e12, 300e9, {}, "v4", 3, 2),  # ICI: Cloud TPU v4 docs, 2,400 Gbps
     Chip(("TPU v5 lite", "TPU v5e"), 197e12, 16 * GiB, 819e9, 200e9, {"int8": 2}, "v5e", 2, 1),
     Chip(("TPU v5p",), 459e12, 95 * GiB, 2.765e12, 1.2e12, {"int8": 2}, "v5p", 3, 2),
     Chip(("TPU v6 lite", "TPU v6e"), 918e12, 32 * GiB, 1.64e12, 400e9, {"int8": 2}, "v6e", 2, 1),

@@ -240,11 +240,15 @@ class Attention(nnx.Module):
         D, (_, C, K, H) = x_BTxD.shape[-1], self.qkv_kernel.shape
         G, B, T = C - 2, batch_size, x_BTxD.shape[0] // batch_size
         N = G * K
-        qkv_bias = None if self.qkv_bias is None else self.qkv_bias.reshape(C * K * H)
-        qkv_BTxCKH = linear(x_BTxD, self.qkv_kernel.reshape(D, C * K * H), qkv_bias, config.quantization)
-        qkv_BxTxCxKxH = constrain(qkv_BTxCKH.reshape(B, T, C, K, H), ("batch", "seq", None, "heads", None))
-        q_BxTxNxH = qkv_BxTxCxKxH[:, :, :G].swapaxes(2, 3).reshape(B, T, N, H)  # head k·G + g
-        k_BxTxKxH, v_BxTxKxH = qkv_BxTxCxKxH[:, :, G], qkv_BxTxCxKxH[:, :, G + 1]
+        # One 2-D matmul with the head axis K (the one `tensor` splits) outermost of the output
+        # columns: flattening (K, C, H) then splits columns as K is split, so each device multiplies
+        # by its own heads' slice (Megatron). Flattening (C, K, H) would gather the whole kernel.
+        kernel_DxKxCxH = self.qkv_kernel[...].transpose(0, 2, 1, 3)
+        qkv_bias = None if self.qkv_bias is None else self.qkv_bias[...].swapaxes(0, 1).reshape(K * C * H)
+        qkv_BTxKCH = linear(x_BTxD, kernel_DxKxCxH.reshape(D, K * C * H), qkv_bias, config.quantization)
+        qkv_BxTxKxCxH = constrain(qkv_BTxKCH.reshape(B, T, K, C, H), ("batch", "seq", "heads", None, None))
+        q_BxTxNxH = qkv_BxTxKxCxH[:, :, :, :G].reshape(B, T, N, H)  # head k·G + g
+        k_BxTxKxH, v_BxTxKxH = qkv_BxTxKxCxH[:, :, :, G], qkv_BxTxKxCxH[:, :, :, G + 1]
         normalize = HEAD_NORMS[config.qk_norm]  # qk_norm: unit RMS per head, before RoPE
         rotate = ROTATIONS[config.pos_embedding]  # RoPE turns q and k by position; GPT-2 does not
         position_BxT = start_B[:, None] + jnp.arange(T) if segments is None else segments.position_BxT
@@ -312,6 +316,26 @@ REMAT_POLICIES = {
 }
 
 
+@jax.custom_vjp
+def embedding_lookup(table_VxD, idx_BxT):
+    """table[idx]; its backward adds up the gradients of repeated tokens in float32 and rounds
+    each row's sum to the table's dtype once (a bfloat16 scatter-add would round at every add)."""
+    return table_VxD[idx_BxT]
+
+
+def _lookup_forward(table_VxD, idx_BxT):
+    return table_VxD[idx_BxT], (table_VxD, idx_BxT)
+
+
+def _lookup_backward(residuals, g_BxTxD):
+    table_VxD, idx_BxT = residuals
+    grad_VxD = jnp.zeros(table_VxD.shape, jnp.float32).at[idx_BxT].add(g_BxTxD.astype(jnp.float32))
+    return grad_VxD.astype(table_VxD.dtype), None
+
+
+embedding_lookup.defvjp(_lookup_forward, _lookup_backward)
+
+
 class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, key):
         k_wte, k_wpe, k_blocks = jax.random.split(key, 3)
@@ -349,7 +373,8 @@ class GPT(nnx.Module):
         B, T = idx_BxT.shape
         if T > config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {config.block_size}")
-        x_BxTxD = self._embed_tokens(idx_BxT)
+        table_VxD = self._table()
+        x_BxTxD = self._embed_tokens(idx_BxT, table_VxD)
         segments = None if segment_ids_BxT is None else Segments.of(segment_ids_BxT)
         if self.wpe is not None and segments is not None:
             x_BxTxD = x_BxTxD + self.wpe[...][segments.position_BxT].astype(config.dtype)
@@ -361,7 +386,7 @@ class GPT(nnx.Module):
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         x_BTxD = dropout(x_BTxD, config.dropout, k_emb)
         x_BTxD, _, stats = self._run_blocks(x_BTxD, B, jnp.zeros(B, jnp.int32), k_layers, segments=segments)
-        logits_BxTxV = self._unembed(self.ln_f(x_BTxD)).reshape(B, T, -1)
+        logits_BxTxV = self._unembed(self.ln_f(x_BTxD), table_VxD).reshape(B, T, -1)
         return self._mask_padding(logits_BxTxV), stats
 
     def decode(self, idx_BxT, cache: KVCache, start_B, last_B=None):
@@ -374,29 +399,37 @@ class GPT(nnx.Module):
         """
         config = self.config
         B, T = idx_BxT.shape
-        x_BxTxD = self._embed_tokens(idx_BxT)
+        table_VxD = self._table()
+        x_BxTxD = self._embed_tokens(idx_BxT, table_VxD)
         if self.wpe is not None:  # per row: any prompt length
             x_BxTxD = x_BxTxD + self.wpe[...][start_B[:, None] + jnp.arange(T)].astype(config.dtype)
         x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
         x_BTxD, cache, _ = self._run_blocks(x_BTxD, B, start_B, None, cache)
         last_B = jnp.full((B,), T - 1) if last_B is None else last_B
         x_BxD = x_BTxD.reshape(B, T, -1)[jnp.arange(B), last_B]  # the vocab matmul for B rows only
-        return self._mask_padding(self._unembed(self.ln_f(x_BxD))), cache
+        return self._mask_padding(self._unembed(self.ln_f(x_BxD), table_VxD)), cache
 
-    def _embed_tokens(self, idx_BxT):
-        """Rows of wte in the compute dtype: rounded before the position rows are added, as weights
-        cast for inference (cast_for_inference) hold them. The lookup itself is in float32, so that
-        its backward sums the gradients of repeated tokens in float32. The table is first gathered
-        over `fsdp` (it stays split over `tensor` by vocabulary): a lookup in a table split by width
-        made XLA replicate it on every device."""
-        return constrain(self.wte[...], ("vocab", "embed_act"))[idx_BxT].astype(self.config.dtype)
+    def _table(self):
+        """wte in the compute dtype, gathered over `fsdp` (it stays split over `tensor` by vocabulary):
+        the one copy that the lookup and the tied output layer share, so that under FSDP the table
+        is gathered once per step, in the compute dtype (it was gathered three times: in float32 for
+        the lookup, in two layouts for the output layer). A lookup in a table split by width made
+        XLA replicate it on every device."""
+        return constrain(self.wte[...].astype(self.config.dtype), ("vocab", "embed_act"))
 
-    def _unembed(self, x_NxD):
+    def _embed_tokens(self, idx_BxT, table_VxD):
+        """Rows of the table in the compute dtype: rounded before the position rows are added, as
+        weights cast for inference (cast_for_inference) hold them."""
+        return embedding_lookup(table_VxD, idx_BxT)
+
+    def _unembed(self, x_NxD, table_VxD):
         """Float32 logits (N, padded vocab), through the tied embedding or lm_head_kernel, soft-capped
-        if logit_softcap says so (training and decoding alike: both come through here)."""
-        w_DxV = self.wte[...].T if self.lm_head_kernel is None else self.lm_head_kernel[...]
-        logits_NxV = jax.lax.dot_general(x_NxD, w_DxV.astype(x_NxD.dtype), (((1,), (0,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
+        if logit_softcap says so (training and decoding alike: both come through here).
+        The matmul runs in the compute dtype and its result is cast to float32 after (MaxText's
+        way): asking the dot for float32 output would make the incoming gradient float32 and run
+        both backward matmuls, about a fifth of GPT-2's matmul work, in float32."""
+        w_DxV = table_VxD.T if self.lm_head_kernel is None else self.lm_head_kernel[...]
+        logits_NxV = (x_NxD @ w_DxV.astype(x_NxD.dtype)).astype(jnp.float32)
         cap = self.config.logit_softcap
         return SOFTCAPS[cap > 0](logits_NxV, cap)
 

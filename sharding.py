@@ -212,6 +212,12 @@ def _as_tuple(mesh_axis) -> tuple:
     return mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
 
 
+def rules_without(mesh_axis: str, rules) -> tuple:
+    """`rules` with `mesh_axis` taken out of every entry: inside a vmap with spmd_axis_name=mesh_axis,
+    which splits the mapped dimension over it, no inner constraint may use it again."""
+    return tuple((name, tuple(a for a in _as_tuple(axes) if a != mesh_axis) or None) for name, axes in rules)
+
+
 def batch_sharding(mesh) -> NamedSharding:
     """Token batches (B, T): rows split over every axis that splits the batch."""
     return NamedSharding(mesh, mesh_axes_for(("batch", "seq")))

@@ -34,7 +34,7 @@ def compiled(tmp_path_factory):
              if getattr(config, f.name) != getattr(defaults, f.name)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # it must make its 8 devices
     run = subprocess.run([sys.executable, "compile_aot.py", "--topology=cpu:8", f"--save={path}",
-                          "--hbm_gib=0.001", *flags],
+                          "--hbm_gib=0.0005", *flags],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     return root, config, path, run
 
@@ -56,7 +56,7 @@ def random_state(setup, seed=0):
 
 def test_command_line_reports_and_saves(compiled):
     _, _, path, run = compiled
-    assert run.returncode == 1, run.stderr[-2000:]  # 1 MiB of memory: does not fit
+    assert run.returncode == 1, run.stderr[-2000:]  # 512 KiB of memory: does not fit (the step needs ~1 MiB)
     assert "train step for cpu:8 = 8 x cpu, mesh stage=1 x data=1 x expert=1 x fsdp=8 x tensor=1" in run.stdout
     assert "verdict: DOES NOT FIT" in run.stdout and "--remat_policy=" in run.stdout
     assert os.path.getsize(path) > 10_000 and f"saved {path}" in run.stdout

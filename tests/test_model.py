@@ -403,6 +403,26 @@ def test_bfloat16_compute():
     assert 0 < diff < 0.02  # really computed in bfloat16 (measured ~2e-3), and close
 
 
+def test_output_layer_matmuls_are_bfloat16_forward_and_backward():
+    """Under dtype=bfloat16 the logits matmul and both of its backward matmuls (the ones whose
+    operands or result have the vocabulary's width) take bfloat16 operands; only the logits are
+    cast to float32 for the loss. Read from the lowered StableHLO: XLA:CPU's compiled HLO turns
+    bfloat16 dots into float32 ones."""
+    graphdef, params = nnx.split(make(dtype="bfloat16", vocab_size=80))
+    idx = tokens(vocab=80)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(idx)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), idx[..., None], -1).mean()
+
+    text = jax.jit(jax.grad(loss)).lower(params).as_text()
+    vocab_dots = [line for line in text.splitlines() if "dot_general" in line and "x80x" in line.replace("<", "x")]
+    assert len(vocab_dots) == 3, vocab_dots  # forward, input gradient, weight gradient
+    for line in vocab_dots:
+        operand_types = line.rsplit(":", 1)[1].split("->")[0]
+        assert operand_types.count("bf16") == 2 and "f32" not in operand_types, line
+
+
 @pytest.mark.parametrize("name", ["gelu, top-2 of 4", "swiglu, top-1, a shared expert, first layer dense"])
 def test_weights_cast_for_inference_compute_exactly_what_training_computes(name):
     """cast_for_inference rounds the matrices and embedding tables to bfloat16, as the forward pass

@@ -1,0 +1,69 @@
+"""communication.py, and what the compiled train step communicates on 8 simulated devices
+(counted by compile_aot.collectives from the program after SPMD partitioning)."""
+
+import dataclasses
+import re
+import types
+
+import pytest
+
+import communication
+import compile_aot
+from test_train import make_dataset, small_config
+
+VOCAB = 96  # a width no other weight has: the embedding table is the only (96, 64) matrix
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """The step compiled on 8 devices for each layout the checks read."""
+    root = tmp_path_factory.mktemp("comm")
+    make_dataset(root / "data", vocab_size=64)
+    base = small_config(root, n_layer=2, n_embd=64, n_head=4, batch_size=8, mesh_data=1)
+    meshes = {"data": dict(mesh_data=8), "data, 4 micro-steps": dict(mesh_data=8, gradient_accumulation_steps=4),
+              "fsdp": dict(mesh_fsdp=8, dtype="bfloat16"), "tensor x data": dict(mesh_data=2, mesh_tensor=4)}
+    target = compile_aot.make_target("cpu:8")
+    return {name: compile_aot.compile_step(dataclasses.replace(base, **flags), target, VOCAB)
+            for name, flags in meshes.items()}
+
+
+def test_tensor_parallel_step_gathers_no_weights(layouts):
+    """Megatron's layout: every projection multiplies by the device's own heads' or hidden units'
+    slice, so tensor=4 x data=2 only all-reduces (activations, and the gradients over data)."""
+    assert "all-gather" not in layouts["tensor x data"].collectives
+    assert "all-reduce" in layouts["tensor x data"].collectives
+
+
+def test_accumulated_gradients_are_reduced_once_per_step(layouts):
+    one = layouts["data"].collectives["all-reduce"][0]
+    four = layouts["data, 4 micro-steps"].collectives["all-reduce"][0]
+    assert abs(four - one) < 1024  # the same gradients (the micro-steps' losses are a few scalars more)
+
+
+def test_fsdp_gathers_the_embedding_table_once(layouts):
+    """The lookup and the tied output layer share one gathered copy of wte (it was gathered three
+    times: in float32 for the lookup, and in two layouts for the output layer and its backward)."""
+    gathers = [line for line in layouts["fsdp"].compiled.as_text().splitlines()
+               if re.search(r"= \S+\[(96,64|64,96)\]\S* all-gather(-start)?\(", line)]
+    assert len(gathers) == 1, gathers
+
+
+@pytest.mark.parametrize("layout, kind", [("data", "all-reduce"), ("fsdp", "all-gather"), ("tensor x data", "all-reduce")])
+def test_compiled_bytes_are_what_the_scaling_book_expects(layouts, layout, kind):
+    r = layouts[layout]
+    compiled, expected = r.collectives[kind][0], communication.expected(r.setup)[kind]
+    assert 0.8 < compiled / expected < 1.2, (compiled, expected)
+    table = compile_aot.report(r).split("communication per device per step")[1]
+    assert re.search(rf"{kind} +{communication.mib(compiled)} +{communication.mib(expected)}", table)
+
+
+def test_time_at_the_interconnect_and_the_verdict():
+    """An H100's NVLink: 900 GB/s both ways, 450 one way; an all-reduce moves its bytes twice."""
+    h100 = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")
+    lines = communication.table({"all-reduce": (450e6, 3)}, {"all-reduce": 450e6}, h100, compute_seconds=1e-3)
+    assert re.search(r"all-reduce +429\.15 MiB +429\.15 MiB +1\.00 +2\.00 ms", "\n".join(lines))
+    assert "verdict: communication-bound" in lines[-1] and "(2.00x)" in lines[-1]
+    lines = communication.table({"all-reduce": (450e6, 3)}, {}, h100, compute_seconds=5e-3)
+    assert "verdict: compute-bound" in lines[-1]
+    cpu = types.SimpleNamespace(device_kind="cpu")
+    assert "no interconnect bandwidth known for cpu" in communication.table({}, {}, cpu, None)[-1]
