@@ -7,7 +7,6 @@ killer. `--memory_check=False` skips it; `--memory_limit_gib=N` checks against N
 instead of the device's own limit (tests set one; so can a user sharing a device).
 """
 
-import jax
 
 import configurator
 from hardware import GiB
