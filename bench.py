@@ -38,6 +38,7 @@ import generate
 import hardware
 import hf
 import inference
+import memory
 import optimizer
 import sharding
 import train
@@ -119,12 +120,15 @@ class TrainBench:
         self.mesh = train.make_mesh(config, devices)
         self.setup = train.make_setup(config, self.mesh, self.vocab_size, dataset.config_document_start(config))
         self.peak, self.peak_source = hardware.peak_flops(devices)  # before anything else runs on a CPU
-        self.state = train.init_state(self.setup)
         self.batch = random_batch(self.setup, self.vocab_size)
-        with sharding.activate(self.mesh):
+        with sharding.activate(self.mesh):  # compiled for the abstract state: checked before it exists
             start = time.perf_counter()
-            self.step = train.jit_train_step(self.setup).lower(self.state, self.batch).compile()
+            self.step = train.jit_train_step(self.setup).lower(self.setup.abstract_state, self.batch).compile()
             self.compile_s = time.perf_counter() - start
+        self.memory_check = memory.preflight(
+            "the train step", [self.step], devices, config.memory_limit_gib,
+            memory.training_remedies(config, len(devices))) if config.memory_check else None
+        self.state = train.init_state(self.setup)
 
     def run(self, n: int) -> list[float]:
         """Seconds of each of n steps, each to block_until_ready of the new state and metrics."""
@@ -165,6 +169,7 @@ class TrainBench:
             "optimizer_flops_share": optimizer_flops / (optimizer_flops + flops * tokens),
             "peak_memory_bytes": memory, "memory_source": memory_source,
             "compile_s": self.compile_s, "final_loss": float(self.metrics["loss"]),
+            "memory_check": self.memory_check,
             "quantization_note": quantization_note(self.config.quantization, self.devices[0]),
         }
 
@@ -294,8 +299,15 @@ def git_revision() -> str:
     return (rev + ("+dirty" if dirty else "")) if rev else "unknown"
 
 
+CPU_DEFAULT = "config/shakespeare_char.py"  # what `python bench.py` measures on a CPU
+
+
 def run(argv: list[str]) -> dict:
     """Parse flags, benchmark, print the table, append the JSON record."""
+    if not argv and jax.devices()[0].platform == "cpu":  # GPT-2 124M's defaults need ~20 GB of host memory
+        argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), CPU_DEFAULT)]
+        print(f"bench: no flags on a CPU: benchmarking {CPU_DEFAULT}, the CPU's default model "
+              f"(pass a config, e.g. config/gpt2_124m.py, to benchmark another)")
     options, config = configurator.load_with_options_or_exit(argv, Options, complete=hf.with_model_keys)
     if options.json:
         configurator.check_writable(options.json, "json")

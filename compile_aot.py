@@ -34,6 +34,7 @@ import sharding
 import train
 from compiled_step import AotError
 from hardware import GiB
+from memory import compiler_memory, size
 from model import describe_params, flops_per_token
 
 
@@ -172,22 +173,6 @@ def compile_step(config: configurator.Config, target: Target, vocab_size: int) -
     return Result(target, setup, lowered, compiled, seconds, memory, oom, estimate,
                   flops_per_step(setup), xla_flops_per_step(setup),
                   collectives(compiled.as_text()) if compiled else {})
-
-
-def compiler_memory(compiled, platform: str) -> dict:
-    """Per-device bytes as XLA's buffer assignment counts them."""
-    m = compiled.memory_analysis()
-    memory = {"arguments": m.argument_size_in_bytes,
-              "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,  # donated state is reused
-              "temporaries": m.temp_size_in_bytes,
-              "code": m.generated_code_size_in_bytes}
-    memory["total"] = sum(memory.values())
-    host = m.host_argument_size_in_bytes + m.host_temp_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes
-    if host:  # offload: the state kept in host memory (and its traffic), outside the device's total
-        memory["host"] = host
-    if platform != "cpu" and m.peak_memory_in_bytes:  # XLA:CPU's peak is not reliable
-        memory["peak"] = m.peak_memory_in_bytes
-    return memory
 
 
 def oom_memory(message: str, arguments: int) -> dict:
@@ -385,15 +370,6 @@ class Result:
         if self.oom:
             return False
         return None if self.target.hbm_bytes is None else self.needed <= self.target.hbm_bytes
-
-
-def size(n) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def report(r: Result) -> str:

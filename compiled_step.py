@@ -34,6 +34,7 @@ NOT_IN_PROGRAM = (
     "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "dcn_stage",  # devices are checked instead
     "keep_best", "stack_dump_interval",
     "coordinator_address", "num_processes", "process_id", "compiled_train_step",
+    "memory_check", "memory_limit_gib",  # the pre-flight check before the step, not the step
 )
 
 

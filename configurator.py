@@ -157,6 +157,9 @@ class Config:
     process_id: int = 0
     # a train step compiled ahead of time (compile_aot.py --save=FILE); '' = compile it here
     compiled_train_step: str = ""  # it is used only if it was built for exactly this run
+    # before the first step, compare what the compiled programs need with the devices' memory
+    memory_check: bool = True  # False: skip the check (a refusal becomes XLA's or the kernel's OOM)
+    memory_limit_gib: float = 0.0  # check against this many GiB per device; 0 = the device's own limit
 
     @property
     def tokens_per_step(self) -> int:
@@ -312,7 +315,7 @@ ROLES = {
             "sample_tokens", "mesh_data", "mesh_fsdp", "mesh_tensor", "mesh_expert", "mesh_stage",
             "pipeline_microbatches", "layers_per_stage", "offload", "dcn_data", "dcn_fsdp", "dcn_tensor",
             "dcn_expert", "dcn_stage", "coordinator_address", "num_processes", "process_id",
-            "compiled_train_step"),
+            "compiled_train_step", "memory_check", "memory_limit_gib"),
 }
 ROLE = {key: role for role, keys in ROLES.items() for key in keys}
 

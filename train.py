@@ -31,6 +31,7 @@ import generate
 import hardware
 import hf
 import inference
+import memory
 import monitor
 import sharding
 from checkpoint import CheckpointError
@@ -426,11 +427,18 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
     if config.compiled_train_step:  # built by compile_aot.py; refused unless made for this run
         train_step = compiled_step.load(config.compiled_train_step, setup, lambda: lower(setup))
+    memory_line = ""
+    if config.memory_check:  # compile now (the step runs this program) and refuse what cannot fit
+        if not config.compiled_train_step:
+            train_step = lower(setup).compile()
+        memory_line = memory.preflight("the train step", [train_step], list(mesh.devices.flat),
+                                       config.memory_limit_gib, memory.training_remedies(config, mesh.size),
+                                       say=lambda line: None)["line"]
     if config.init_from == "resume" and not os.path.isdir(checkpoint.checkpoint_dir(config.out_dir)):
         raise CheckpointError(checkpoint.no_checkpoint_message(config.out_dir))
     lock = checkpoint.OutDirLock(config.out_dir)  # the one run writing to out_dir, or an error
     try:
-        return train_loop(setup, splits, tok, lock, train_step, eval_step, tasks)
+        return train_loop(setup, splits, tok, lock, train_step, eval_step, tasks, memory_line)
     finally:
         lock.release()
 
@@ -449,7 +457,8 @@ def check_pretrained_tokenizer(config: Config, tok) -> None:
             f"data with the model's tokenizer (data/text/prepare.py --tokenizer={directory})")
 
 
-def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step, tasks=()) -> list[tuple[int, float]]:
+def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step, tasks=(),
+               memory_line: str = "") -> list[tuple[int, float]]:
     """Evaluate every eval_interval steps (and at the end), save, train, log; stop at max_iters
     or on a signal. The out_dir lock is held."""
     config = setup.config
@@ -457,6 +466,9 @@ def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step, tas
     lock.claim()
     run = Run(setup, splits, tok, manager, state, tasks, best_val=best_val_loss(resumed))
     monitor.print_summary(run.log, setup, splits, run.peak_text)
+    if memory_line:  # the pre-flight check's numbers, on stdout and in TensorBoard's text
+        run.log.print(memory_line)
+        run.log.text(0, "memory", memory_line)
     if config.optimizer == "muon":
         run.log.print(groups_summary(setup.abstract_state["params"]))
     if jax.process_index() == 0:

@@ -33,7 +33,11 @@ def test_train_record_is_consistent(tmp_path, capsys):
     assert record["compile_s"] > 0 and math.isfinite(record["final_loss"])
     assert record["peak_memory_bytes"] > 0  # CPU: the compiler's plan, said so
     assert "compiler" in record["memory_source"]
+    # the pre-flight check's numbers, kept in the record and printed before the step ran
+    assert record["memory_check"]["needed_bytes"] >= record["peak_memory_bytes"] > 0
+    assert record["memory_check"]["available_bytes"] > 0
     table = capsys.readouterr().out
+    assert record["memory_check"]["line"] in table
     for label in ("ms/step (min / median)", "tokens/s", "MFU", "compile"):
         assert label in table
 
