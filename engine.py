@@ -98,6 +98,9 @@ class Engine:
     def __init__(self, setup, params, slots: int = 8, max_queue: int = 64, log=print, vocab: int | None = None):
         """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary)."""
         self.config, self.mesh, self.graphdef = setup.model_config, setup.mesh, setup.graphdef
+        if slots % sharding.batch_shards(self.mesh):  # the slots are the cache's rows, split like a batch
+            raise EngineError(f"slots={slots} is not divisible by the mesh's batch axes (mesh_data = "
+                              f"{sharding.batch_shards(self.mesh)}): use a multiple of it")
         self.vocab = min(vocab or self.config.vocab_size, self.config.vocab_size)
         self.slots, self.max_queue, self.log = slots, max_queue, log
         self.context = self.config.block_size

@@ -76,6 +76,15 @@ def model_setup(config: Config, mesh, vocab_size: int) -> ModelSetup:
     return ModelSetup(config, gpt_config, mesh, graphdef, param_shardings, abstract_params)
 
 
+def decode_mesh(data: int = 1, tensor: int = 1):
+    """A mesh for generation and serving on the first data x tensor devices: rows (slots) split over
+    `data`, heads and the MLP over `tensor`."""
+    if data * tensor > jax.device_count():
+        raise sharding.MeshError(f"mesh_data x mesh_tensor = {data} x {tensor} devices, but there are "
+                                 f"{jax.device_count()}: lower them")
+    return sharding.make_mesh(data, 1, tensor, devices=jax.devices()[:data * tensor])
+
+
 def one_device_mesh():
     return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
 

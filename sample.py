@@ -15,13 +15,10 @@ import json
 import os
 import sys
 
-import jax
-
 import chat
 import configurator
-import sharding
 from generate import decode_sample, encode_prompt, generate, stop_token_ids, weights_in_compute_dtype
-from inference import default_dtype, load_checkpoint, load_hf
+from inference import decode_mesh, default_dtype, load_checkpoint, load_hf
 from quantization import MODES as QUANTIZATION_MODES
 
 
@@ -158,11 +155,7 @@ def converse(cfg: SampleConfig, setup, params, tok, given=None) -> list[dict]:
 def main(argv):
     cfg = configurator.load_config_or_exit(argv, SampleConfig)
     try:
-        if cfg.mesh_data * cfg.mesh_tensor > jax.device_count():
-            raise ValueError(f"mesh_data x mesh_tensor = {cfg.mesh_data} x {cfg.mesh_tensor} devices, "
-                             f"but there are {jax.device_count()}: lower them")
-        mesh = sharding.make_mesh(cfg.mesh_data, 1, cfg.mesh_tensor,
-                                  devices=jax.devices()[:cfg.mesh_data * cfg.mesh_tensor])
+        mesh = decode_mesh(cfg.mesh_data, cfg.mesh_tensor)
         texts = read_prompts(cfg.start)  # before loading: a missing file is not worth the wait
         given = read_messages(cfg.messages) if cfg.messages else None
         if cfg.init_from == "resume":

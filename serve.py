@@ -64,16 +64,21 @@ class ServeConfig:
     quantization: str = "auto"  # the blocks' matmuls: 'auto' (a checkpoint's own; 'none' for a Hugging Face
     #                             model) | 'none' | 'int8' | 'fp8'
     log_interval: float = 10.0  # seconds between summary lines while busy (0 = none)
+    mesh_data: int = 1  # devices splitting the slots (each holds slots / mesh_data rows of the KV cache)
+    mesh_tensor: int = 1  # devices splitting the heads, the MLP and the KV cache's key/value heads
     api_key: str = ""  # if set, /v1 requests need 'Authorization: Bearer <api_key>'; '' = NANOMAX_API_KEY's, or none
 
     def __post_init__(self):
-        for key in ("slots", "max_queue"):
+        for key in ("slots", "max_queue", "mesh_data", "mesh_tensor"):
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if not 0 < self.port < 65536:
             raise configurator.ConfigError(f"port must be in 1..65535, got {self.port}")
         configurator.check_choice("quantization", self.quantization, ("auto", *QUANTIZATION_MODES))
         configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        if self.slots % self.mesh_data:
+            raise configurator.ConfigError(f"slots={self.slots} is not divisible by mesh_data={self.mesh_data}: "
+                                           f"the slots are split over it; use a multiple of {self.mesh_data}")
 
 
 class APIError(Exception):
@@ -263,12 +268,13 @@ class Server:
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
+        mesh = inference.decode_mesh(cfg.mesh_data, cfg.mesh_tensor)
         if cfg.init_from == "resume":
-            setup, params, step, self.tok = inference.load_checkpoint(cfg.out_dir, quantization=cfg.quantization)
+            setup, params, step, self.tok = inference.load_checkpoint(cfg.out_dir, mesh, cfg.quantization)
             source = f"step {step} of {cfg.out_dir}"
         else:
-            setup, params, self.tok = inference.load_hf(cfg.init_from, quantization=cfg.quantization,
-                                                        dtype=inference.default_dtype(cfg.dtype))
+            setup, params, self.tok = inference.load_hf(cfg.init_from, mesh, cfg.quantization,
+                                                        inference.default_dtype(cfg.dtype))
             source = cfg.init_from
         self.setup, self.params = setup, params
         self.context = setup.model_config.block_size
