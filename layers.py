@@ -61,7 +61,11 @@ def dropout(x, rate: float, key):
 def linear(x_BTxI, kernel_IxO, bias, quantize: str = "none"):
     """x @ kernel (+ bias) in the compute dtype of x, from int8/fp8 operands if asked.
     kernel and bias may be nnx.Params or arrays."""
-    y_BTxO = quantization.matmul(x_BTxI, kernel_IxO[...].astype(x_BTxI.dtype), quantize)
+    kernel_IxO = kernel_IxO[...]
+    if isinstance(kernel_IxO, quantization.Int8Weight):  # stored as int8 for serving
+        y_BTxO = kernel_IxO.matmul(x_BTxI, quantize)
+    else:
+        y_BTxO = quantization.matmul(x_BTxI, kernel_IxO.astype(x_BTxI.dtype), quantize)
     return y_BTxO if bias is None else y_BTxO + bias[...].astype(x_BTxI.dtype)
 
 
