@@ -197,7 +197,7 @@ def int8_weights(params) -> dict:
 def weight_bytes(params) -> int:
     """Bytes the parameters take in memory (an int8 weight's scales included), all devices' shards
     counted once."""
-    return sum(a.nbytes for a in jax.tree.leaves(params))
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))  # arrays or ShapeDtypeStructs
 
 
 def serving_weights(setup: ModelSetup, params, weight_dtype: str = "auto"):
