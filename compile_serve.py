@@ -15,6 +15,7 @@ bytes / the chip's bandwidth, hardware.py) and the tokens/s it allows, and wheth
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -125,10 +126,14 @@ def serving_setup(config: configurator.Config, devices, vocab_size: int, context
     return inference.model_setup(config, mesh, vocab_size, kv_cache_dtype)
 
 
-def chip_numbers(devices, chip: str, hbm_gib: float) -> tuple[str, int | None, float | None]:
+def chip_numbers(target, chip: str, hbm_gib: float) -> tuple[str, int | None, float | None]:
     """(name, HBM, bandwidth) per chip: of `chip` in hardware.py's table if given (a what-if for
-    programs compiled on CPU devices), else of the devices themselves."""
+    programs compiled on CPU devices), else of the target's devices (a TPU slice by its generation:
+    libtpu calls a v5p chip 'TPU v5')."""
+    devices = target.devices
     found = hardware.chip_of(chip or devices[0].device_kind)
+    if not chip:
+        found = next((c for gen, c in hardware.TPU_GENERATIONS.items() if f"({gen}:" in target.name), found)
     if chip and found is None:
         raise configurator.ConfigError(f"--chip={chip} is not in hardware.py's table: use one of "
                                        f"{', '.join(c.kinds[0] for c in hardware.CHIPS)}")
@@ -165,7 +170,11 @@ def compile_serving(config: configurator.Config, target, vocab_size: int, slots:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             oom = str(e).strip().splitlines()[0]
-    chip_name, hbm, bandwidth = chip_numbers(target.devices, chip, hbm_gib)
+            # XLA:TPU's message: '... the total memory required for HLO temporaries (21.59G) exceeds ...'
+            if found := re.search(r"temporaries \(([\d.]+)([KMGT]?)\)", oom):
+                step_memory = {"arguments": per_device_bytes((params, state)),
+                               "temporaries": int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))}
+    chip_name, hbm, bandwidth = chip_numbers(target, chip, hbm_gib)
     return ServeResult(target.name, setup, slots, c.block_size, weight_dtype, chip_name, hbm, bandwidth,
                        weight_bytes=inference.weight_bytes(params), weight_bytes_per_chip=per_device_bytes(params),
                        kv_bytes_per_token=inference.kv_bytes_per_token(c),

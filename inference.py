@@ -217,5 +217,7 @@ def memory_summary(setup: ModelSetup, params) -> str:
     c = setup.model_config
     kv_dtype = c.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
     int8 = any(isinstance(p, Int8Weight) for p in jax.tree.leaves(params, is_leaf=lambda p: isinstance(p, Int8Weight)))
-    return (f"weights {weight_bytes(params) / 2**20:,.1f} MiB ({'int8 blocks, ' if int8 else ''}{c.dtype}), "
+    n = weight_bytes(params)
+    amount = f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+    return (f"weights {amount} ({'int8 blocks, ' if int8 else ''}{c.dtype}), "
             f"KV cache {kv_bytes_per_token(c):,} bytes per token ({kv_dtype})")
