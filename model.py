@@ -474,6 +474,18 @@ class GPT(nnx.Module):
                 outputs.append(layer_outputs)
             return x_BTxD, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
+        if cache is not None and config.scan_layers:  # decoding: the cache updated in place, layer by layer
+            layer = one_layer(batch_size, start_B, segments)
+
+            def layer_in_place(carry, layer_inputs):
+                x_BTxD, cache, i = carry
+                layer_cache = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False), cache)
+                x_BTxD, (layer_cache, stats) = layer(x_BTxD, (*layer_inputs, layer_cache))
+                cache = jax.tree.map(lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, i, 0), cache, layer_cache)
+                return (x_BTxD, cache, i + 1), stats
+
+            (x_BTxD, cache, _), stats = jax.lax.scan(layer_in_place, (x_BTxD, cache, 0), (stacked_state, layer_keys))
+            return x_BTxD, cache, stats
         if config.pipeline_stages == 1 or cache is not None:  # decoding never pipelines
             x_BTxD, (cache, stats) = run_layers(x_BTxD, (stacked_state, layer_keys, cache), batch_size, start_B,
                                                 segments)
