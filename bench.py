@@ -29,7 +29,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import configurator
@@ -56,6 +55,8 @@ class Options:
     decode_batch: str = "1,8"  # decode: comma-separated batch sizes
     prompt_len: int = 16  # decode: prompt tokens per row
     new_tokens: int = 0  # decode: tokens generated per row; 0 = 128, or what fits in block_size
+    weight_dtype: str = "auto"  # decode: the weights as sample.py/serve.py hold them: 'auto' | 'int8'
+    kv_cache_dtype: str = "auto"  # decode: 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
     profile: str = ""  # train: also trace 3 more steps into this directory (jax.profiler, Perfetto)
 
     def __post_init__(self):
@@ -66,6 +67,8 @@ class Options:
                 raise configurator.ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
         if self.warmup < 0 or self.devices < 0 or self.new_tokens < 0:
             raise configurator.ConfigError("--warmup, --devices and --new_tokens must be >= 0")
+        configurator.check_choice("weight_dtype", self.weight_dtype, inference.WEIGHT_DTYPES)
+        configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, inference.KV_CACHE_DTYPES)
         if not all(s.strip().isdigit() and int(s) > 0 for s in self.decode_batch.split(",")):
             raise configurator.ConfigError(f"--decode_batch must be positive integers separated by "
                                            f"commas (e.g. 1,8), got {self.decode_batch!r}")
@@ -225,12 +228,16 @@ def bench_decode(config, options: Options, devices) -> dict:
     setup = train.make_setup(config, mesh, vocab_size)
     bandwidth, bandwidth_source = hardware.peak_bandwidth(devices)
     params = train.init_state(setup)["params"]
+    # Decoding's setup: the same model with its cache in kv_cache_dtype, the weights as sample.py holds them.
+    setup = inference.model_setup(config, mesh, vocab_size, options.kv_cache_dtype)
+    params = inference.serving_weights(setup, params, options.weight_dtype)
     mc = setup.model_config
-    # The fewest bytes a token step can read: every weight once, in the compute dtype (the
-    # position table is a lookup of one row), plus each row's cache up to its position.
-    itemsize = jnp.dtype(mc.dtype).itemsize
-    weight_bytes = (count_params(mc) - mc.block_size * mc.n_embd) * itemsize
-    cache_bytes_per_position = 2 * mc.n_layer * mc.n_embd * itemsize  # keys and values
+    # The fewest bytes a token step can read: every weight once, as held (the position table is a
+    # lookup of one row), plus each row's cache up to its position: keys and values of the KV heads
+    # only (grouped-query attention), an int8 cache's scales included.
+    weight_bytes = inference.weight_bytes(params) - (
+        inference.weight_bytes(params["wpe"]) if mc.pos_embedding == "learned" else 0)
+    cache_bytes_per_position = inference.kv_bytes_per_token(mc)
     rng = np.random.default_rng(0)
     P = options.prompt_len
     runs = []
@@ -255,7 +262,8 @@ def bench_decode(config, options: Options, devices) -> dict:
             "roofline_fraction": bytes_per_step / step_s / bandwidth if bandwidth else None,
         })
     return {"params": count_params(mc), "vocab_size": vocab_size, "mesh": dict(mesh.shape),
-            "weight_bytes": weight_bytes, "peak_bandwidth": bandwidth,
+            "weight_dtype": options.weight_dtype, "kv_cache_dtype": mc.kv_cache_dtype,
+            "kv_bytes_per_token": cache_bytes_per_position, "weight_bytes": weight_bytes, "peak_bandwidth": bandwidth,
             "bandwidth_source": bandwidth_source, "runs": runs}
 
 
@@ -272,7 +280,8 @@ def decode_tokens(options: Options, block_size: int) -> int:
 
 
 def format_decode(r: dict) -> str:
-    lines = [f"  weights read per token step: {r['weight_bytes'] / 2**20:,.1f} MiB; peak bandwidth "
+    lines = [f"  weights read per token step: {r['weight_bytes'] / 2**20:,.1f} MiB ({r['weight_dtype']}), KV cache "
+             f"{r['kv_bytes_per_token']:,} bytes per position ({r['kv_cache_dtype']}); peak bandwidth "
              + (f"{r['peak_bandwidth'] / 1e9:,.1f} GB/s ({r['bandwidth_source']})" if r["peak_bandwidth"]
                 else r["bandwidth_source"]),
              f"  {'batch':>5} {'prefill ms':>10} {'ms/token step':>14} {'tokens/s':>10} "

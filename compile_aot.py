@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 import communication
 import compiled_step
+import compile_serve
 import configurator
 import dataset
 import hardware
@@ -45,6 +46,19 @@ class Options:
     topology_num_slices: int = 1  # TPU slices joined by the data-center network
     save: str = ""  # write the compiled step here, for train.py --compiled_train_step
     hbm_gib: float = 0.0  # per-device memory to check against (CPU has no limit; what-ifs)
+    # serving (compile_serve.py): engine.py's prefill and decode step instead of the train step
+    serve: bool = False
+    slots: int = 8  # decode slots: rows of the KV cache, split over the batch mesh axes
+    context: int = 0  # tokens per slot; 0 = block_size
+    weight_dtype: str = "auto"  # 'auto' (the compute dtype) | 'int8' (weight-only, as sample.py/serve.py)
+    kv_cache_dtype: str = "auto"  # 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
+    chip: str = ""  # with a cpu:N topology: take HBM and bandwidth of this chip of hardware.py (H100, ...)
+
+    def __post_init__(self):
+        configurator.check_choice("weight_dtype", self.weight_dtype, ("auto", "int8"))
+        configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "bfloat16", "float32", "int8"))
+        if self.slots < 1 or self.context < 0:
+            raise configurator.ConfigError(f"slots must be >= 1 and context >= 0, got {self.slots} and {self.context}")
 
 
 # ----------------------------------------------------------------------------- targets
@@ -483,6 +497,12 @@ def main(argv: list[str]) -> None:
         configure_jax(options.topology)
         target = make_target(options.topology, options.topology_num_slices, options.hbm_gib)
         vocab_size = aot_vocab_size(config)
+        if options.serve:
+            served = compile_serve.compile_serving(config, target, vocab_size, options.slots, options.context,
+                                                   options.weight_dtype, options.kv_cache_dtype, options.chip,
+                                                   options.hbm_gib)
+            print(compile_serve.serve_report(served))
+            sys.exit(1 if served.fits is False else 0)
         result = compile_step(config, target, vocab_size)
     except (AotError, configurator.ConfigError, sharding.MeshError, dataset.DataError) as e:
         sys.exit(f"error: {e}")

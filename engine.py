@@ -98,6 +98,9 @@ class Engine:
     def __init__(self, setup, params, slots: int = 8, max_queue: int = 64, log=print, vocab: int | None = None):
         """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary)."""
         self.config, self.mesh, self.graphdef = setup.model_config, setup.mesh, setup.graphdef
+        if slots % sharding.batch_shards(self.mesh):  # the slots are the cache's rows, split like a batch
+            raise EngineError(f"slots={slots} is not divisible by the mesh's batch axes (mesh_data = "
+                              f"{sharding.batch_shards(self.mesh)}): use a multiple of it")
         self.vocab = min(vocab or self.config.vocab_size, self.config.vocab_size)
         self.slots, self.max_queue, self.log = slots, max_queue, log
         self.context = self.config.block_size
@@ -111,8 +114,10 @@ class Engine:
         self.tokens_out, self.steps, self.aborted = 0, 0, 0
         c = self.config
         self.weight_bytes = sum(a.nbytes for a in jax.tree.leaves(self.params))
-        self.kv_bytes_per_token = 2 * c.n_layer * c.kv_heads * (c.n_embd // c.n_head) * jnp.dtype(c.dtype).itemsize
-        self.kv_bytes = self.kv_bytes_per_token * slots * self.context
+        # The cache as built (its dtype, an int8 cache's scales): measured, not derived from the config.
+        cache_shape = jax.eval_shape(lambda: model.init_cache(c, slots, self.context))
+        self.kv_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache_shape))
+        self.kv_bytes_per_token = self.kv_bytes // (slots * self.context)
         self.memory_bandwidth = hardware.peak_bandwidth(self.mesh.devices.flatten().tolist())[0]
         start = time.perf_counter()
         self._compile()
@@ -323,7 +328,7 @@ def _insert(state, prefix, token_1, slot, length, seed, temperature, top_k, top_
     """The slot's row of the cache starts with the prompt's; its newest token is the prefill's (at
     position `length`), its next one is token number 1."""
     put = lambda big, small: jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (0, slot, 0, 0, 0))
-    cache = model.KVCache(put(state["cache"].k, prefix.k), put(state["cache"].v, prefix.v))
+    cache = jax.tree.map(put, state["cache"], prefix)  # keys and values (and an int8 cache's scales)
     return {**state, "cache": cache, "token": state["token"].at[slot].set(token_1[0]),
             "position": state["position"].at[slot].set(length),
             "index": state["index"].at[slot].set(1), "seed": state["seed"].at[slot].set(seed),

@@ -11,6 +11,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import checkpoint
@@ -19,7 +20,8 @@ import dataset
 import hf
 import sharding
 from configurator import ROLES, Config
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, cast_for_inference, init_cache
+from quantization import Int8Weight
 from tokenizer import GPT2_VOCAB_SIZE, gpt2_tokenizer, hf_tokenizer, load_tokenizer, tokenizer_from_description
 
 # What rebuilds a checkpoint's model: its model and compute keys, and where an older checkpoint's
@@ -38,12 +40,15 @@ def attention_implementation(config: Config, platform: str) -> str:
     return config.attention
 
 
-def model_config(config: Config, vocab_size: int, platform: str, stages: int = 1) -> GPTConfig:
+def model_config(config: Config, vocab_size: int, platform: str, stages: int = 1,
+                 kv_cache_dtype: str = "auto") -> GPTConfig:
     """The model's half of the config, for devices of `platform` ('cpu', 'gpu', 'tpu') and a
-    mesh with `stages` pipeline stages."""
-    fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "attention", "pipeline_stages"}
+    mesh with `stages` pipeline stages; decoding's cache in kv_cache_dtype (not a training key)."""
+    fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "attention", "pipeline_stages",
+                                                                "kv_cache_dtype"}
     return GPTConfig(vocab_size=vocab_size, attention=attention_implementation(config, platform),
-                     pipeline_stages=stages, **{k: getattr(config, k) for k in fields})
+                     pipeline_stages=stages, kv_cache_dtype=kv_cache_dtype,
+                     **{k: getattr(config, k) for k in fields})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +66,10 @@ class ModelSetup:
         return sharding.batch_sharding(self.mesh)
 
 
-def model_setup(config: Config, mesh, vocab_size: int) -> ModelSetup:
+def model_setup(config: Config, mesh, vocab_size: int, kv_cache_dtype: str = "auto") -> ModelSetup:
     """Shapes and shardings of the model's parameters on `mesh`, derived without allocating them."""
-    gpt_config = model_config(config, vocab_size, mesh.devices.flat[0].platform, mesh.shape["stage"])
+    gpt_config = model_config(config, vocab_size, mesh.devices.flat[0].platform, mesh.shape["stage"],
+                              kv_cache_dtype)
     sharding.check_model_fits_mesh(mesh, n_head=config.n_head, n_embd=config.n_embd,
                                    batch_size=config.batch_size, n_kv_head=gpt_config.kv_heads,
                                    mlp_hidden=gpt_config.mlp_hidden_size, n_experts=gpt_config.n_experts,
@@ -76,14 +82,24 @@ def model_setup(config: Config, mesh, vocab_size: int) -> ModelSetup:
     return ModelSetup(config, gpt_config, mesh, graphdef, param_shardings, abstract_params)
 
 
+def decode_mesh(data: int = 1, tensor: int = 1):
+    """A mesh for generation and serving on the first data x tensor devices: rows (slots) split over
+    `data`, heads and the MLP over `tensor`."""
+    if data * tensor > jax.device_count():
+        raise sharding.MeshError(f"mesh_data x mesh_tensor = {data} x {tensor} devices, but there are "
+                                 f"{jax.device_count()}: lower them")
+    return sharding.make_mesh(data, 1, tensor, devices=jax.devices()[:data * tensor])
+
+
 def one_device_mesh():
     return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
 
-def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none"):
+def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none", kv_cache_dtype: str = "auto"):
     """(setup, parameters, step, tokenizer) of the newest intact checkpoint in out_dir. Its model
     and compute keys and its vocabulary come with it, but for how the matmuls and the attention
-    compute: those are chosen here, for these devices (quantization='auto': as it trained)."""
+    compute: those are chosen here, for these devices (quantization='auto': as it trained), and
+    the KV cache's dtype."""
     mesh = mesh or one_device_mesh()
     setups = []
 
@@ -94,7 +110,8 @@ def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none"):
         matmuls = kept.get("quantization", "none") if quantization == "auto" else quantization
         config = configurator.config_from_dict({**kept, "attention": "auto", "quantization": matmuls,
                                                 "batch_size": sharding.batch_shards(mesh)})
-        setups.append(model_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config)))
+        setups.append(model_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config),
+                                  kv_cache_dtype))
         return {"params": setups[-1].abstract_params}
 
     manager = checkpoint.checkpoint_manager(Config(out_dir=out_dir), read_only=True)
@@ -115,7 +132,7 @@ def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none"):
     return setup, restored.items["params"], restored.step, tok
 
 
-def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "float32"):
+def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "float32", kv_cache_dtype: str = "auto"):
     """(setup, parameters, tokenizer) of a Hugging Face model: a directory, or a hub name
     (downloaded into the Hugging Face cache if it is not there yet)."""
     mesh, quantization = mesh or one_device_mesh(), "none" if quantization == "auto" else quantization
@@ -123,7 +140,7 @@ def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "floa
     model = hf.read_config(directory)
     values = hf.fill_model_keys({"init_from": name}, model, directory, default_block_size=model.max_context)
     config = Config(**values, batch_size=sharding.batch_shards(mesh), quantization=quantization, dtype=dtype)
-    setup = model_setup(config, mesh, model.keys["vocab_size"])
+    setup = model_setup(config, mesh, model.keys["vocab_size"], kv_cache_dtype)
     tok = model_tokenizer(directory, model)
     if tok is None:
         raise hf.HFError(f"{directory} has no tokenizer.json: nanomax needs the model's tokenizer to turn "
@@ -153,3 +170,54 @@ def default_dtype(dtype: str) -> str:
     if dtype != "auto":
         return dtype
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+WEIGHT_DTYPES = ("auto", "int8")  # 'auto': the compute dtype
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")  # 'auto': the compute dtype
+
+# The blocks' dense kernels and how many of their axes (after the stacked layers' leading one) a
+# matmul sums over: the rest are output channels, each with its own int8 scale.
+INT8_KERNELS = {"qkv_kernel": 1, "out_kernel": 2, "fc_kernel": 1, "gate_kernel": 1, "proj_kernel": 1}
+
+
+def int8_weights(params) -> dict:
+    """Parameters for serving with the blocks' dense kernels stored as int8 (quantization.Int8Weight,
+    one scale per output channel); embeddings, norms, biases and a mixture of experts' experts
+    (their kernels have an expert axis) stay as they are. On the parameters' devices, sharded alike."""
+    def convert(path, p):
+        module, name = (path[-2].key if len(path) > 1 else None), path[-1].key
+        dense = module == "attn" or (module == "mlp" and p.ndim == 3)  # (L, in, out): not experts' (L, E, ...)
+        if name not in INT8_KERNELS or not dense:
+            return p
+        return Int8Weight.of(p, tuple(range(1, 1 + INT8_KERNELS[name])))
+
+    return jax.jit(lambda params: jax.tree_util.tree_map_with_path(convert, params))(params)
+
+
+def weight_bytes(params) -> int:
+    """Bytes the parameters take in memory (an int8 weight's scales included), all devices' shards
+    counted once."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))  # arrays or ShapeDtypeStructs
+
+
+def serving_weights(setup: ModelSetup, params, weight_dtype: str = "auto"):
+    """Parameters as decoding reads them, converted once: the matrices in the compute dtype, and with
+    weight_dtype='int8' the blocks' dense kernels as int8 (int8_weights)."""
+    params = cast_for_inference(params, jnp.dtype(setup.model_config.dtype))
+    return int8_weights(params) if weight_dtype == "int8" else params
+
+
+def kv_bytes_per_token(config: GPTConfig) -> int:
+    """Bytes of KV cache one token takes, in the cache's own layout (an int8 cache's scales included)."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(lambda: init_cache(config, 1, 1))))
+
+
+def memory_summary(setup: ModelSetup, params) -> str:
+    """The start-up line of sample.py and serve.py: what the weights and each token's KV cache take."""
+    c = setup.model_config
+    kv_dtype = c.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
+    int8 = any(isinstance(p, Int8Weight) for p in jax.tree.leaves(params, is_leaf=lambda p: isinstance(p, Int8Weight)))
+    n = weight_bytes(params)
+    amount = f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+    return (f"weights {amount} ({'int8 blocks, ' if int8 else ''}{c.dtype}), "
+            f"KV cache {kv_bytes_per_token(c):,} bytes per token ({kv_dtype})")

@@ -40,8 +40,14 @@ def constrain(x, logical_axes):
     rules = spmd.get_logical_axis_rules()
     if not rules or jax.sharding.get_abstract_mesh().empty:
         return x
-    rules = dict(rules)
-    spec = jax.sharding.PartitionSpec(*(rules.get(name) for name in logical_axes))
+    rules, mesh = dict(rules), jax.sharding.get_abstract_mesh()
+    # A dimension the mesh axes don't divide stays replicated (as sharding.param_shardings leaves
+    # such a parameter): a grouped-query cache of 2 heads on tensor=8, a prefill's one row on data=2.
+    divides = lambda dim, axes: dim % math.prod(mesh.shape[a] for a in (
+        axes if isinstance(axes, tuple) else (axes,))) == 0
+    spec = jax.sharding.PartitionSpec(*(
+        axes if axes is None or divides(dim, axes) else None
+        for dim, axes in zip(x.shape, (rules.get(name) for name in logical_axes))))
     return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -55,7 +61,11 @@ def dropout(x, rate: float, key):
 def linear(x_BTxI, kernel_IxO, bias, quantize: str = "none"):
     """x @ kernel (+ bias) in the compute dtype of x, from int8/fp8 operands if asked.
     kernel and bias may be nnx.Params or arrays."""
-    y_BTxO = quantization.matmul(x_BTxI, kernel_IxO[...].astype(x_BTxI.dtype), quantize)
+    kernel_IxO = kernel_IxO[...]
+    if isinstance(kernel_IxO, quantization.Int8Weight):  # stored as int8 for serving
+        y_BTxO = kernel_IxO.matmul(x_BTxI, quantize)
+    else:
+        y_BTxO = quantization.matmul(x_BTxI, kernel_IxO.astype(x_BTxI.dtype), quantize)
     return y_BTxO if bias is None else y_BTxO + bias[...].astype(x_BTxI.dtype)
 
 

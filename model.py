@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 import pipeline
+import quantization
 from attention import causal_attention, causal_mask, same_segment, segment_positions
 from layers import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init
 from moe import MoE
@@ -88,6 +89,8 @@ class GPTConfig:
     pipeline_stages: int = 1  # > 1: the layer stack runs as a pipeline over the `stage` mesh axis
     pipeline_microbatches: int = 1  # the batch is cut into this many micro-batches for it
     layers_per_stage: int = 0  # 0 = n_layer / stages (GPipe); fewer: the circular schedule
+    kv_cache_dtype: str = "auto"  # decoding's KV cache: 'auto' (the compute dtype) | 'bfloat16' | 'float32' |
+    #                               'int8' (one float32 scale per token and key/value head)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -186,7 +189,9 @@ CACHE_AXES = ("layers", "batch", "seq", "heads", "head_dim")
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """Keys and values of the tokens seen so far: (L, B, S, K, H) each, in the compute dtype,
-    with K = n_kv_head (so grouped-query attention shrinks the cache by n_head / K).
+    with K = n_kv_head (so grouped-query attention shrinks the cache by n_head / K). An int8
+    cache also holds a float32 scale per token and head, (L, B, S, K, 1): each token's key (value)
+    head is rounded on its own grid, max|.| / 127, when it is written.
 
     The layer scan hands each layer its (B, S, K, H) slice. The cache does not know how
     much of itself is filled: the caller says where new tokens go (start_B) and the causal
@@ -194,20 +199,40 @@ class KVCache:
     """
     k: jax.Array
     v: jax.Array
+    k_scale: jax.Array | None = None  # int8 caches only
+    v_scale: jax.Array | None = None
 
     def write(self, k_BxTxKxH, v_BxTxKxH, start_B) -> "KVCache":
         """One layer's cache with T new positions per row written at start_B[b] (per row)."""
         put = jax.vmap(lambda cache_SxKxH, new_TxKxH, start:
-                       jax.lax.dynamic_update_slice_in_dim(cache_SxKxH, new_TxKxH, start, axis=0))
-        return KVCache(*(constrain(put(cache, new, start_B), CACHE_AXES[1:])
-                         for cache, new in ((self.k, k_BxTxKxH), (self.v, v_BxTxKxH))))
+                       jax.lax.dynamic_update_slice_in_dim(cache_SxKxH, new_TxKxH.astype(cache_SxKxH.dtype),
+                                                           start, axis=0))
+        new = {"k": k_BxTxKxH, "v": v_BxTxKxH}
+        if self.k_scale is not None:
+            for name in ("k", "v"):
+                new[name], new[f"{name}_scale"] = quantization.quantize_int8(new[name], axis=-1)
+        return KVCache(**{name: constrain(put(getattr(self, name), x, start_B), CACHE_AXES[1:])
+                          for name, x in new.items()})
+
+    def read(self, dtype):
+        """This layer's (keys, values) in `dtype`, an int8 cache's scaled back."""
+        if self.k_scale is None:
+            return self.k, self.v
+        return tuple((x.astype(jnp.float32) * scale).astype(dtype)
+                     for x, scale in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
 
 def init_cache(config: GPTConfig, batch_size: int, length: int) -> KVCache:
-    """An empty cache for `batch_size` rows of up to `length` tokens, sharded like the model
-    (heads over `tensor`, rows over the batch axes) when sharding rules are active."""
+    """An empty cache for `batch_size` rows of up to `length` tokens, in config.kv_cache_dtype, sharded
+    like the model (heads over `tensor`, rows over the batch axes) when sharding rules are active."""
     shape = (config.n_layer, batch_size, length, config.kv_heads, config.n_embd // config.n_head)
-    return KVCache(*(constrain(jnp.zeros(shape, config.dtype), CACHE_AXES) for _ in range(2)))
+    dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    zeros = lambda shape, dtype: constrain(jnp.zeros(shape, dtype), CACHE_AXES)
+    if dtype != "int8":
+        return KVCache(zeros(shape, dtype), zeros(shape, dtype))
+    scales = shape[:-1] + (1,)
+    return KVCache(zeros(shape, jnp.int8), zeros(shape, jnp.int8), zeros(scales, jnp.float32),
+                   zeros(scales, jnp.float32))
 
 
 class Attention(nnx.Module):
@@ -266,7 +291,7 @@ class Attention(nnx.Module):
         else:
             cache = cache.write(k_BxTxKxH, v_BxTxKxH, start_B)
             # is_causal aligns top-left, which is wrong once queries start past 0: explicit mask.
-            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, cache.k, cache.v,
+            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, *cache.read(q_BxTxNxH.dtype),
                                                      mask=causal_mask(start_B, T, cache.k.shape[1]))
         y_BTxD = linear(y_BxTxNxH.reshape(B * T, N * H), self.out_kernel.reshape(N * H, D), self.out_bias,
                         config.quantization)
@@ -482,6 +507,18 @@ class GPT(nnx.Module):
                 outputs.append(layer_outputs)
             return x_BTxD, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
+        if cache is not None and config.scan_layers:  # decoding: the cache updated in place, layer by layer
+            layer = one_layer(batch_size, start_B, segments)
+
+            def layer_in_place(carry, layer_inputs):
+                x_BTxD, cache, i = carry
+                layer_cache = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False), cache)
+                x_BTxD, (layer_cache, stats) = layer(x_BTxD, (*layer_inputs, layer_cache))
+                cache = jax.tree.map(lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, i, 0), cache, layer_cache)
+                return (x_BTxD, cache, i + 1), stats
+
+            (x_BTxD, cache, _), stats = jax.lax.scan(layer_in_place, (x_BTxD, cache, 0), (stacked_state, layer_keys))
+            return x_BTxD, cache, stats
         if config.pipeline_stages == 1 or cache is not None:  # decoding never pipelines
             x_BTxD, (cache, stats) = run_layers(x_BTxD, (stacked_state, layer_keys, cache), batch_size, start_B,
                                                 segments)
@@ -516,9 +553,9 @@ def cast_for_inference(params, dtype):
     def cast(path, p):
         name = path[-1].key
         is_matrix = name in ("wte", "wpe") or (name.endswith("_kernel") and name != "router_kernel")
-        return p.astype(dtype) if is_matrix else p
+        return p.astype(dtype) if is_matrix and not isinstance(p, quantization.Int8Weight) else p
 
-    return jax.tree_util.tree_map_with_path(cast, params)
+    return jax.tree_util.tree_map_with_path(cast, params, is_leaf=lambda p: isinstance(p, quantization.Int8Weight))
 
 
 def count_params(config: GPTConfig) -> int:

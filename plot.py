@@ -3,6 +3,7 @@ beside them the accuracy of its eval_tasks (e.g. HellaSwag acc_norm) where it ha
 
     python plot.py out-shakespeare-char                  # writes out-shakespeare-char/loss.png
     python plot.py out-a out-b --out=compare.png         # several runs on one chart
+    python plot.py --decode bench.jsonl --out=decode.png  # bench.py --mode=decode: latency vs throughput
 """
 
 import argparse
@@ -67,14 +68,60 @@ def plot(out_dirs: list[str], path: str) -> None:
     fig.savefig(path)
 
 
+def decode_series(paths: list[str]) -> dict:
+    """(weights, KV cache) -> [(batch, tokens/s, ms per step)] from bench.py --mode=decode records."""
+    series = {}
+    for path in paths:
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        for r in records:
+            if r.get("mode") != "decode":
+                continue
+            key = f"weights {r.get('weight_dtype', 'auto')}, KV {r.get('kv_cache_dtype', 'auto')}"
+            series.setdefault(key, []).extend(
+                (run["batch_size"], run["tokens_per_s"], run["step_s"] * 1e3) for run in r["runs"])
+    if not series:
+        raise ValueError(f"no bench.py --mode=decode records in {', '.join(paths)}")
+    return {key: sorted(points) for key, points in series.items()}
+
+
+def plot_decode(paths: list[str], path: str, title: str = "") -> None:
+    """Each series a line through its batch sizes: tokens/s (throughput) against ms per token step
+    (each row's latency), the batch written at each point."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for key, points in decode_series(paths).items():
+        batches, throughput, latency = zip(*points)
+        ax.plot(throughput, latency, "o-", markersize=4, linewidth=1, label=key)
+        for b, x, y in points:
+            ax.annotate(str(b), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("decode throughput, tokens/s (all rows)")
+    ax.set_ylabel("ms per token step (each row's latency)")
+    ax.set_title(title or "decode: latency vs throughput by batch (slots)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("out_dirs", nargs="+", help="training output directories")
+    parser.add_argument("out_dirs", nargs="+", help="training output directories (with --decode: bench JSONL files)")
     parser.add_argument("--out", help="PNG file to write (default: <first out_dir>/loss.png)")
+    parser.add_argument("--decode", action="store_true", help="plot bench.py --mode=decode records instead")
+    parser.add_argument("--title", default="", help="with --decode: the chart's title")
     args = parser.parse_args(argv)
-    path = args.out or os.path.join(args.out_dirs[0], "loss.png")
+    path = args.out or (os.path.splitext(args.out_dirs[0])[0] + "_decode.png" if args.decode
+                        else os.path.join(args.out_dirs[0], "loss.png"))
     try:
-        plot(args.out_dirs, path)
+        if args.decode:
+            plot_decode(args.out_dirs, path, args.title)
+        else:
+            plot(args.out_dirs, path)
     except (OSError, KeyError, ValueError) as e:
         sys.exit(f"error: {e}")
     print(f"wrote {path}")

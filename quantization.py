@@ -18,10 +18,16 @@ backward matmuls, the input gradient (g @ wᵀ) is quantized like the forward, a
 gradient (xᵀ @ g, a sum over every token of the batch) stays in the compute dtype: see
 `QUANTIZE_WEIGHT_GRADIENT` for the measurement behind that choice.
 
+For serving, `Int8Weight` stores a weight itself as int8, with one float32 scale per output
+channel (weight-only: the activations stay in the compute dtype). A matmul reads the int8 values
+and scales its output: x @ (q · s) = (x @ q) · s, for s constant down each column.
+
 Stand-alone (jax only): model.py uses it for the dense matmuls of its blocks.
 """
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -106,3 +112,46 @@ def matmul(x_NxI, w_IxO, mode: str = "none"):
     if mode == "none":
         return x_NxI @ w_IxO
     return _quantized_matmul(x_NxI, w_IxO, mode)
+
+
+# ----------------------------------------------------------------------------- int8 weights for serving
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Weight:
+    """A weight as int8 values q and a float32 scale per output channel: w ≈ q · scale, where scale
+    has q's shape with the input axes (those a matmul sums over, leading) of size 1. It stands in
+    for the weight's array in a model's parameters: layers.linear multiplies with it (weight[...]),
+    and model.py reshapes it (weight.reshape) as it reshapes a kernel."""
+    q: jax.Array
+    scale: jax.Array
+
+    @classmethod
+    def of(cls, w, input_axes: tuple) -> "Int8Weight":
+        q, scale = quantize_int8(w, axis=input_axes)
+        return cls(q, scale)
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def __getitem__(self, index):
+        if index is not Ellipsis:
+            raise TypeError("an Int8Weight is used whole (weight[...]), not indexed")
+        return self
+
+    def reshape(self, *shape) -> "Int8Weight":
+        """q reshaped; the scale's output axes become the trailing axes of `shape` that hold them."""
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        outputs, kept = math.prod(self.scale.shape), len(shape)
+        while kept > 0 and math.prod(shape[kept - 1:]) <= outputs:
+            kept -= 1
+        return Int8Weight(self.q.reshape(shape), self.scale.reshape((1,) * kept + tuple(shape[kept:])))
+
+    def matmul(self, x_NxI, mode: str = "none"):
+        """x @ w in x's dtype: the int8 values cast to it (exact: |q| <= 127), the output scaled."""
+        return matmul(x_NxI, self.q.astype(x_NxI.dtype), mode) * self.scale.astype(x_NxI.dtype)

@@ -15,13 +15,11 @@ import json
 import os
 import sys
 
-import jax
-
 import chat
 import configurator
-import sharding
-from generate import decode_sample, encode_prompt, generate, stop_token_ids, weights_in_compute_dtype
-from inference import default_dtype, load_checkpoint, load_hf
+from generate import decode_sample, encode_prompt, generate, stop_token_ids
+from inference import (KV_CACHE_DTYPES, WEIGHT_DTYPES, decode_mesh, default_dtype, load_checkpoint, load_hf,
+                       memory_summary, serving_weights)
 from quantization import MODES as QUANTIZATION_MODES
 
 
@@ -47,6 +45,10 @@ class SampleConfig:
     #                      GPUs and TPUs, float32 on CPUs; a checkpoint keeps the one it trained in
     quantization: str = "auto"  # the matmuls of the blocks: 'auto' (a checkpoint's own; 'none' for a Hugging
     #                             Face model) | 'none' | 'int8' | 'fp8', whatever trained it
+    weight_dtype: str = "auto"  # the weights in memory: 'auto' (the compute dtype) | 'int8' (the blocks'
+    #                             matrices as int8, a float32 scale per output channel; weight-only)
+    kv_cache_dtype: str = "auto"  # the KV cache: 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
+    #                               (a float32 scale per token and key/value head)
     chat: bool = False  # a conversation, rendered with the model's chat template (as serve.py does): each
     #                     line typed is a user turn, and the assistant's answer streams back; Ctrl-D ends it
     messages: str = ""  # with chat: a JSON file of [{role, content}] whose system messages open the
@@ -62,6 +64,8 @@ class SampleConfig:
             raise configurator.ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         configurator.check_choice("quantization", self.quantization, ("auto", *QUANTIZATION_MODES))
         configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        configurator.check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+        configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.messages and not self.chat:
             raise configurator.ConfigError("--messages is the conversation of --chat=True: add it")
 
@@ -158,20 +162,18 @@ def converse(cfg: SampleConfig, setup, params, tok, given=None) -> list[dict]:
 def main(argv):
     cfg = configurator.load_config_or_exit(argv, SampleConfig)
     try:
-        if cfg.mesh_data * cfg.mesh_tensor > jax.device_count():
-            raise ValueError(f"mesh_data x mesh_tensor = {cfg.mesh_data} x {cfg.mesh_tensor} devices, "
-                             f"but there are {jax.device_count()}: lower them")
-        mesh = sharding.make_mesh(cfg.mesh_data, 1, cfg.mesh_tensor,
-                                  devices=jax.devices()[:cfg.mesh_data * cfg.mesh_tensor])
+        mesh = decode_mesh(cfg.mesh_data, cfg.mesh_tensor)
         texts = read_prompts(cfg.start)  # before loading: a missing file is not worth the wait
         given = read_messages(cfg.messages) if cfg.messages else None
         if cfg.init_from == "resume":
-            setup, params, step, tok = load_checkpoint(cfg.out_dir, mesh, cfg.quantization)
+            setup, params, step, tok = load_checkpoint(cfg.out_dir, mesh, cfg.quantization, cfg.kv_cache_dtype)
             print(f"loaded step {step} from {os.path.abspath(cfg.out_dir)}", file=sys.stderr)
         else:
-            setup, params, tok = load_hf(cfg.init_from, mesh, cfg.quantization, default_dtype(cfg.dtype))
+            setup, params, tok = load_hf(cfg.init_from, mesh, cfg.quantization, default_dtype(cfg.dtype),
+                                         cfg.kv_cache_dtype)
             print(f"loaded {cfg.init_from} ({tok.summary()})", file=sys.stderr)
-        params = weights_in_compute_dtype(setup.graphdef, params)  # once: bfloat16 halves the memory
+        params = serving_weights(setup, params, cfg.weight_dtype)  # once: bfloat16 halves the memory, int8 again
+        print(memory_summary(setup, params), file=sys.stderr)
         if cfg.chat:
             converse(cfg, setup, params, tok, given)
             return

@@ -68,17 +68,28 @@ class ServeConfig:
     #                      float32 on CPUs; a checkpoint keeps the one it trained in
     quantization: str = "auto"  # the blocks' matmuls: 'auto' (a checkpoint's own; 'none' for a Hugging Face
     #                             model) | 'none' | 'int8' | 'fp8'
+    weight_dtype: str = "auto"  # the weights in memory: 'auto' (the compute dtype) | 'int8' (the blocks'
+    #                             matrices as int8, a float32 scale per output channel; weight-only)
+    kv_cache_dtype: str = "auto"  # the KV cache: 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
+    #                               (a float32 scale per token and key/value head: about half of bfloat16's bytes)
     log_interval: float = 10.0  # seconds between summary lines while busy (0 = none)
+    mesh_data: int = 1  # devices splitting the slots (each holds slots / mesh_data rows of the KV cache)
+    mesh_tensor: int = 1  # devices splitting the heads, the MLP and the KV cache's key/value heads
     api_key: str = ""  # if set, /v1 requests need 'Authorization: Bearer <api_key>'; '' = NANOMAX_API_KEY's, or none
 
     def __post_init__(self):
-        for key in ("slots", "max_queue"):
+        for key in ("slots", "max_queue", "mesh_data", "mesh_tensor"):
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if not 0 < self.port < 65536:
             raise configurator.ConfigError(f"port must be in 1..65535, got {self.port}")
         configurator.check_choice("quantization", self.quantization, ("auto", *QUANTIZATION_MODES))
         configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        configurator.check_choice("weight_dtype", self.weight_dtype, inference.WEIGHT_DTYPES)
+        configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, inference.KV_CACHE_DTYPES)
+        if self.slots % self.mesh_data:
+            raise configurator.ConfigError(f"slots={self.slots} is not divisible by mesh_data={self.mesh_data}: "
+                                           f"the slots are split over it; use a multiple of {self.mesh_data}")
 
 
 class APIError(Exception):
@@ -266,14 +277,16 @@ class Server:
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
+        mesh = inference.decode_mesh(cfg.mesh_data, cfg.mesh_tensor)
         if cfg.init_from == "resume":
-            setup, params, step, self.tok = inference.load_checkpoint(cfg.out_dir, quantization=cfg.quantization)
+            setup, params, step, self.tok = inference.load_checkpoint(cfg.out_dir, mesh, cfg.quantization,
+                                                                      cfg.kv_cache_dtype)
             source = f"step {step} of {cfg.out_dir}"
         else:
-            setup, params, self.tok = inference.load_hf(cfg.init_from, quantization=cfg.quantization,
-                                                        dtype=inference.default_dtype(cfg.dtype))
+            setup, params, self.tok = inference.load_hf(cfg.init_from, mesh, cfg.quantization,
+                                                        inference.default_dtype(cfg.dtype), cfg.kv_cache_dtype)
             source = cfg.init_from
-        self.setup, self.params = setup, params
+        self.setup, self.params = setup, inference.serving_weights(setup, params, cfg.weight_dtype)
         self.context = setup.model_config.block_size
         self.name = cfg.model_name or os.path.basename(os.path.normpath(
             cfg.out_dir if cfg.init_from == "resume" else cfg.init_from))
@@ -282,7 +295,7 @@ class Server:
         self.token_scorer = None  # echo with logprobs: made on first use
         self.stopping = False
         print(f"loaded {source} as '{self.name}' ({self.tok.summary()}, {setup.model_config.dtype}, "
-              f"context {self.context})", flush=True)
+              f"context {self.context}); {inference.memory_summary(setup, self.params)}", flush=True)
 
     def start_engine(self) -> None:
         """Compile the engine's programs (in a thread: /health answers 503 meanwhile)."""

@@ -138,10 +138,13 @@ def check_model_fits_mesh(mesh, *, n_head: int, n_embd: int, batch_size: int, n_
                         f"is not a multiple of it: use a mesh_expert that divides n_experts (or 1)")
     if n_head % tensor:
         raise MeshError(f"n_head={n_head} is not divisible by mesh_tensor={tensor}")
-    if n_kv_head and n_kv_head % tensor:  # model.py keeps each key/value head with its query heads
-        raise MeshError(f"n_kv_head={n_kv_head} is not divisible by mesh_tensor={tensor}: tensor splits "
-                        f"the groups of query heads that share a key/value head; use a mesh_tensor "
-                        f"that divides n_kv_head")
+    # model.py keeps each key/value head with its query heads; with fewer key/value heads than tensor
+    # devices, every device holds all of them (their projection and cache replicated over tensor).
+    if n_kv_head and n_kv_head % tensor and tensor % n_kv_head:
+        raise MeshError(f"n_kv_head={n_kv_head} is not divisible by mesh_tensor={tensor}, nor mesh_tensor by it: "
+                        f"tensor splits the groups of query heads that share a key/value head (or replicates "
+                        f"the key/value heads when there are fewer); use a mesh_tensor that divides n_kv_head "
+                        f"or a multiple of it")
     mlp_hidden = mlp_hidden or 4 * n_embd
     if mlp_hidden % tensor:
         raise MeshError(f"the MLP width {mlp_hidden} is not divisible by mesh_tensor={tensor}")

@@ -60,6 +60,20 @@ def test_decode_record_is_consistent(tmp_path):
         assert math.isclose(r["roofline_fraction"], r["bytes_per_step"] / r["step_s"] / record["peak_bandwidth"])
 
 
+def test_decode_roofline_counts_key_value_heads_and_int8(tmp_path):
+    """2 key/value heads of 4 (grouped-query) and an int8 cache: the roofline's cache bytes per position
+    are 2 x 2 layers x 2 heads x (8 int8 + a float32 scale), not the full width's; int8 weights are read
+    as int8."""
+    flags = TINY + ["--n_head=4", "--n_kv_head=2", "--mode=decode", "--decode_batch=2", "--prompt_len=4",
+                    "--new_tokens=4", "--steps=1", "--json="]
+    full = bench.run(flags)
+    record = bench.run(flags + ["--weight_dtype=int8", "--kv_cache_dtype=int8"])
+    assert full["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4 and record["kv_bytes_per_token"] == 2 * 2 * 2 * (8 + 4)
+    assert record["weight_bytes"] < 0.7 * full["weight_bytes"]  # the blocks' kernels from 4 bytes to 1
+    run = record["runs"][0]
+    assert math.isclose(run["bytes_per_step"], record["weight_bytes"] + 2 * (4 + 4 / 2) * 2 * 2 * 2 * (8 + 4))
+
+
 def test_decode_defaults_fit_the_models_context(tmp_path):
     """block_size 32: the default 128 new tokens would not fit after a 16-token prompt (issue 42)."""
     record = bench.run(TINY + ["--mode=decode", "--decode_batch=1", "--steps=1", "--json="])

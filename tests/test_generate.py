@@ -1,6 +1,8 @@
 """generate.py: the KV-cache sampler against recomputation, sampling rules, seeds, stop tokens,
 generation past the context, sharding."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,3 +249,32 @@ def test_speedrun_switches_greedy_with_the_cache_equals_recomputing():
     cached = generate.generate(setup, params, RAGGED, 12, temperature=0).tokens
     assert cached == [greedy_by_recomputing(setup, params, ids, 12) for ids in RAGGED]
     assert len({tuple(t) for t in cached}) == 3
+
+
+SHARDED_STYLES = {"gpt2": {}, "gqa": dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2,
+                                          bias=False, tie_embeddings=False)}
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_model(style: str, data: int, tensor: int):
+    """8 query heads (2 key/value heads for 'gqa'), on a data x tensor mesh; the same weights on every mesh."""
+    config = Config(n_layer=2, n_head=8, n_embd=64, block_size=32, vocab_size=65, pad_vocab_to_multiple=64,
+                    batch_size=data, seed=3, tensorboard=False, **SHARDED_STYLES[style])
+    setup = train.make_setup(config, sharding.make_mesh(data, 1, tensor, devices=jax.devices()[:data * tensor]), 65)
+    return setup, jax.tree.map(lambda a: a * 4, train.init_state(setup)["params"])
+
+
+@pytest.mark.parametrize("style", SHARDED_STYLES)
+def test_greedy_on_tensor_8_and_tensor_4_x_data_2_equals_one_device(style):
+    """Heads and the MLP split over tensor, rows over data; 2 key/value heads on tensor=8 or 4 are
+    replicated (their cache too), the 8 query heads split."""
+    one = generate.generate(*sharded_model(style, 1, 1), RAGGED, 20, temperature=0).tokens
+    assert len({tuple(t) for t in one}) == 3
+    for data, tensor in ((1, 8), (2, 4)):
+        setup, params = sharded_model(style, data, tensor)
+        assert generate.generate(setup, params, RAGGED, 20, temperature=0).tokens == one, (data, tensor)
+        state = prefill_4_rows(setup, params)
+        heads = "tensor" if style == "gpt2" else None  # 2 key/value heads can't be split 8 or 4 ways
+        expected = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(
+            None, ("data", "fsdp") if data > 1 else None, None, heads, None))
+        assert state["cache"].k.sharding.is_equivalent_to(expected, 5), state["cache"].k.sharding

@@ -1,3 +1,4 @@
+import json
 import struct
 
 import jax
@@ -26,3 +27,20 @@ def test_plot_writes_a_png_of_the_run(tmp_path):
 def test_plot_of_a_run_without_events_is_one_message(tmp_path):
     with pytest.raises(SystemExit, match="tensorboard not found"):
         plot.main([str(tmp_path)])
+
+
+def test_decode_plot_has_a_line_per_weight_and_cache_dtype(tmp_path):
+    runs = lambda ms: [{"batch_size": b, "tokens_per_s": b / (ms * 1e-3), "step_s": ms * 1e-3} for b in (1, 8)]
+    records = [{"mode": "decode", "weight_dtype": "auto", "kv_cache_dtype": "auto", "runs": runs(2.0)},
+               {"mode": "train"},
+               {"mode": "decode", "weight_dtype": "int8", "kv_cache_dtype": "int8", "runs": runs(1.0)}]
+    jsonl = tmp_path / "bench.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    series = plot.decode_series([str(jsonl)])
+    assert series["weights int8, KV int8"] == [(1, 1000.0, 1.0), (8, 8000.0, 1.0)]
+    assert list(series) == ["weights auto, KV auto", "weights int8, KV int8"]
+    plot.main(["--decode", str(jsonl), f"--out={tmp_path / 'decode.png'}"])
+    assert (tmp_path / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "train_only.jsonl").write_text(json.dumps({"mode": "train"}) + "\n")
+    with pytest.raises(SystemExit, match="no bench.py --mode=decode records"):
+        plot.main(["--decode", str(tmp_path / "train_only.jsonl")])

@@ -21,7 +21,10 @@ from flax import nnx
 
 import chat
 import generate
+import engine
 import inference
+import model
+import serve
 import train
 from test_train import small_config
 
@@ -274,6 +277,70 @@ def test_models_and_a_disconnect_mid_stream_frees_its_slot(server, client):
     assert now["busy"] == now["queued"] == 0 and now["aborted"] > aborted
     assert client.completions.create(model="out", prompt="ab", max_tokens=3).usage.completion_tokens == 3
     assert health()["compiles_while_serving"] == compiles  # no program compiled for these requests
+
+
+def teacher_forced(setup, params, tokens_BxT) -> tuple[float, np.ndarray]:
+    """(perplexity, greedy token at each position (B, T-1)) of the given rows, decoded one token at a time
+    through the KV cache (so an int8 cache is written and read back as in serving)."""
+    def run(params, tokens_BxT):
+        gpt = nnx.merge(setup.graphdef, params)
+        B, T = tokens_BxT.shape
+
+        def step(cache, t):
+            logits_BxV, cache = gpt.decode(jax.lax.dynamic_slice_in_dim(tokens_BxT, t, 1, 1), cache,
+                                           jnp.full(B, t, jnp.int32))
+            target_B = jax.lax.dynamic_index_in_dim(tokens_BxT, t + 1, 1, keepdims=False)
+            loss_B = -jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), target_B[:, None], 1)[:, 0]
+            return cache, (loss_B, jnp.argmax(logits_BxV, axis=-1))
+
+        loss_TxB, greedy_TxB = jax.lax.scan(step, model.init_cache(gpt.config, B, T), jnp.arange(T - 1))[1]
+        return jnp.exp(jnp.mean(loss_TxB)), greedy_TxB.T
+
+    perplexity, greedy_BxT = jax.jit(run)(params, tokens_BxT)
+    return float(perplexity), np.asarray(greedy_BxT)
+
+
+def test_int8_weights_and_kv_cache_agree_with_float(run, loaded):
+    """Weight-only int8 (a scale per output channel) and an int8 KV cache (a scale per token and
+    head) give the float model's greedy tokens (>= 95% of 64 generated; >= 95% of 248 positions
+    of validation text, each after the same prefix) and its perplexity (within 1%), in less memory."""
+    setup, params, _, tok = loaded
+    val = np.fromfile(os.path.join(os.path.dirname(run), "data", "toy", "val.bin"), np.uint16).astype(np.int32)
+    prompts = [val[i:i + 6].tolist() for i in (0, 100, 200, 300)]
+    rows = jnp.asarray(val[:8 * 32].reshape(8, 32))
+    expected = generate.generate(setup, params, prompts, 64, temperature=0).tokens
+    float_ppl, float_greedy = teacher_forced(setup, params, rows)
+    int8_params = inference.int8_weights(params)
+    int8_kv, _, _, _ = inference.load_checkpoint(run, kv_cache_dtype="int8")
+    for setup_, params_ in ((setup, int8_params), (int8_kv, params), (int8_kv, int8_params)):
+        tokens = generate.generate(setup_, params_, prompts, 64, temperature=0).tokens
+        agree = np.mean([a == b for want, got in zip(expected, tokens) for a, b in zip(want, got)])
+        assert agree >= 0.95, agree
+        ppl, greedy = teacher_forced(setup_, params_, rows)
+        assert abs(ppl / float_ppl - 1) < 0.01 and np.mean(greedy == float_greedy) >= 0.95
+    kernels = lambda p: inference.weight_bytes(p["blocks"]["attn"]) + inference.weight_bytes(p["blocks"]["mlp"])
+    assert kernels(int8_params) < 0.3 * kernels(params)  # float32 -> int8 and a scale per output
+    one_token = lambda s: sum(a.nbytes for a in jax.tree.leaves(model.init_cache(s.model_config, 1, 1)))
+    assert one_token(int8_kv) == 2 * 2 * 2 * (16 + 4)  # 2 layers x k, v x 2 heads x (16 int8 + a float32 scale)
+    assert one_token(setup) == 2 * 2 * 2 * 16 * 4
+
+
+def test_server_on_data_and_tensor_with_int8_weights_and_cache_says_its_bytes(run, capsys):
+    """serve.py's mesh and int8 keys: the engine's slots split over data=2, heads over tensor=2; its
+    greedy tokens are one device's with the same int8 weights and cache; start-up prints the bytes."""
+    server = serve.Server(serve.ServeConfig(out_dir=run, slots=2, mesh_data=2, mesh_tensor=2, weight_dtype="int8",
+                                            kv_cache_dtype="int8", log_interval=0))
+    server.start_engine()
+    printed = capsys.readouterr().out
+    assert "int8 blocks" in printed and "KV cache 160 bytes per token (int8)" in printed, printed
+    assert "(160 bytes per token)" in printed  # the engine's measured cache: 2 x 2 layers x 2 heads x (16 + 4)
+    setup, params, _, tok = inference.load_checkpoint(run, kv_cache_dtype="int8")
+    ids = generate.encode_prompt(tok, "hello world")
+    expected = generate.generate(setup, inference.int8_weights(params), [ids], 12, temperature=0).tokens[0]
+    finished = concurrent.futures.Future()
+    request = server.engine.submit(engine.Request(ids, 12, temperature=0, on_finish=finished.set_result))
+    assert finished.result(timeout=120) == "length" and request.tokens == expected
+    server.engine.shutdown()
 
 
 def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(server):

@@ -215,11 +215,13 @@ def test_llama_style_model_sharded_equals_one_device(toy64):
     assert specs["lm_head_kernel"].spec == P("fsdp", "tensor")
 
 
-def test_key_value_heads_that_tensor_cannot_split_are_one_clear_error(toy64):
+def test_key_value_heads_that_tensor_cannot_split_or_replicate_are_one_clear_error(toy64):
+    """3 key/value heads on tensor=2: neither divides the other (2 heads on tensor=4 are replicated)."""
     root, _ = toy64
-    config = dataclasses.replace(sharded_config(root, 1, 2, 4), **LLAMA_STYLE)
-    with pytest.raises(sharding.MeshError, match="n_kv_head=2 is not divisible by mesh_tensor=4"):
-        train.make_setup(config, sharding.make_mesh(1, 2, 4), 64)
+    config = dataclasses.replace(sharded_config(root, 1, 1, 2), **{**LLAMA_STYLE, "n_kv_head": 3},
+                                 n_head=6, n_embd=48)
+    with pytest.raises(sharding.MeshError, match="n_kv_head=3 is not divisible by mesh_tensor=2, nor"):
+        train.make_setup(config, sharding.make_mesh(1, 1, 2, devices=jax.devices()[:2]), 64)
 
 
 @pytest.mark.parametrize("mode, layout", [("int8", "data=2 x fsdp=2 x tensor=2"), ("fp8", "tensor=2 x fsdp=4")])

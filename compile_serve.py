@@ -1,0 +1,243 @@
+"""compile_aot.py --serve: engine.py's prefill and decode step compiled for a target that is not
+here, and what serving costs there, before anyone pays for it.
+
+    python compile_aot.py config/llama3_1b.py --serve --topology=v5e-8 --mesh_tensor=8 --mesh_data=1 \
+        --slots=32 --context=8192 --kv_cache_dtype=int8
+
+The programs are the engine's own (its empty state, a prefill of `context` tokens, one decode step
+for all slots), lowered with abstract sharded weights, nothing allocated. The report, per chip:
+the weights, the KV cache per token and per slot (next to the arithmetic: 2 x layers x KV heads x
+head size x bytes per token), the most slots that fit next to the weights and the step's
+temporaries, the decode step's FLOPs and the bytes it reads, the memory-bound step time (those
+bytes / the chip's bandwidth, hardware.py) and the tokens/s it allows, and whether it fits.
+"""
+
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+
+import configurator
+import engine
+import hardware
+import inference
+import sharding
+import train
+from hardware import GiB
+from model import count_params, flops_per_token
+from quantization import Int8Weight
+
+
+@dataclasses.dataclass
+class ServeResult:
+    target_name: str
+    setup: inference.ModelSetup
+    slots: int
+    context: int
+    weight_dtype: str
+    chip_name: str  # whose HBM and bandwidth the numbers use
+    hbm: int | None  # per chip
+    bandwidth: float | None  # per chip, bytes/s
+    weight_bytes: int  # all chips together, as stored (one copy)
+    weight_bytes_per_chip: int
+    kv_bytes_per_token: int  # one copy, all layers
+    cache_bytes_per_chip: int  # the whole (slots, context) cache's share of one chip
+    step_memory: dict  # XLA's per-chip bytes of the decode step: arguments, temporaries, peak
+    prefill_temporaries: int
+    oom: str  # XLA's out-of-memory message; '' when it compiled
+
+    @property
+    def rows_per_chip(self) -> int:
+        return self.slots // sharding.batch_shards(self.setup.mesh)
+
+    @property
+    def slot_bytes_per_chip(self) -> int:
+        """What one more slot costs a chip that holds it: its (context) row of the cache there."""
+        return self.cache_bytes_per_chip // self.rows_per_chip
+
+    @property
+    def needed(self) -> int:
+        m = self.step_memory
+        return m.get("peak") or m.get("arguments", 0) + m.get("temporaries", 0)
+
+    @property
+    def fits(self) -> bool | None:
+        return False if self.oom else None if self.hbm is None else self.needed <= self.hbm
+
+    @property
+    def most_slots(self) -> int | None:
+        """Slots on the whole mesh: each data shard's chips fill what the weights and the step's
+        temporaries leave with cache rows."""
+        if self.hbm is None:
+            return None
+        free = self.hbm - self.weight_bytes_per_chip - self.step_memory.get("temporaries", 0)
+        return max(free // self.slot_bytes_per_chip, 0) * sharding.batch_shards(self.setup.mesh)
+
+    @property
+    def step_bytes_per_chip(self) -> int:
+        """A decode step reads every weight and every slot's whole cache (memory-bound decode)."""
+        return self.weight_bytes_per_chip + self.cache_bytes_per_chip
+
+    @property
+    def step_flops(self) -> float:
+        """All chips: training's count per token without the backward (a third): 2 per active weight,
+        and attention's QK^T and AV over the whole context, for each slot."""
+        return self.slots * flops_per_token(self.setup.model_config, self.context) / 3
+
+
+def per_device_bytes(tree) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def abstract_outputs(compiled, lowered):
+    """The outputs of a compiled program as sharded ShapeDtypeStructs: the next program's inputs."""
+    return jax.tree.map(lambda info, s: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=s),
+                        lowered.out_info, compiled.output_shardings)
+
+
+def serving_params(setup: inference.ModelSetup, weight_dtype: str):
+    """The weights as inference.serving_weights holds them, abstract: its shapes, and each parameter's
+    sharding (an int8 weight's scales replicated along the input axes they don't have). Not compiled:
+    on the target, converting float32 weights may not fit where serving does."""
+    shapes = jax.eval_shape(functools.partial(inference.serving_weights, setup, weight_dtype=weight_dtype),
+                            setup.abstract_params)
+
+    def place(param, shape):
+        if not isinstance(shape, Int8Weight):
+            return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=param.sharding)
+        spec = param.sharding.spec + (None,) * (len(shape.shape) - len(param.sharding.spec))
+        scale_spec = jax.sharding.PartitionSpec(*(axes if n > 1 else None for axes, n in zip(spec, shape.scale.shape)))
+        return Int8Weight(jax.ShapeDtypeStruct(shape.q.shape, shape.q.dtype, sharding=param.sharding),
+                          jax.ShapeDtypeStruct(shape.scale.shape, shape.scale.dtype,
+                                               sharding=jax.sharding.NamedSharding(setup.mesh, scale_spec)))
+
+    return jax.tree.map(place, setup.abstract_params, shapes, is_leaf=lambda x: isinstance(x, Int8Weight))
+
+
+def serving_setup(config: configurator.Config, devices, vocab_size: int, context: int,
+                  kv_cache_dtype: str) -> inference.ModelSetup:
+    """The model on the training mesh keys' mesh, with the engine's context as its block size."""
+    mesh = train.make_mesh(config, devices)
+    config = dataclasses.replace(config, block_size=context or config.block_size,
+                                 batch_size=sharding.batch_shards(mesh))
+    return inference.model_setup(config, mesh, vocab_size, kv_cache_dtype)
+
+
+def chip_numbers(target, chip: str, hbm_gib: float) -> tuple[str, int | None, float | None]:
+    """(name, HBM, bandwidth) per chip: of `chip` in hardware.py's table if given (a what-if for
+    programs compiled on CPU devices), else of the target's devices (a TPU slice by its generation:
+    libtpu calls a v5p chip 'TPU v5')."""
+    devices = target.devices
+    found = hardware.chip_of(chip or devices[0].device_kind)
+    if not chip:
+        found = next((c for gen, c in hardware.TPU_GENERATIONS.items() if f"({gen}:" in target.name), found)
+    if chip and found is None:
+        raise configurator.ConfigError(f"--chip={chip} is not in hardware.py's table: use one of "
+                                       f"{', '.join(c.kinds[0] for c in hardware.CHIPS)}")
+    if found is None:  # this CPU: no HBM; its measured bandwidth, shared by the simulated devices
+        return devices[0].device_kind, int(hbm_gib * GiB) or None, hardware.peak_bandwidth(devices)[0] / len(devices)
+    return found.kinds[0], int(hbm_gib * GiB) or found.hbm_bytes, found.hbm_bandwidth
+
+
+def compile_serving(config: configurator.Config, target, vocab_size: int, slots: int, context: int = 0,
+                    weight_dtype: str = "auto", kv_cache_dtype: str = "auto", chip: str = "",
+                    hbm_gib: float = 0.0) -> ServeResult:
+    """Lower and compile the engine's programs for `target` (compile_aot.Target)."""
+    setup = serving_setup(config, target.devices, vocab_size, context, kv_cache_dtype)
+    c, mesh = setup.model_config, setup.mesh
+    if slots % sharding.batch_shards(mesh):
+        raise configurator.ConfigError(f"slots={slots} is not divisible by the mesh's batch axes "
+                                       f"({sharding.batch_shards(mesh)}): use a multiple of it")
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    one = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+    settings = (one(jnp.int32), one(jnp.float32), one(jnp.int32), one(jnp.float32))
+    oom, step_memory, prefill_temporaries = "", {}, 0
+    with sharding.activate(mesh):
+        params = serving_params(setup, weight_dtype)
+        lowered = jax.jit(functools.partial(engine._empty_state, c, slots, c.block_size)).lower()
+        state = abstract_outputs(lowered.compile(), lowered)
+        try:
+            step = jax.jit(functools.partial(engine._step, setup.graphdef, c.vocab_size), donate_argnums=1).lower(
+                params, state, one(jnp.bool_, (slots,))).compile()
+            step_memory = xla_memory(step, target.devices[0].platform)
+            prefill = jax.jit(functools.partial(engine._prefill, setup.graphdef, c.vocab_size)).lower(
+                params, one(jnp.int32, (1, c.block_size)), one(jnp.int32), *settings).compile()
+            prefill_temporaries = prefill.memory_analysis().temp_size_in_bytes
+        except Exception as e:  # XLA:TPU refuses a program that can't fit; anything else is a bug
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            oom = str(e).strip().splitlines()[0]
+            # XLA:TPU's message: '... the total memory required for HLO temporaries (21.59G) exceeds ...'
+            if found := re.search(r"temporaries \(([\d.]+)([KMGT]?)\)", oom):
+                step_memory = {"arguments": per_device_bytes((params, state)),
+                               "temporaries": int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))}
+    chip_name, hbm, bandwidth = chip_numbers(target, chip, hbm_gib)
+    return ServeResult(target.name, setup, slots, c.block_size, weight_dtype, chip_name, hbm, bandwidth,
+                       weight_bytes=inference.weight_bytes(params), weight_bytes_per_chip=per_device_bytes(params),
+                       kv_bytes_per_token=inference.kv_bytes_per_token(c),
+                       cache_bytes_per_chip=per_device_bytes(state["cache"]), step_memory=step_memory,
+                       prefill_temporaries=prefill_temporaries, oom=oom)
+
+
+def xla_memory(compiled, platform: str) -> dict:
+    m = compiled.memory_analysis()
+    memory = {"arguments": m.argument_size_in_bytes, "temporaries": m.temp_size_in_bytes}
+    if platform != "cpu" and m.peak_memory_in_bytes:  # XLA:CPU's peak is not reliable
+        memory["peak"] = m.peak_memory_in_bytes
+    return memory
+
+
+def analytic_kv_bytes_per_token(config) -> int:
+    """2 (keys, values) x layers x KV heads x head size x bytes, + an int8 cache's float32 scales."""
+    H = config.n_embd // config.n_head
+    dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    per_head = H * jnp.dtype(dtype).itemsize + (4 if dtype == "int8" else 0)
+    return 2 * config.n_layer * config.kv_heads * per_head
+
+
+def size(n) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def serve_report(r: ServeResult) -> str:
+    c, mesh = r.setup.model_config, r.setup.mesh
+    layout = " x ".join(f"{axis}={n}" for axis, n in mesh.shape.items() if n > 1) or "one device"
+    analytic_weights = count_params(c) * jnp.dtype(c.dtype).itemsize
+    kv_dtype = c.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
+    lines = [f"serving on {r.target_name}, mesh {layout}; numbers per chip for {r.chip_name}",
+             f"model {count_params(c):,} parameters, compute {c.dtype}, weights {r.weight_dtype}, "
+             f"KV cache {kv_dtype}; {r.slots} slots x {r.context} tokens of context",
+             f"  weights         {size(r.weight_bytes)} in all ({size(analytic_weights)} at {c.dtype}: "
+             f"parameters x bytes), {size(r.weight_bytes_per_chip)} per chip",
+             f"  KV per token    {r.kv_bytes_per_token:,} B (analytic {analytic_kv_bytes_per_token(c):,} B); "
+             f"per slot {size(r.kv_bytes_per_token * r.context)}, {size(r.slot_bytes_per_chip)} of it per chip "
+             f"that holds the slot",
+             f"  cache per chip  {size(r.cache_bytes_per_chip)} ({r.rows_per_chip} slots)"]
+    if r.oom:
+        lines.append(f"  XLA: {r.oom}")
+    else:
+        m = r.step_memory
+        lines.append(f"  decode step     arguments {size(m['arguments'])} + temporaries {size(m['temporaries'])}"
+                     + (f", peak {size(m['peak'])}" if "peak" in m else "")
+                     + f"; prefill of {r.context} tokens: temporaries {size(r.prefill_temporaries)}")
+    if r.most_slots is not None:
+        lines.append(f"  most slots      {r.most_slots} ({size(r.hbm)} HBM per chip - weights - the step's temporaries)")
+    lines.append(f"  per decode step {r.step_flops:.3e} FLOP (all chips), {size(r.step_bytes_per_chip)} read per chip "
+                 f"(weights + every slot's full cache)")
+    if r.bandwidth:
+        seconds = r.step_bytes_per_chip / r.bandwidth
+        lines.append(f"  memory-bound    {seconds * 1e3:.2f} ms per step at {r.bandwidth / 1e9:,.0f} GB/s per chip: "
+                     f"{r.slots / seconds:,.0f} tokens/s, {1 / seconds:,.1f} tokens/s per slot")
+    verdict = {True: f"fits: {size(r.needed)} of {size(r.hbm)} per chip", None: "fits: unknown (no HBM size; "
+               "pass --hbm_gib or --chip)", False: f"DOES NOT FIT: {size(r.needed)} of {size(r.hbm)} per chip"}
+    lines.append(f"verdict: {verdict[r.fits]}")
+    return "\n".join(lines)
+

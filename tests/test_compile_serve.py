@@ -1,0 +1,33 @@
+"""compile_serve.py (compile_aot.py --serve): the engine's programs compiled for a mesh of 4 CPU devices, their
+weight and KV cache sizes against the arithmetic, and the report."""
+
+import pytest
+
+import compile_aot
+import compile_serve
+from configurator import Config
+from model import count_params
+
+# 2 key/value heads of 16 (4 query heads) on tensor=2, slots on data=2.
+MODEL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=64, vocab_size=256, pos_embedding="rope",
+             norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False, dtype="bfloat16",
+             mesh_data=2, mesh_fsdp=1, mesh_tensor=2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype, per_head", [("auto", 16 * 2), ("int8", 16 + 4)])
+def test_sizes_equal_the_arithmetic(kv_cache_dtype, per_head):
+    config = Config(**MODEL)
+    r = compile_serve.compile_serving(config, compile_aot.make_target("cpu:4"), 256, slots=4, context=32,
+                                      kv_cache_dtype=kv_cache_dtype, chip="H100")
+    kv_per_token = 2 * 2 * 2 * per_head  # keys and values x layers x KV heads x (bytes of a head, + a scale)
+    assert r.kv_bytes_per_token == kv_per_token
+    assert r.cache_bytes_per_chip == 4 // 2 * 32 * kv_per_token // 2  # 2 of the 4 slots, 1 of the 2 KV heads
+    weights = count_params(r.setup.model_config) * 2  # bfloat16
+    assert abs(r.weight_bytes / weights - 1) < 0.01
+    assert weights / 2 < r.weight_bytes_per_chip < weights  # the matrices split over tensor, the norms not
+    assert r.fits and r.step_memory["temporaries"] > 0
+    assert r.most_slots == (80 * 10**9 - r.weight_bytes_per_chip - r.step_memory["temporaries"]) // (
+        32 * kv_per_token // 2) * 2
+    text = compile_serve.serve_report(r)
+    assert f"KV per token    {kv_per_token:,} B (analytic {kv_per_token:,} B)" in text
+    assert "verdict: fits" in text and "tokens/s" in text
