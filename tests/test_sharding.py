@@ -70,12 +70,12 @@ def test_fsdp_stores_an_eighth_of_the_parameters_per_device(toy64):
 
 
 def sizes(data, fsdp, tensor, expert=1, stage=1):
-    return dict(stage=stage, data=data, expert=expert, fsdp=fsdp, tensor=tensor)
+    return dict(stage=stage, data=data, expert=expert, fsdp=fsdp, context=1, tensor=tensor)
 
 
 @pytest.mark.parametrize("shape, n_devices, expected", [  # expected in MESH_AXES order: stage first
-    ((-1, 1, 1), 8, (1, 8, 1, 1, 1)), ((2, -1, 2), 8, (1, 2, 1, 2, 2)), ((1, 4, 2), 8, (1, 1, 1, 4, 2)),
-    ((1, 2, 1, -1), 8, (1, 1, 4, 2, 1)), ((-1, 2, 1, 1, 2), 8, (2, 2, 1, 2, 1)),
+    ((-1, 1, 1), 8, (1, 8, 1, 1, 1, 1)), ((2, -1, 2), 8, (1, 2, 1, 2, 1, 2)), ((1, 4, 2), 8, (1, 1, 1, 4, 1, 2)),
+    ((1, 2, 1, -1), 8, (1, 1, 4, 2, 1, 1)), ((-1, 2, 1, 1, 2), 8, (2, 2, 1, 2, 1, 1)),
 ])
 def test_resolve_mesh_shape(shape, n_devices, expected):
     assert tuple(sharding.resolve_mesh_shape(sizes(*shape), n_devices).values()) == expected
@@ -132,7 +132,7 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores(toy64, tm
         for i in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "mesh stage=1 x data=2 x expert=1 x fsdp=4 x tensor=1" in outputs[0]
+    assert "mesh stage=1 x data=2 x expert=1 x fsdp=4 x context=1 x tensor=1" in outputs[0]
 
     # The same 4 steps in this process on 8 devices, then 4 more resumed from the
     # two-process checkpoint, compared with 8 uninterrupted steps.
@@ -352,7 +352,7 @@ def test_a_mesh_that_the_torus_cannot_factor_splits_a_physical_axis(monkeypatch)
 
     monkeypatch.setattr(jax, "make_mesh", refuse)
     mesh = sharding.make_mesh(1, 2, 1, expert=4)
-    assert dict(mesh.shape) == {"stage": 1, "data": 1, "expert": 4, "fsdp": 2, "tensor": 1}
+    assert dict(mesh.shape) == {"stage": 1, "data": 1, "expert": 4, "fsdp": 2, "context": 1, "tensor": 1}
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
 
 
@@ -361,4 +361,17 @@ def test_document_masking_sharded_trains_on_each_document_as_if_alone(tmp_path):
     over rows of several documents are the documents' own, each alone on one device."""
     config = dataclasses.replace(sharded_config(tmp_path, 2, 2, 2), n_embd=32, document_masking=True, **LLAMA_STYLE)
     got, expected = masked_step_and_alone(config, sharding.make_mesh(2, 2, 2))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model, fsdp, context, tensor", [("gpt2", 1, 8, 1), ("llama", 2, 2, 2)])
+def test_context_parallel_trains_on_each_document_as_if_alone(tmp_path, model, fsdp, context, tensor):
+    """mesh_context splits each row's tokens (keys and values gathered): with document masking, the step's
+    loss and gradient norm are the documents' own, each alone on one device (GPT-2 with all 8 devices on
+    context; RoPE and grouped-query attention with context=2 x fsdp=2 x tensor=2)."""
+    config = dataclasses.replace(sharded_config(tmp_path, 1, fsdp, tensor), n_embd=32, document_masking=True,
+                                 mesh_context=context, **(LLAMA_STYLE if model == "llama" else {}))
+    mesh = sharding.make_mesh(1, fsdp, tensor, context=context)
+    assert tuple(sharding.batch_sharding(mesh).spec) == (("data", "expert", "fsdp"), "context")  # tokens split
+    got, expected = masked_step_and_alone(config, mesh)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
