@@ -210,8 +210,8 @@ class Config:
         for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
                     "gradient_accumulation_steps", "eval_interval", "eval_iters",
                     "log_interval", "max_to_keep", "pad_vocab_to_multiple",
-                    "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context", "num_processes",
-                    "mesh_stage", "mesh_context", "pipeline_microbatches"):
+                    "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context",
+                    "num_processes", "mesh_stage", "mesh_context", "pipeline_microbatches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
         if self.profile_steps and not re.fullmatch(r"\d+:\d+", self.profile_steps):
@@ -312,9 +312,9 @@ ROLES = {
             "eval_only", "eval_tasks", "eval_tasks_limit", "log_interval", "always_save_checkpoint",
             "max_to_keep", "keep_best", "nan_policy", "stack_dump_interval", "profile_steps", "tensorboard",
             "sample_tokens", "mesh_data", "mesh_fsdp", "mesh_tensor", "mesh_expert", "mesh_stage",
-            "mesh_context", "pipeline_microbatches", "layers_per_stage", "offload", "dcn_data", "dcn_fsdp", "dcn_tensor",
-            "dcn_expert", "dcn_stage", "dcn_context", "coordinator_address", "num_processes", "process_id",
-            "compiled_train_step"),
+            "mesh_context", "pipeline_microbatches", "layers_per_stage", "offload", "dcn_data", "dcn_fsdp",
+            "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context", "coordinator_address", "num_processes",
+            "process_id", "compiled_train_step"),
 }
 ROLE = {key: role for role, keys in ROLES.items() for key in keys}
 
