@@ -30,8 +30,8 @@ NOT_IN_PROGRAM = (
     "eval_tasks", "eval_tasks_limit",
     "log_interval", "always_save_checkpoint", "max_to_keep", "tensorboard", "sample_tokens",
     "overfit_batch",  # which batch is fed, not what the step does with it
-    "mesh_data", "mesh_fsdp", "mesh_tensor", "mesh_expert", "mesh_stage",  # the resolved mesh and its
-    "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "dcn_stage",  # devices are checked instead
+    "mesh_data", "mesh_fsdp", "mesh_tensor", "mesh_expert", "mesh_stage", "mesh_context",  # the resolved mesh
+    "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context",  # and its devices are checked
     "keep_best", "stack_dump_interval",
     "coordinator_address", "num_processes", "process_id", "compiled_train_step",
     "memory_check", "memory_limit_gib",  # the pre-flight check before the step, not the step

@@ -138,6 +138,7 @@ class Config:
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
     mesh_expert: int = 1  # splits a mixture of experts' experts (and the batch elsewhere)
+    mesh_context: int = 1  # splits each row's tokens (long sequences); attention gathers keys and values
     mesh_stage: int = 1  # pipeline stages: each holds n_layer / mesh_stage layers (pipeline.py)
     pipeline_microbatches: int = 1  # with mesh_stage > 1: the batch flows through the stages in this
     #                                 many pieces; bubble = (stages-1) / (microbatches+stages-1)
@@ -148,6 +149,7 @@ class Config:
     # multi-slice / multi-host: how many slices each axis spans over the slower network
     dcn_data: int = 1
     dcn_fsdp: int = 1
+    dcn_context: int = 1
     dcn_tensor: int = 1
     dcn_expert: int = 1
     dcn_stage: int = 1
@@ -211,8 +213,8 @@ class Config:
         for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
                     "gradient_accumulation_steps", "eval_interval", "eval_iters",
                     "log_interval", "max_to_keep", "pad_vocab_to_multiple",
-                    "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "dcn_stage", "num_processes",
-                    "mesh_stage", "pipeline_microbatches"):
+                    "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context",
+                    "num_processes", "mesh_stage", "mesh_context", "pipeline_microbatches"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
         if self.profile_steps and not re.fullmatch(r"\d+:\d+", self.profile_steps):
@@ -313,9 +315,9 @@ ROLES = {
             "eval_only", "eval_tasks", "eval_tasks_limit", "log_interval", "always_save_checkpoint",
             "max_to_keep", "keep_best", "nan_policy", "stack_dump_interval", "profile_steps", "tensorboard",
             "sample_tokens", "mesh_data", "mesh_fsdp", "mesh_tensor", "mesh_expert", "mesh_stage",
-            "pipeline_microbatches", "layers_per_stage", "offload", "dcn_data", "dcn_fsdp", "dcn_tensor",
-            "dcn_expert", "dcn_stage", "coordinator_address", "num_processes", "process_id",
-            "compiled_train_step", "memory_check", "memory_limit_gib"),
+            "mesh_context", "pipeline_microbatches", "layers_per_stage", "offload", "dcn_data", "dcn_fsdp",
+            "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context", "coordinator_address", "num_processes",
+            "process_id", "compiled_train_step", "memory_check", "memory_limit_gib"),
 }
 ROLE = {key: role for role, keys in ROLES.items() for key in keys}
 

@@ -155,7 +155,7 @@ class MLP(nnx.Module):
     def __call__(self, x_BTxD, dropout_key=None):
         q = self.config.quantization
         h_BTxF = ACTIVATIONS[self.config.mlp](linear(x_BTxD, self.fc_kernel, self.fc_bias, q))
-        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias, q)
+        y_BTxD = linear(constrain(h_BTxF, ("tokens", "mlp")), self.proj_kernel, self.proj_bias, q)
         return dropout(y_BTxD, self.config.dropout, dropout_key)
 
 
@@ -177,7 +177,7 @@ class SwiGLU(nnx.Module):
         q = self.config.quantization
         gate_BTxF = jax.nn.silu(linear(x_BTxD, self.gate_kernel, self.gate_bias, q))
         h_BTxF = gate_BTxF * linear(x_BTxD, self.fc_kernel, self.fc_bias, q)
-        y_BTxD = linear(constrain(h_BTxF, ("batch", "mlp")), self.proj_kernel, self.proj_bias, q)
+        y_BTxD = linear(constrain(h_BTxF, ("tokens", "mlp")), self.proj_kernel, self.proj_bias, q)
         return dropout(y_BTxD, self.config.dropout, dropout_key)
 
 

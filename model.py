@@ -279,6 +279,8 @@ class Attention(nnx.Module):
         position_BxT = start_B[:, None] + jnp.arange(T) if segments is None else segments.position_BxT
         q_BxTxNxH = rotate(normalize(q_BxTxNxH, config), position_BxT, config)
         k_BxTxKxH = rotate(normalize(k_BxTxKxH, config), position_BxT, config)
+        # every query sees keys and values of the whole row: gathered over `context` (MaxText's default)
+        k_BxTxKxH, v_BxTxKxH = (constrain(a, ("batch", None, "heads", None)) for a in (k_BxTxKxH, v_BxTxKxH))
         k_probs, k_out = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         dropping = k_probs is not None and config.dropout > 0  # only the written-out attention drops probabilities
         segment_ids_BxT = None if segments is None else segments.ids_BxT
@@ -331,7 +333,7 @@ class Block(nnx.Module):
             y_BTxD, stats = self.mlp(self.ln_2(x_BTxD), batch_size, k_mlp)
         else:
             y_BTxD, stats = self.mlp(self.ln_2(x_BTxD), k_mlp), {}
-        return constrain(x_BTxD + y_BTxD, ("batch", "embed_act")), cache, stats
+        return constrain(x_BTxD + y_BTxD, ("tokens", "embed_act")), cache, stats
 
 
 REMAT_POLICIES = {
@@ -407,7 +409,7 @@ class GPT(nnx.Module):
             x_BxTxD = x_BxTxD + self.wpe[...][:T].astype(config.dtype)
         # Between the matmuls, activations are 2-D (B*T, D): XLA:CPU's fast matmul path wants
         # one contracting dimension, and a weight gradient over (B, T) is 2x slower there.
-        x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
+        x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("tokens", "embed_act"))
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         x_BTxD = dropout(x_BTxD, config.dropout, k_emb)
         x_BTxD, _, stats = self._run_blocks(x_BTxD, B, jnp.zeros(B, jnp.int32), k_layers, segments=segments)
@@ -428,7 +430,7 @@ class GPT(nnx.Module):
         x_BxTxD = self._embed_tokens(idx_BxT, table_VxD)
         if self.wpe is not None:  # per row: any prompt length
             x_BxTxD = x_BxTxD + self.wpe[...][start_B[:, None] + jnp.arange(T)].astype(config.dtype)
-        x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("batch", "embed_act"))
+        x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("tokens", "embed_act"))
         x_BTxD, cache, _ = self._run_blocks(x_BTxD, B, start_B, None, cache)
         last_B = jnp.full((B,), T - 1) if last_B is None else last_B
         x_BxD = x_BTxD.reshape(B, T, -1)[jnp.arange(B), last_B]  # the vocab matmul for B rows only

@@ -1,6 +1,6 @@
 """Device mesh, the logical-to-mesh rules table, and host batches -> global arrays.
 
-Five mesh axes, each a different way to split the work:
+Six mesh axes, each a different way to split the work:
   stage   split the layer stack into pipeline stages (pipeline.py: micro-batches flow through
           them; only activations travel, between neighbouring stages)
   data    replicate the parameters, split the batch (gradients are all-reduced)
@@ -8,6 +8,8 @@ Five mesh axes, each a different way to split the work:
           their experts' devices and back: all-to-all)
   fsdp    split the batch *and* shard parameters/optimizer state (ZeRO-3: all-gather
           weights before use, reduce-scatter gradients)
+  context split the sequence: each device holds T / context tokens of every row (activations
+          and queries); attention gathers the keys and values over the axis (all-gather)
   tensor  split attention heads and MLP hidden units (Megatron: activations all-reduced)
 The model names its axes logically (model.py); RULES below is the only place where those
 names meet the mesh. Needs only jax/flax/numpy, so it can be copied into another project.
@@ -23,7 +25,7 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-MESH_AXES = ("stage", "data", "expert", "fsdp", "tensor")
+MESH_AXES = ("stage", "data", "expert", "fsdp", "context", "tensor")
 
 # logical axis name -> mesh axis (or axes, or None = replicated)
 RULES = (
@@ -39,7 +41,8 @@ RULES = (
     ("qkv", None),
     ("head_dim", None),
     ("norm", None),  # small vectors (layer norms, biases of width n_embd) stay replicated
-    ("seq", None),
+    ("seq", "context"),  # (B, T) arrays: rows over the batch axes, tokens over context
+    ("tokens", ("data", "expert", "fsdp", "context")),  # activations (B*T, D): row-major, so the same split
     ("seq_table", None),
     ("embed_act", None),  # an activation's model width: not sharded between layers
 )
@@ -73,8 +76,9 @@ def resolve_mesh_shape(sizes: dict, n_devices: int) -> dict:
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None,
               dcn: tuple[int, int, int] = (1, 1, 1), expert: int = 1, dcn_expert: int = 1,
-              stage: int = 1, dcn_stage: int = 1) -> jax.sharding.Mesh:
-    """A (stage, data, expert, fsdp, tensor) mesh. `dcn` (data, fsdp, tensor), `dcn_expert` and
+              stage: int = 1, dcn_stage: int = 1, context: int = 1,
+              dcn_context: int = 1) -> jax.sharding.Mesh:
+    """A (stage, data, expert, fsdp, context, tensor) mesh. `dcn` (data, fsdp, tensor), `dcn_expert` and
     `dcn_stage` multiply each axis across slices (or hosts).
 
     Within a slice devices talk over the fast interconnect (ICI/NVLink); between slices
@@ -83,12 +87,13 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None,
     all-reduce per step crosses the slow network), or `stage` (a pipeline sends only activations).
     """
     devices = jax.devices() if devices is None else devices
-    dcn = dict(zip(("data", "fsdp", "tensor"), dcn), expert=dcn_expert, stage=dcn_stage)
+    dcn = dict(zip(("data", "fsdp", "tensor"), dcn), expert=dcn_expert, stage=dcn_stage, context=dcn_context)
     dcn_shape = tuple(dcn[axis] for axis in MESH_AXES)
     n_slices = math.prod(dcn_shape)
     if len(devices) % n_slices:
         raise MeshError(f"{len(devices)} devices can't form dcn mesh {dcn} ({n_slices} slices)")
-    sizes = resolve_mesh_shape(dict(stage=stage, data=data, expert=expert, fsdp=fsdp, tensor=tensor),
+    sizes = resolve_mesh_shape(dict(stage=stage, data=data, expert=expert, fsdp=fsdp, context=context,
+                                    tensor=tensor),
                                len(devices) // n_slices)
     ici = tuple(sizes.values())
     axis_types = (AxisType.Auto,) * len(MESH_AXES)

@@ -51,7 +51,8 @@ def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
     return sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices,
                               dcn=(config.dcn_data, config.dcn_fsdp, config.dcn_tensor),
                               expert=config.mesh_expert, dcn_expert=config.dcn_expert,
-                              stage=config.mesh_stage, dcn_stage=config.dcn_stage)
+                              stage=config.mesh_stage, dcn_stage=config.dcn_stage, context=config.mesh_context,
+                              dcn_context=config.dcn_context)
 
 
 @dataclasses.dataclass(frozen=True)

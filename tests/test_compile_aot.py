@@ -57,7 +57,7 @@ def random_state(setup, seed=0):
 def test_command_line_reports_and_saves(compiled):
     _, _, path, run = compiled
     assert run.returncode == 1, run.stderr[-2000:]  # 512 KiB of memory: does not fit (the step needs ~1 MiB)
-    assert "train step for cpu:8 = 8 x cpu, mesh stage=1 x data=1 x expert=1 x fsdp=8 x tensor=1" in run.stdout
+    assert "train step for cpu:8 = 8 x cpu, mesh stage=1 x data=1 x expert=1 x fsdp=8 x context=1 x tensor=1" in run.stdout
     assert "verdict: DOES NOT FIT" in run.stdout and "--remat_policy=" in run.stdout
     assert os.path.getsize(path) > 10_000 and f"saved {path}" in run.stdout
 
@@ -167,7 +167,7 @@ def test_xla_out_of_memory_messages_are_parsed():
 @pytest.mark.parametrize("change, message", [
     (dict(batch_size=16), "batch_size compiled 8, given 16"),
     (dict(learning_rate=1e-3), "learning_rate compiled 0.003, given 0.001"),  # baked into the program
-    (dict(mesh_data=8, mesh_fsdp=1), "mesh compiled stage=1 x data=1 x expert=1 x fsdp=8 x tensor=1, given stage=1 x data=8 x expert=1 x fsdp=1 x tensor=1"),
+    (dict(mesh_data=8, mesh_fsdp=1), "mesh compiled stage=1 x data=1 x expert=1 x fsdp=8 x context=1 x tensor=1, given stage=1 x data=8 x expert=1 x fsdp=1 x context=1 x tensor=1"),
 ])
 def test_a_different_run_is_refused_naming_the_field(compiled, change, message):
     root, config, path, _ = compiled

@@ -171,7 +171,7 @@ def test_sharding_works_copied_alone_into_an_empty_folder(tmp_path):
         import sharding
         from jax.sharding import NamedSharding
         mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-        assert dict(mesh.shape) == {{"stage": 1, "data": 2, "expert": 1, "fsdp": 2, "tensor": 2}}, mesh.shape
+        assert dict(mesh.shape) == {{"stage": 1, "data": 2, "expert": 1, "fsdp": 2, "context": 1, "tensor": 2}}, mesh.shape
         # a (batch, mlp) activation: rows over data x fsdp (4), columns over tensor (2)
         spec = sharding.mesh_axes_for(("batch", "mlp"))
         x = jax.device_put(jnp.arange(8 * 6.0).reshape(8, 6), NamedSharding(mesh, spec))

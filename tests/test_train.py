@@ -635,7 +635,7 @@ def masked_step_and_alone(config, mesh, vocab: int = 64):
                                                              for a in batch))
     one_device = sharding.make_mesh(devices=ONE_DEVICE)
     single = dataclasses.replace(config, document_masking=False, mesh_stage=1, mesh_data=1, mesh_fsdp=1,
-                                 mesh_tensor=1)
+                                 mesh_tensor=1, mesh_context=1)
     plain = train.make_setup(single, one_device, vocab)
     with sharding.activate(one_device):
         expected = loss_alone(plain, params, alone)
