@@ -152,6 +152,10 @@ class Int8Weight:
             kept -= 1
         return Int8Weight(self.q.reshape(shape), self.scale.reshape((1,) * kept + tuple(shape[kept:])))
 
+    def transpose(self, *axes) -> "Int8Weight":
+        """q's axes reordered, and the scale's with them (it has q's rank)."""
+        return Int8Weight(self.q.transpose(*axes), self.scale.transpose(*axes))
+
     def matmul(self, x_NxI, mode: str = "none"):
         """x @ w in x's dtype: the int8 values cast to it (exact: |q| <= 127), the output scaled."""
         return matmul(x_NxI, self.q.astype(x_NxI.dtype), mode) * self.scale.astype(x_NxI.dtype)

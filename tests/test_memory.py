@@ -78,8 +78,11 @@ def test_the_estimate_is_within_2x_of_the_measured_peak_on_cpu():
     it created the state and ran one step (in a fresh process, one CPU device; ~0.8 GiB: large
     next to the runtime's own ~0.5 GiB, so the allocator's slack is a small share)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.returncode == 0, out.stderr[-2000:]
+    # Twice: the first run fills the compilation cache (conftest's), so the second loads the program
+    # and its compile's own peak does not hide the state's and the step's.
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT], capture_output=True, text=True, env=env,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert out.returncode == 0, out.stderr[-2000:]
     numbers = json.loads(out.stdout.strip().splitlines()[-1])
     assert numbers["estimate"] / 2 <= numbers["measured"] <= numbers["estimate"] * 2, numbers
