@@ -24,6 +24,7 @@ import configurator
 import engine
 import hardware
 import inference
+from memory import size
 import sharding
 import train
 from hardware import GiB
@@ -196,15 +197,6 @@ def analytic_kv_bytes_per_token(config) -> int:
     dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     per_head = H * jnp.dtype(dtype).itemsize + (4 if dtype == "int8" else 0)
     return 2 * config.n_layer * config.kv_heads * per_head
-
-
-def size(n) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def serve_report(r: ServeResult) -> str:
