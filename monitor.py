@@ -93,6 +93,9 @@ class Preemption:
             print(f"second Ctrl-C: stopped at once, without saving; {self.kept()}", file=sys.stderr, flush=True)
             os._exit(130)  # immediate: committed checkpoints are complete, partial ones ignored
         self.signal_name = signal.Signals(signum).name
+        again = "; Ctrl-C again stops at once without saving" if signum == signal.SIGINT else ""
+        # os.write: print could re-enter a write this handler interrupted
+        os.write(2, f"{self.signal_name}: finishing this step, then saving{again}\n".encode())
 
     def requested(self) -> bool:
         if jax.process_count() == 1:
