@@ -34,7 +34,7 @@ from flax import nnx
 
 import generate
 import hardware
-import model
+import kv_cache
 import sharding
 
 
@@ -115,7 +115,7 @@ class Engine:
         c = self.config
         self.weight_bytes = sum(a.nbytes for a in jax.tree.leaves(self.params))
         # The cache as built (its dtype, an int8 cache's scales): measured, not derived from the config.
-        cache_shape = jax.eval_shape(lambda: model.init_cache(c, slots, self.context))
+        cache_shape = jax.eval_shape(lambda: kv_cache.init_cache(c, slots, self.context))
         self.kv_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache_shape))
         self.kv_bytes_per_token = self.kv_bytes // (slots * self.context)
         self.memory_bandwidth = hardware.peak_bandwidth(self.mesh.devices.flatten().tolist())[0]
@@ -287,7 +287,7 @@ def _empty_state(config, slots: int, length: int) -> dict:
     """The slots' cache and per-slot arrays: newest token and its position, the number of the next
     new token (for its key), the seed and the sampling settings."""
     zeros = lambda dtype: jnp.zeros((slots,), dtype)
-    return {"cache": model.init_cache(config, slots, length), "token": zeros(jnp.int32),
+    return {"cache": kv_cache.init_cache(config, slots, length), "token": zeros(jnp.int32),
             "position": zeros(jnp.int32), "index": zeros(jnp.int32), "seed": zeros(jnp.int32),
             "temperature": zeros(jnp.float32), "top_k": zeros(jnp.int32), "top_p": jnp.ones((slots,))}
 
@@ -316,7 +316,7 @@ def _prefill(graphdef, vocab: int, params, tokens_1xP, length, seed, temperature
     """(_draw's first token (1,) and its log-probabilities, the prompt's cache (L, 1, P, K, H)) for a
     prompt right-padded to P."""
     gpt = nnx.merge(graphdef, params)
-    cache = model.init_cache(gpt.config, 1, tokens_1xP.shape[1])
+    cache = kv_cache.init_cache(gpt.config, 1, tokens_1xP.shape[1])
     logits_1xV, cache = gpt.decode(tokens_1xP, cache, jnp.zeros(1, jnp.int32), last_B=(length - 1)[None])
     row = lambda x: x[None]
     drawn = _draw(logits_1xV[:, :vocab], row(seed), jnp.zeros(1, jnp.int32), row(temperature),

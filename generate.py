@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 import model
+from kv_cache import init_cache
 import sharding
 
 
@@ -93,7 +94,7 @@ def prefill(graphdef, params, prompt_BxP, prompt_len_B, wanted_B, index_B, key, 
     rows_B = jnp.arange(B)
     tokens_BxS = jnp.zeros((B, length), jnp.int32).at[:, :P].set(prompt_BxP)
     if kv_cache:
-        cache = model.init_cache(gpt.config, B, length)
+        cache = init_cache(gpt.config, B, length)
         logits_BxV, cache = gpt.decode(prompt_BxP, cache, jnp.zeros(B, jnp.int32), prompt_len_B - 1)
     else:
         cache = None

@@ -20,7 +20,8 @@ import dataset
 import hf
 import sharding
 from configurator import ROLES, Config
-from model import GPT, GPTConfig, cast_for_inference, init_cache
+from kv_cache import init_cache
+from model import GPT, GPTConfig, cast_for_inference
 from quantization import Int8Weight
 from tokenizer import GPT2_VOCAB_SIZE, gpt2_tokenizer, hf_tokenizer, load_tokenizer, tokenizer_from_description
 

@@ -3,7 +3,7 @@ files that say they stand alone really do.
 
 - No import cycles among the top-level modules, counting imports hidden inside functions
   (an import moved into a function to dodge a cycle is still a cycle).
-- configurator.py, sharding.py, and model.py (+ layers.py, attention.py, moe.py, quantization.py, pipeline.py) work copied alone into an
+- configurator.py, sharding.py, and model.py (+ layers.py, attention.py, moe.py, kv_cache.py, quantization.py, pipeline.py) work copied alone into an
   empty folder, with the rest of the repo not importable.
 """
 
@@ -184,7 +184,7 @@ def test_sharding_works_copied_alone_into_an_empty_folder(tmp_path):
 
 
 def test_model_with_quantization_works_copied_alone_into_an_empty_folder(tmp_path):
-    run_alone(tmp_path, ["model.py", "layers.py", "attention.py", "moe.py", "quantization.py", "pipeline.py"], f"""
+    run_alone(tmp_path, ["model.py", "layers.py", "attention.py", "moe.py", "kv_cache.py", "quantization.py", "pipeline.py"], f"""
         import jax, jax.numpy as jnp
         from flax import nnx
         import model, quantization

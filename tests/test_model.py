@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))  # model.py lives at the repo root
 
 import attention  # noqa: E402
 import hf  # noqa: E402
+import kv_cache  # noqa: E402
 import layers  # noqa: E402
 import model  # noqa: E402
 import moe as moe_layer  # noqa: E402
@@ -458,7 +459,7 @@ def test_decode_with_cache_matches_the_full_forward(base, scan_layers):
     idx = tokens((3, 16))
     full = np.asarray(nnx.jit(lambda gpt, idx: gpt(idx))(gpt, idx))
     split_B = jnp.array([1, 6, 11])  # row b: tokens [0, split) in one call, then 5 one at a time
-    cache = model.init_cache(gpt.config, batch_size=3, length=16)
+    cache = kv_cache.init_cache(gpt.config, batch_size=3, length=16)
     rows = jnp.arange(3)
     # Right-padded with a wrong token: its cache entries must stay hidden until overwritten.
     first = jnp.where(jnp.arange(11) < split_B[:, None], idx[:, :11], 7)
@@ -625,7 +626,7 @@ def test_quantized_decode_with_cache_matches_the_full_forward():
     gpt = randomize(make(quantization="int8"))
     idx = tokens((2, 12))
     full = np.asarray(gpt(idx))
-    cache = model.init_cache(gpt.config, 2, 16)
+    cache = kv_cache.init_cache(gpt.config, 2, 16)
     logits, cache = gpt.decode(idx[:, :8], cache, jnp.zeros(2, jnp.int32))
     np.testing.assert_allclose(logits, full[:, 7], rtol=0, atol=1e-4)
     for t in range(8, 12):

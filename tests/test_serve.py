@@ -23,7 +23,7 @@ import chat
 import generate
 import engine
 import inference
-import model
+import kv_cache
 import serve
 import train
 from test_train import small_config
@@ -293,7 +293,7 @@ def teacher_forced(setup, params, tokens_BxT) -> tuple[float, np.ndarray]:
             loss_B = -jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), target_B[:, None], 1)[:, 0]
             return cache, (loss_B, jnp.argmax(logits_BxV, axis=-1))
 
-        loss_TxB, greedy_TxB = jax.lax.scan(step, model.init_cache(gpt.config, B, T), jnp.arange(T - 1))[1]
+        loss_TxB, greedy_TxB = jax.lax.scan(step, kv_cache.init_cache(gpt.config, B, T), jnp.arange(T - 1))[1]
         return jnp.exp(jnp.mean(loss_TxB)), greedy_TxB.T
 
     perplexity, greedy_BxT = jax.jit(run)(params, tokens_BxT)
@@ -320,7 +320,7 @@ def test_int8_weights_and_kv_cache_agree_with_float(run, loaded):
         assert abs(ppl / float_ppl - 1) < 0.01 and np.mean(greedy == float_greedy) >= 0.95
     kernels = lambda p: inference.weight_bytes(p["blocks"]["attn"]) + inference.weight_bytes(p["blocks"]["mlp"])
     assert kernels(int8_params) < 0.3 * kernels(params)  # float32 -> int8 and a scale per output
-    one_token = lambda s: sum(a.nbytes for a in jax.tree.leaves(model.init_cache(s.model_config, 1, 1)))
+    one_token = lambda s: sum(a.nbytes for a in jax.tree.leaves(kv_cache.init_cache(s.model_config, 1, 1)))
     assert one_token(int8_kv) == 2 * 2 * 2 * (16 + 4)  # 2 layers x k, v x 2 heads x (16 int8 + a float32 scale)
     assert one_token(setup) == 2 * 2 * 2 * 16 * 4
 
