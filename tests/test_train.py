@@ -238,7 +238,8 @@ def config_flags(config: Config) -> list[str]:
 
 
 def start_training(config: Config) -> subprocess.Popen:
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    one_device = os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=1")
+    env = os.environ | {"XLA_FLAGS": one_device, "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen([sys.executable, "-u", "train.py", *config_flags(config)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
