@@ -1,3 +1,5 @@
+"""Tests of compile_aot.py: ahead-of-time compiles for a topology that is not here, its report, fits verdict and saved steps."""
+
 import dataclasses
 import importlib.util
 import json

@@ -1,3 +1,5 @@
+"""Tests of optimizer.py: Muon's Newton-Schulz step and parameter groups, AdamW unchanged, and their resume."""
+
 import dataclasses
 
 import jax

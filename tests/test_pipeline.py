@@ -1,3 +1,5 @@
+"""Tests of pipeline.py: the pipeline schedule, pipelined training equal to one device, and host offload."""
+
 import dataclasses
 import math
 import types

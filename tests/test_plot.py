@@ -1,3 +1,5 @@
+"""Tests of plot.py: the loss and decode plots drawn from a run's events and a bench's JSON."""
+
 import json
 import struct
 

@@ -1,3 +1,5 @@
+"""Tests of quantization.py: int8 and fp8 matmuls within their rounding bounds, straight-through gradients."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,3 +1,5 @@
+"""Tests of sharding.py: every mesh layout trains as one device does, checkpoints move between meshes."""
+
 import dataclasses
 import math
 import os

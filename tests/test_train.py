@@ -1,3 +1,5 @@
+"""Tests of train.py: training end to end (overfit, resume, signals, NaN policy, bad input, masked targets)."""
+
 import dataclasses
 import errno
 import json
