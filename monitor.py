@@ -177,8 +177,8 @@ def print_summary(log, setup, splits: dict, peak: str) -> None:
               f"{setup.model_config.vocab_size} (padded {setup.model_config.padded_vocab_size})")
     state_bytes = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
                       for a in jax.tree.leaves(setup.abstract_state))
-    log.print(f"memory per device: {state_bytes / 2**20:,.1f} MiB of parameters and optimizer "
-              f"state, plus activations (compile_aot.py reports the compiler's total)")
+    whole_step = " (the whole step's need is on the memory line below)" if config.memory_check else ""
+    log.print(f"parameters and optimizer state: {state_bytes / 2**20:,.1f} MiB per device{whole_step}")
     log.print(f"data: {len(splits['train']):,} train / {len(splits['val']):,} val tokens; "
               f"{config.tokens_per_step:,} tokens per step")
     if hasattr(splits["train"], "row_start"):  # a fine-tuning set (dataset.ChatSplit)

@@ -342,9 +342,11 @@ class Server:
             r = g.request
             ttft = (r.first_token_at - r.submitted_at) * 1e3 if r.first_token_at else float("nan")
             decode_s = (r.finished_at or time.perf_counter()) - (r.first_token_at or r.submitted_at)
-            rate = (len(r.tokens) - 1) / decode_s if len(r.tokens) > 1 and decode_s > 0 else float("nan")
+            # The decode rate counts the tokens after the first (that one is prefill's): none for one token.
+            rate = (f", {(len(r.tokens) - 1) / decode_s:,.1f} tok/s" if len(r.tokens) > 1 and decode_s > 0
+                    else "")
             print(f"request {r.id}: {len(r.prompt)} prompt + {len(r.tokens)} completion tokens, "
-                  f"ttft {ttft:.0f} ms, {rate:,.1f} tok/s, {g.finish_reason}", flush=True)
+                  f"ttft {ttft:.0f} ms{rate}, {g.finish_reason}", flush=True)
 
 
 def make_app(server: Server) -> Starlette:

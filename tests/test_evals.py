@@ -116,7 +116,7 @@ def test_eight_devices_give_what_one_gives(model, tmp_path):
     params8 = jax.device_put(params, setup8.state_shardings["params"])
     one, _, _ = evals.score_rows(setup, params, rows, 8)
     eight, _, _ = evals.score_rows(setup8, params8, rows, 8)
-    np.testing.assert_allclose(eight, one, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(eight, one, rtol=1e-6)  # sums of ~50 log-probabilities in another order
 
 
 def test_acc_and_acc_norm_worked_by_hand():

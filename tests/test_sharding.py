@@ -242,7 +242,7 @@ def test_quantized_step_sharded_equals_one_device(toy64, mode, layout):
 
     one_device, split = losses(1, 1, 1), losses(*LAYOUTS[layout])
     np.testing.assert_allclose(split[0], one_device[0], rtol=0, atol=1e-5)
-    np.testing.assert_allclose(split, one_device, rtol=5e-4)
+    np.testing.assert_allclose(split, one_device, rtol=1e-3)  # a few values rounded to another 8-bit level
 
 
 MUON = dict(optimizer="muon", muon_learning_rate=0.03)

@@ -299,8 +299,10 @@ def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_one(toy):
     straight = dict(train.train(dataclasses.replace(config, out_dir=str(toy / "straight"),
                                                     tensorboard=False), ONE_DEVICE))
     losses = logged_losses(config.out_dir)
+    # The straight run is compiled in this process, whose XLA splits work for 8 devices: at this
+    # width its float sums differ from the one-device subprocess's in the last bits.
     np.testing.assert_allclose([losses[s] for s in range(12)], [straight[s] for s in range(12)],
-                               rtol=0, atol=1e-6)
+                               rtol=1e-6, atol=0)
 
 
 def test_second_ctrl_c_exits_at_once_and_keeps_checkpoints(toy):
