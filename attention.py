@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def causal_mask(start_B, T: int, S: int):
@@ -26,22 +27,41 @@ def segment_positions(segment_ids_BxT):
     return t_T - jax.lax.cummax(jnp.where(starts_BxT, t_T, 0), axis=1)
 
 
+def balanced_order(T: int, context: int) -> np.ndarray:
+    """The row's token order for context parallelism's causal load balance: T cut into 2 x context
+    chunks, and device i (which holds the i-th contiguous 1/context of the array) given chunks i and
+    2·context-1-i. Under a causal mask a query at position t sees t + 1 keys, so the work of a chunk
+    grows with its index: chunk i and its mirror 2c-1-i together do the same work on every device,
+    where contiguous chunks would give the last device 2c-1 times the first one's. (MaxText's
+    layout; striping token t to device t mod c balances too, but scatters every document.)"""
+    chunks = np.arange(T).reshape(2 * context, T // (2 * context))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * context - 1 - i]]) for i in range(context)])
+
+
+def position_mask(position_BxT, segment_ids_BxT):
+    """(B, 1, T, T): query t sees key s of its own segment at a position <= its own, for rows whose
+    tokens are not in order (balanced_order), where array indices say nothing about positions."""
+    visible = position_BxT[:, None, :] <= position_BxT[:, :, None]
+    return (visible & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]))[:, None]
+
+
 def same_segment(segment_ids_BxT, start: int, end: int, S: int):
     """(B, 1, end - start, S): query t in [start, end) and key s < S belong to the same segment."""
     return (segment_ids_BxT[:, start:end, None] == segment_ids_BxT[:, None, :S])[:, None]
 
 
 def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dropout_rate: float = 0.0, dropout_key=None,
-                     segment_ids_BxT=None):
+                     segment_ids_BxT=None, position_BxT=None):
     """Causal softmax attention written out ('einsum'), with its backward: scores in float32, heads shared
     by groups of G = N / K query heads (grouped-query: keys and values repeated per group). With a
     dropout_key, attention probabilities are dropped at dropout_rate (nanoGPT's attn_dropout). With
-    segment ids (B, T), a query sees only the keys of its own segment."""
+    segment ids (B, T), a query sees only the keys of its own segment. With positions (B, T) as well
+    (tokens out of order: balanced_order), the causal mask compares them, over one T x T block."""
     G = q_BxTxNxH.shape[2] // k_BxTxKxH.shape[2]
     k_BxTxNxH, v_BxTxNxH = (jnp.repeat(x, G, axis=2) if G > 1 else x for x in (k_BxTxKxH, v_BxTxKxH))
     key = dropout_key if dropout_rate > 0 else None
     return _attend(q_BxTxNxH * q_BxTxNxH.shape[-1] ** -0.5, k_BxTxNxH, v_BxTxNxH, key, segment_ids_BxT,
-                   dropout_rate)
+                   position_BxT, dropout_rate)
 
 
 def attention_keep_mask(key, rate: float, shape_BxNxTxS):
@@ -59,9 +79,10 @@ def query_blocks(T: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attend(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, dropout_rate: float):
-    return _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, dropout_rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attend(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, position_BxT, dropout_rate: float):
+    return _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, position_BxT,
+                       dropout_rate)[0]
 
 
 def _dropped(p_BxNxCxS, keep_mask, start: int, end: int, rate: float):
@@ -71,16 +92,23 @@ def _dropped(p_BxNxCxS, keep_mask, start: int, end: int, rate: float):
     return jnp.where(keep_mask[:, :, start:end, :end], p_BxNxCxS / (1.0 - rate), 0.0)
 
 
-def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, dropout_rate):
+def _blocks(T: int, position_BxT):
+    """The query blocks: one T x T block when the tokens are out of order (position_BxT given)."""
+    return query_blocks(T) if position_BxT is None else [(0, T)]
+
+
+def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, position_BxT, dropout_rate):
     # einsums straight on the projection's (B, T, N, H) layout: no transposed copies of q, k, v
     (B, T, N, _), S = q_BxTxNxH.shape, k_BxSxNxH.shape[1]
     keep_BxNxTxS = None if dropout_key is None else attention_keep_mask(dropout_key, dropout_rate, (B, N, T, S))
     outputs, probabilities = [], []
-    for start, end in query_blocks(T):
+    for start, end in _blocks(T, position_BxT):
         s_BxNxCxS = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH[:, start:end], k_BxSxNxH[:, :end],
                                preferred_element_type=jnp.float32)
         visible = causal_mask(jnp.full(B, start), end - start, end)
-        if segment_ids_BxT is not None:  # packed rows: not the keys of other segments either
+        if position_BxT is not None:  # out of order: compare positions (and segments), not indices
+            visible = position_mask(position_BxT, segment_ids_BxT)
+        elif segment_ids_BxT is not None:  # packed rows: not the keys of other segments either
             visible = visible & same_segment(segment_ids_BxT, start, end, end)
         s_BxNxCxS = jnp.where(visible, s_BxNxCxS, -jnp.inf)
         p_BxNxCxS = jnp.exp(s_BxNxCxS - s_BxNxCxS.max(-1, keepdims=True))
@@ -89,7 +117,7 @@ def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, d
         outputs.append(jnp.einsum("bnts,bsnh->btnh", used_BxNxCxS.astype(v_BxSxNxH.dtype), v_BxSxNxH[:, :end]))
         probabilities.append(p_BxNxCxS)
     o_BxTxNxH = jnp.concatenate(outputs, axis=1)
-    return o_BxTxNxH, (q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH, dropout_key)
+    return o_BxTxNxH, (q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH, dropout_key, position_BxT)
 
 
 def _attend_bwd(dropout_rate, saved, do_BxTxNxH):
@@ -98,10 +126,10 @@ def _attend_bwd(dropout_rate, saved, do_BxTxNxH):
     P is the dropped P' = P * mask / (1 - rate) in O and dV, and dP = dP' * mask / (1 - rate); the
     trick still holds, as rowsum(dP * P) = rowsum(dP' * P'). Masked scores (causal, other segments)
     have P = 0, so dS = P * (dP - delta) is 0 there without the mask."""
-    q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH, dropout_key = saved
+    q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, probabilities, o_BxTxNxH, dropout_key, position_BxT = saved
     (B, T, N, _), S = q_BxTxNxH.shape, k_BxSxNxH.shape[1]
     keep_BxNxTxS = None if dropout_key is None else attention_keep_mask(dropout_key, dropout_rate, (B, N, T, S))
-    dtype, blocks = q_BxTxNxH.dtype, query_blocks(T)
+    dtype, blocks = q_BxTxNxH.dtype, _blocks(T, position_BxT)
     delta_BxNxT = jnp.einsum("btnh,btnh->bnt", do_BxTxNxH, o_BxTxNxH, preferred_element_type=jnp.float32)
     dq_blocks, dk_blocks, dv_blocks = [], [0] * len(blocks), [0] * len(blocks)
     for i, ((start, end), p_BxNxCxS) in enumerate(zip(blocks, probabilities)):
@@ -116,7 +144,7 @@ def _attend_bwd(dropout_rate, saved, do_BxTxNxH):
         for j, (key_start, key_end) in enumerate(blocks[:i + 1]):  # keys [0, end), by block
             dk_blocks[j] += dk_BxSxNxH[:, key_start:key_end]
             dv_blocks[j] += dv_BxSxNxH[:, key_start:key_end]
-    return (*(jnp.concatenate(parts, axis=1) for parts in (dq_blocks, dk_blocks, dv_blocks)), None, None)
+    return (*(jnp.concatenate(parts, axis=1) for parts in (dq_blocks, dk_blocks, dv_blocks)), None, None, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

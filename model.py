@@ -39,7 +39,7 @@ from flax import nnx
 
 import pipeline
 import quantization
-from attention import causal_attention, causal_mask, same_segment, segment_positions
+from attention import causal_attention, causal_mask, position_mask, same_segment, segment_positions
 from kv_cache import KVCache
 from layers import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init
 from moe import MoE
@@ -173,14 +173,27 @@ ROTATIONS = {"learned": no_rotation, "rope": rope}
 @dataclasses.dataclass(frozen=True)
 class Segments:
     """Packed rows: ids_BxT (equal ids = one example; each example a contiguous run) and each token's
-    position within its example, which the position embedding (wpe or RoPE) uses."""
+    position within its example, which the position embedding (wpe or RoPE) uses. in_order=False: the
+    row's tokens are permuted (context parallelism's balanced_order), so attention's causal mask
+    compares these positions instead of array indices."""
     ids_BxT: jax.Array
     position_BxT: jax.Array
+    in_order: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     @classmethod
     def of(cls, segment_ids_BxT) -> "Segments":
         ids_BxT = jnp.asarray(segment_ids_BxT, jnp.int32)
         return cls(ids_BxT, segment_positions(ids_BxT))
+
+
+def permuted_segments(segment_ids_BxT, order_T, batch_size: int) -> Segments:
+    """The Segments of rows whose tokens come in order_T (one segment per row without ids): the
+    positions are counted in the rows' own order, then permuted as the tokens are."""
+    T = len(order_T)
+    ids_BxT = (jnp.zeros((batch_size, T), jnp.int32) if segment_ids_BxT is None
+               else jnp.asarray(segment_ids_BxT, jnp.int32))
+    position_BxT = segment_positions(ids_BxT[:, np.argsort(order_T)])[:, order_T]
+    return Segments(ids_BxT, position_BxT, in_order=False)
 
 
 class Attention(nnx.Module):
@@ -232,8 +245,13 @@ class Attention(nnx.Module):
         k_probs, k_out = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         dropping = k_probs is not None and config.dropout > 0  # only the written-out attention drops probabilities
         segment_ids_BxT = None if segments is None else segments.ids_BxT
+        out_of_order = segments is not None and not segments.in_order
         if cache is None and (config.attention == "einsum" or dropping):
-            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, config.dropout, k_probs, segment_ids_BxT)
+            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, config.dropout, k_probs, segment_ids_BxT,
+                                         segments.position_BxT if out_of_order else None)
+        elif cache is None and out_of_order:  # is_causal would compare array indices
+            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, implementation=config.attention,
+                                                     mask=position_mask(segments.position_BxT, segment_ids_BxT))
         elif cache is None:  # cuDNN takes the segments' mask as an additive bias
             mask = None if segments is None else same_segment(segment_ids_BxT, 0, T, T)
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True,
@@ -334,16 +352,19 @@ class GPT(nnx.Module):
         self.ln_f = NORMS[config.norm](config)
         self.config = config
 
-    def __call__(self, idx_BxT, dropout_key=None, segment_ids_BxT=None):
+    def __call__(self, idx_BxT, dropout_key=None, segment_ids_BxT=None, order_T=None):
         """Token ids (B, T) -> float32 logits (B, T, padded vocab). Dropout only with a key."""
-        return self.forward(idx_BxT, dropout_key, segment_ids_BxT)[0]
+        return self.forward(idx_BxT, dropout_key, segment_ids_BxT, order_T)[0]
 
-    def forward(self, idx_BxT, dropout_key=None, segment_ids_BxT=None):
+    def forward(self, idx_BxT, dropout_key=None, segment_ids_BxT=None, order_T=None):
         """(logits, router stats): the stats of every sparse layer, stacked (router_stats);
         {} for a dense model. segment_ids_BxT (int32, B x T) packs several examples in a row: equal
         ids are one example, a contiguous run; a token attends only to its own example, whose
         positions start at 0. Each example's logits are then the ones it gets alone (a mixture of
-        experts: with capacity_factor 0; a capacity is shared by a row's tokens)."""
+        experts: with capacity_factor 0; a capacity is shared by a row's tokens). order_T (numpy, a
+        permutation of range(T)): the rows' tokens (and segment ids) come permuted, array index i
+        holding the row's token order_T[i] (context parallelism's balanced_order); logits come in
+        the same order."""
         config = self.config
         B, T = idx_BxT.shape
         if T > config.block_size:
@@ -351,6 +372,8 @@ class GPT(nnx.Module):
         table_VxD = self._table()
         x_BxTxD = self._embed_tokens(idx_BxT, table_VxD)
         segments = None if segment_ids_BxT is None else Segments.of(segment_ids_BxT)
+        if order_T is not None:
+            segments = permuted_segments(segment_ids_BxT, order_T, B)
         if self.wpe is not None and segments is not None:
             x_BxTxD = x_BxTxD + self.wpe[...][segments.position_BxT].astype(config.dtype)
         elif self.wpe is not None:

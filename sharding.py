@@ -241,7 +241,8 @@ def activate(mesh, rules=RULES):
 def local_batch_rows(sharding: NamedSharding, global_batch: int) -> np.ndarray:
     """The rows of a (B, ...) global batch that this process's devices hold, in order."""
     rows = set()
-    for index in sharding.addressable_devices_indices_map((global_batch, 1)).values():
+    tokens = len(sharding.device_set)  # any row length that `context` divides
+    for index in sharding.addressable_devices_indices_map((global_batch, tokens)).values():
         rows.update(range(global_batch)[index[0]])
     return np.array(sorted(rows))
 

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 from flax.core import spmd
 
+import attention
 import checkpoint
 import compiled_step
 import configurator
@@ -156,6 +157,20 @@ def segment_ids(setup: Setup, x_BxT, packed_BxT=None):
     return packed_BxT if packed_BxT is not None else document_segments(setup, x_BxT)
 
 
+def balanced_rows(setup: Setup, x_BxT, y_BxT, segment_ids_BxT):
+    """(x, y, segment ids, order) for the model: with context > 1 and T a multiple of 2 x context, the
+    rows' tokens permuted into attention.balanced_order (so the `context` split gives every device
+    the same causal attention work), and the order for the model's positions and mask; else as
+    they are, with order None. Permuting int tokens inside the step moves (B, T) int32s between the
+    context devices, nothing beside the activations; the loss, a sum over tokens, is unchanged."""
+    context, T = setup.mesh.shape["context"], x_BxT.shape[1]
+    if context == 1 or T % (2 * context):
+        return x_BxT, y_BxT, segment_ids_BxT, None
+    order_T = attention.balanced_order(T, context)
+    x_BxT, y_BxT, segment_ids_BxT = (None if a is None else a[:, order_T] for a in (x_BxT, y_BxT, segment_ids_BxT))
+    return x_BxT, y_BxT, segment_ids_BxT, order_T
+
+
 def summed_cross_entropy(logits_BxTxV, y_BxT):
     """(cross-entropy summed over the targets, how many there are): a target < 0 is none (a
     fine-tuning set's prompt tokens, padding) and adds exactly 0, whatever its logits."""
@@ -166,7 +181,8 @@ def summed_cross_entropy(logits_BxTxV, y_BxT):
 
 def cross_entropy(setup: Setup, params, x_BxT, y_BxT, packed_BxT=None):
     """The mean over the batch's targets (0 where it has none)."""
-    logits_BxTxV = nnx.merge(setup.graphdef, params)(x_BxT, None, segment_ids(setup, x_BxT, packed_BxT))
+    x_BxT, y_BxT, ids_BxT, order_T = balanced_rows(setup, x_BxT, y_BxT, segment_ids(setup, x_BxT, packed_BxT))
+    logits_BxTxV = nnx.merge(setup.graphdef, params)(x_BxT, None, ids_BxT, order_T)
     total, count = summed_cross_entropy(logits_BxTxV, y_BxT)
     return total / jnp.maximum(count, 1)
 
@@ -179,8 +195,8 @@ def training_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None, packed_B
     router's load-balancing and z-losses, each averaged over the sparse layers, weighted, and
     divided by n_micro."""
     c = setup.config
-    logits_BxTxV, stats = nnx.merge(setup.graphdef, params).forward(x_BxT, dropout_key,
-                                                                    segment_ids(setup, x_BxT, packed_BxT))
+    x_BxT, y_BxT, ids_BxT, order_T = balanced_rows(setup, x_BxT, y_BxT, segment_ids(setup, x_BxT, packed_BxT))
+    logits_BxTxV, stats = nnx.merge(setup.graphdef, params).forward(x_BxT, dropout_key, ids_BxT, order_T)
     total, count = summed_cross_entropy(logits_BxTxV, y_BxT)
     loss = total / (jnp.maximum(count, 1) if n_targets is None else n_targets)
     if not stats:

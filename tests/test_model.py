@@ -978,3 +978,28 @@ def test_segment_positions_restart_at_each_run_and_one_segment_is_the_unpacked_m
     gpt, idx = nnx.jit(lambda: GPT(LLAMA, jax.random.key(0)))(), tokens()
     one_segment = nnx.jit(lambda gpt, idx: (gpt(idx, segment_ids_BxT=jnp.full(idx.shape, 3)), gpt(idx)))
     np.testing.assert_allclose(*one_segment(gpt, idx), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", [dataclasses.replace(TINY, attention="xla"),
+                                    dataclasses.replace(LLAMA, attention="xla", block_size=16)],
+                         ids=["learned positions", "rope, grouped-query"])
+def test_rows_in_balanced_order_get_their_in_order_logits(config):
+    """Context parallelism's balanced layout (attention.balanced_order, 2 x 4 chunks): rows given
+    permuted, with order_T, get the in-order rows' logits permuted the same way, documents or not
+    (the positions and causal mask follow the tokens; this is the 'xla' path, the training tests
+    cover 'einsum')."""
+    gpt = randomize(nnx.jit(lambda: GPT(config, jax.random.key(0)))())
+    graphdef, state = nnx.split(gpt)
+    order_T = attention.balanced_order(16, 4)
+    x = jax.random.randint(jax.random.key(1), (2, 16), 0, 65)
+    ids = jnp.array([[0] * 5 + [1] * 11, [3] * 9 + [4] * 7], jnp.int32)
+
+    @jax.jit
+    def logits(x, ids):
+        model_ = nnx.merge(graphdef, state)
+        permuted_ids = None if ids is None else ids[:, order_T]
+        return model_(x, segment_ids_BxT=ids), model_(x[:, order_T], None, permuted_ids, order_T)
+
+    for segment_ids in (None, ids):
+        in_order, permuted = logits(x, segment_ids)
+        np.testing.assert_allclose(permuted, in_order[:, order_T], rtol=1e-5, atol=1e-5)

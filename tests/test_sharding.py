@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from tensorboard.util import tensor_util
 
+import attention
 import dataset
 import sharding
 import train
@@ -19,15 +20,16 @@ from test_train import masked_step_and_alone, make_dataset, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-LAYOUTS = {  # (data, fsdp, tensor): between them, every axis split 2 and 4 ways
+LAYOUTS = {  # (data, fsdp, tensor[, context]): between them, every axis split 2 and 4 ways
     "tensor=2 x fsdp=4": (1, 4, 2),
     "data=2 x fsdp=2 x tensor=2": (2, 2, 2),
+    "context=4 x fsdp=2": (1, 2, 1, 4),  # the balanced causal layout (attention.balanced_order)
 }
 
 
-def sharded_config(tmp_path, data, fsdp, tensor):
+def sharded_config(tmp_path, data, fsdp, tensor, context=1):
     # vocab 64 and width 64 divide evenly, so every named axis really is split
-    return small_config(tmp_path, mesh_data=data, mesh_fsdp=fsdp, mesh_tensor=tensor,
+    return small_config(tmp_path, mesh_data=data, mesh_fsdp=fsdp, mesh_tensor=tensor, mesh_context=context,
                         n_embd=64, n_head=4, max_iters=5, eval_interval=1000,
                         out_dir=str(tmp_path / f"out-{data}-{fsdp}-{tensor}"))
 
@@ -402,13 +404,28 @@ def test_context_parallel_trains_on_each_document_as_if_alone(tmp_path, model, f
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_balanced_order_gives_each_context_device_the_same_causal_work():
+    """Counted in numpy: with the row cut in 2 x context chunks and device i holding chunks i and
+    2c-1-i, every device's queries see the same number of keys (contiguous chunks: the last
+    device's see 2c-1 times the first's)."""
+    T = 64
+    for context in (2, 4, 8):
+        order_T = attention.balanced_order(T, context)
+        assert sorted(order_T) == list(range(T))
+        keys_seen = (order_T + 1).reshape(context, -1).sum(1)  # query at position t sees t + 1 keys
+        assert len(set(keys_seen)) == 1 and keys_seen.sum() == T * (T + 1) // 2, (context, keys_seen)
+        contiguous = (np.arange(T) + 1).reshape(context, -1).sum(1)
+        assert contiguous[-1] > contiguous[0]
+
+
 def test_context_parallel_splits_the_activations(tmp_path):
     """The step's temporary memory (mostly activations) per device with the row's 512 tokens split over
-    context=8: 0.19 of one device's (the ideal 1/8, plus gathered keys and values and the weights'
-    gradients); 0.26 when the (B*T, D) activations between the layers are not pinned to `tokens`."""
+    context=8: 0.23 of one device's (the ideal 1/8, plus gathered keys and values, the weights'
+    gradients, and the balanced layout's one T/8 x T block of scores per device, where one device
+    skips the score tiles above the diagonal); 0.19 with contiguous chunks, before the balance."""
     def temp_bytes(context):
         config = small_config(tmp_path, block_size=512, batch_size=1, mesh_data=1, mesh_context=context)
         mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:context], context=context)
         setup = train.make_setup(config, mesh, 64)
         return train.lower(setup).compile().memory_analysis().temp_size_in_bytes
-    assert temp_bytes(8) < 0.22 * temp_bytes(1)
+    assert temp_bytes(8) < 0.25 * temp_bytes(1)
