@@ -1,9 +1,11 @@
 """Causal softmax attention written out, with its own backward ('einsum' in model.py): float32
 scores, query blocks that skip the score tiles above the diagonal, grouped-query heads, and
 nanoGPT's dropout on the attention probabilities; and the masks and positions of packed rows
-(several examples in one row, told apart by segment ids). jax only.
+(Segments: several examples in one row, told apart by segment ids) and of rows in context
+parallelism's balanced order. jax only.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -43,6 +45,33 @@ def position_mask(position_BxT, segment_ids_BxT):
     tokens are not in order (balanced_order), where array indices say nothing about positions."""
     visible = position_BxT[:, None, :] <= position_BxT[:, :, None]
     return (visible & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]))[:, None]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Packed rows: ids_BxT (equal ids = one example; each example a contiguous run) and each token's
+    position within its example, which the position embedding (wpe or RoPE) uses. in_order=False: the
+    row's tokens are permuted (context parallelism's balanced_order), so attention's causal mask
+    compares these positions instead of array indices."""
+    ids_BxT: jax.Array
+    position_BxT: jax.Array
+    in_order: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+    @classmethod
+    def of(cls, segment_ids_BxT) -> "Segments":
+        ids_BxT = jnp.asarray(segment_ids_BxT, jnp.int32)
+        return cls(ids_BxT, segment_positions(ids_BxT))
+
+
+def permuted_segments(segment_ids_BxT, order_T, batch_size: int) -> Segments:
+    """The Segments of rows whose tokens come in order_T (one segment per row without ids): the
+    positions are counted in the rows' own order, then permuted as the tokens are."""
+    T = len(order_T)
+    ids_BxT = (jnp.zeros((batch_size, T), jnp.int32) if segment_ids_BxT is None
+               else jnp.asarray(segment_ids_BxT, jnp.int32))
+    position_BxT = segment_positions(ids_BxT[:, np.argsort(order_T)])[:, order_T]
+    return Segments(ids_BxT, position_BxT, in_order=False)
 
 
 def same_segment(segment_ids_BxT, start: int, end: int, S: int):

@@ -39,7 +39,7 @@ from flax import nnx
 
 import pipeline
 import quantization
-from attention import causal_attention, causal_mask, position_mask, same_segment, segment_positions
+from attention import Segments, causal_attention, causal_mask, permuted_segments, position_mask, same_segment
 from kv_cache import KVCache
 from layers import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init
 from moe import MoE
@@ -167,33 +167,6 @@ def rope(x_BxTxNxH, position_BxT, config: GPTConfig):
 
 
 ROTATIONS = {"learned": no_rotation, "rope": rope}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Segments:
-    """Packed rows: ids_BxT (equal ids = one example; each example a contiguous run) and each token's
-    position within its example, which the position embedding (wpe or RoPE) uses. in_order=False: the
-    row's tokens are permuted (context parallelism's balanced_order), so attention's causal mask
-    compares these positions instead of array indices."""
-    ids_BxT: jax.Array
-    position_BxT: jax.Array
-    in_order: bool = dataclasses.field(default=True, metadata=dict(static=True))
-
-    @classmethod
-    def of(cls, segment_ids_BxT) -> "Segments":
-        ids_BxT = jnp.asarray(segment_ids_BxT, jnp.int32)
-        return cls(ids_BxT, segment_positions(ids_BxT))
-
-
-def permuted_segments(segment_ids_BxT, order_T, batch_size: int) -> Segments:
-    """The Segments of rows whose tokens come in order_T (one segment per row without ids): the
-    positions are counted in the rows' own order, then permuted as the tokens are."""
-    T = len(order_T)
-    ids_BxT = (jnp.zeros((batch_size, T), jnp.int32) if segment_ids_BxT is None
-               else jnp.asarray(segment_ids_BxT, jnp.int32))
-    position_BxT = segment_positions(ids_BxT[:, np.argsort(order_T)])[:, order_T]
-    return Segments(ids_BxT, position_BxT, in_order=False)
 
 
 class Attention(nnx.Module):
