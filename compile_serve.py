@@ -158,13 +158,13 @@ def compile_serving(config: configurator.Config, target, vocab_size: int, slots:
     oom, step_memory, prefill_temporaries = "", {}, 0
     with sharding.activate(mesh):
         params = serving_params(setup, weight_dtype)
-        lowered = jax.jit(functools.partial(engine._empty_state, c, slots, c.block_size)).lower()
+        lowered = engine.empty_state_program(c, slots, c.block_size).lower()
         state = abstract_outputs(lowered.compile(), lowered)
         try:
-            step = jax.jit(functools.partial(engine._step, setup.graphdef, c.vocab_size), donate_argnums=1).lower(
+            step = engine.step_program(setup.graphdef, c.vocab_size).lower(
                 params, state, one(jnp.bool_, (slots,))).compile()
             step_memory = xla_memory(step, target.devices[0].platform)
-            prefill = jax.jit(functools.partial(engine._prefill, setup.graphdef, c.vocab_size)).lower(
+            prefill = engine.prefill_program(setup.graphdef, c.vocab_size).lower(
                 params, one(jnp.int32, (1, c.block_size)), one(jnp.int32), *settings).compile()
             prefill_temporaries = prefill.memory_analysis().temp_size_in_bytes
         except Exception as e:  # XLA:TPU refuses a program that can't fit; anything else is a bug

@@ -135,14 +135,14 @@ class Engine:
         settings = (one(jnp.int32), one(jnp.float32), one(jnp.int32), one(jnp.float32))  # seed, temp, top_k, top_p
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params)
         with sharding.activate(self.mesh):
-            self.state = jax.jit(functools.partial(_empty_state, cfg, self.slots, S))()
+            self.state = empty_state_program(cfg, self.slots, S)()
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
             active = one(jnp.bool_, (self.slots,))
-            self.step_program = jax.jit(functools.partial(_step, graphdef, self.vocab), donate_argnums=1).lower(
+            self.step_program = step_program(graphdef, self.vocab).lower(
                 params, state, active).compile()
             self.prefill_programs, self.insert_programs = {}, {}
             for P in self.buckets:
-                prefill = jax.jit(functools.partial(_prefill, graphdef, self.vocab)).lower(
+                prefill = prefill_program(graphdef, self.vocab).lower(
                     params, one(jnp.int32, (1, P)), one(jnp.int32), *settings).compile()
                 drawn, prefix = prefill.out_info
                 insert = jax.jit(_insert, donate_argnums=0).lower(
@@ -282,6 +282,24 @@ class Engine:
 
 
 # ----------------------------------------------------------------------------- device programs
+
+# The jitted programs the engine runs, for whoever lowers them elsewhere (compile_serve.py
+# compiles them for a target that is not here); lower each with the shapes its function takes.
+
+def empty_state_program(config, slots: int, length: int):
+    """() -> the slots' state (_empty_state) for `slots` slots of `length` positions."""
+    return jax.jit(functools.partial(_empty_state, config, slots, length))
+
+
+def step_program(graphdef, vocab: int):
+    """(params, state, active_B) -> (state, drawn): one decode step of every slot; donates the state."""
+    return jax.jit(functools.partial(_step, graphdef, vocab), donate_argnums=1)
+
+
+def prefill_program(graphdef, vocab: int):
+    """(params, tokens_1xP, length, seed, temperature, top_k, top_p) -> (drawn, the prompt's cache)."""
+    return jax.jit(functools.partial(_prefill, graphdef, vocab))
+
 
 def _empty_state(config, slots: int, length: int) -> dict:
     """The slots' cache and per-slot arrays: newest token and its position, the number of the next
