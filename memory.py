@@ -91,8 +91,13 @@ def training_remedies(config: configurator.Config, n_devices: int) -> list[str]:
 def preflight(what: str, programs, devices, limit_gib: float, remedies: list[str], say=print) -> dict:
     """Check `programs` (compiled) fit `devices`; say one line and return the numbers, or raise
     ConfigError (one line: needed, available, remedies) when they cannot fit."""
+    return check(what, needed(programs, devices[0].platform), devices, limit_gib, remedies, say)
+
+
+def check(what: str, need: int, devices, limit_gib: float, remedies: list[str], say=print) -> dict:
+    """preflight for a need in bytes per device already summed up."""
     platform = devices[0].platform
-    need, (limit, source) = needed(programs, platform), available(devices, limit_gib)
+    limit, source = available(devices, limit_gib)
     n = len(devices)
     shared = platform == "cpu" and n > 1 and not limit_gib  # all CPU devices draw on one host
     need_text = f"{size(need)} per device x {n} = {size(need * n)}" if shared else f"{size(need)} per device"
@@ -111,3 +116,16 @@ def preflight(what: str, programs, devices, limit_gib: float, remedies: list[str
         result["line"] = f"memory: {what} needs {need_text} of {have_text} available ({source})"
     say(result["line"])
     return result
+
+
+def serving_remedies(cfg, n_devices: int) -> list[str]:
+    """serve.py's ways down (cfg: its ServeConfig): the KV cache grows with the slots, the weights
+    and the cache shrink in int8, and tensor parallelism splits both."""
+    tips = [f"--slots={cfg.slots // 2}"] if cfg.slots > 1 else []
+    if cfg.kv_cache_dtype != "int8":
+        tips.append("--kv_cache_dtype=int8")
+    if cfg.weight_dtype != "int8":
+        tips.append("--weight_dtype=int8")
+    if n_devices > cfg.mesh_tensor * cfg.mesh_data:
+        tips.append(f"--mesh_tensor={n_devices // cfg.mesh_data} (split the weights and cache over more devices)")
+    return tips

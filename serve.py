@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 
+import jax
 import numpy as np
 import uvicorn
 from starlette.applications import Starlette
@@ -48,6 +49,7 @@ import engine
 import evals
 import generate
 import inference
+import memory
 import sharding
 from quantization import MODES as QUANTIZATION_MODES
 
@@ -76,6 +78,8 @@ class ServeConfig:
     mesh_data: int = 1  # devices splitting the slots (each holds slots / mesh_data rows of the KV cache)
     mesh_tensor: int = 1  # devices splitting the heads, the MLP and the KV cache's key/value heads
     api_key: str = ""  # if set, /v1 requests need 'Authorization: Bearer <api_key>'; '' = NANOMAX_API_KEY's, or none
+    memory_check: bool = True  # False: skip the check of the compiled programs against the devices' memory
+    memory_limit_gib: float = 0.0  # check against this many GiB per device; 0 = the device's own limit
 
     def __post_init__(self):
         for key in ("slots", "max_queue", "mesh_data", "mesh_tensor"):
@@ -292,20 +296,42 @@ class Server:
             cfg.out_dir if cfg.init_from == "resume" else cfg.init_from))
         self.created = int(time.time())
         self.engine: engine.Engine | None = None
+        self.memory: dict | None = None  # the start-up memory check's numbers (memory.check)
+        self.failure: str | None = None  # why the engine could not start
         self.token_scorer = None  # echo with logprobs: made on first use
         self.stopping = False
         print(f"loaded {source} as '{self.name}' ({self.tok.summary()}, {setup.model_config.dtype}, "
               f"context {self.context}); {inference.memory_summary(setup, self.params)}", flush=True)
 
-    def start_engine(self) -> None:
-        """Compile the engine's programs (in a thread: /health answers 503 meanwhile)."""
-        self.engine = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue,
-                                    vocab=self.tok.vocab_size)
-        e = self.engine
+    def start_engine(self, on_failure=None) -> None:
+        """Compile the engine's programs (in a thread: /health answers 503 meanwhile) and check that they
+        fit the devices; if they cannot, keep the reason in self.failure and call on_failure."""
+        e = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue, vocab=self.tok.vocab_size)
+        if self.cfg.memory_check:
+            try:
+                self.memory = self.check_memory(e)
+            except configurator.ConfigError as error:
+                e.shutdown()
+                self.failure = str(error)
+                if on_failure is not None:
+                    on_failure()
+                return
+        self.engine = e
         print(f"ready: {e.slots} slots x {self.context} tokens, KV cache {e.kv_bytes / 2**20:,.1f} MiB "
               f"({e.kv_bytes_per_token:,} bytes per token), weights {e.weight_bytes / 2**20:,.1f} MiB; "
               f"{len(e.buckets)} prompt buckets ({', '.join(map(str, e.buckets))}) compiled in {e.compile_s:.1f} s",
               flush=True)
+
+    def check_memory(self, e: engine.Engine) -> dict:
+        """memory.check of the engine's programs: a decode step holds the weights and every slot's
+        cache (its arguments); a prompt's prefill runs beside that cache, which it does not take."""
+        devices = list(e.mesh.devices.flat)
+        platform = devices[0].platform
+        cache_bytes = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(e.state))
+        need = max(memory.needed([e.step_program, *e.insert_programs.values()], platform),
+                   memory.needed(e.prefill_programs.values(), platform) + cache_bytes)
+        return memory.check("serving", need, devices, self.cfg.memory_limit_gib,
+                            memory.serving_remedies(self.cfg, len(jax.devices())))
 
     def ready(self) -> engine.Engine:
         if self.stopping:
@@ -357,7 +383,7 @@ def make_app(server: Server) -> Starlette:
         e = server.engine
         return JSONResponse({"status": "ok", "model": server.name, "context": server.context,
                              "weight_bytes": e.weight_bytes, "kv_bytes_per_token": e.kv_bytes_per_token,
-                             "memory_bandwidth": e.memory_bandwidth, **e.stats()})
+                             "memory_bandwidth": e.memory_bandwidth, "memory": server.memory, **e.stats()})
 
     async def models(request: HTTPRequest):
         return JSONResponse({"object": "list", "data": [
@@ -652,7 +678,10 @@ def main(argv) -> None:
     app = make_app(server)
     uv = UvicornServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                                       timeout_graceful_shutdown=30), server)
-    threading.Thread(target=server.start_engine, name="compile", daemon=True).start()
+    def stop_serving():
+        uv.should_exit = True
+
+    threading.Thread(target=server.start_engine, args=(stop_serving,), name="compile", daemon=True).start()
     stop_summaries = threading.Event()
     if cfg.log_interval > 0:
         threading.Thread(target=summaries, args=(server, stop_summaries), daemon=True).start()
@@ -664,6 +693,8 @@ def main(argv) -> None:
         stop_summaries.set()
         if server.engine is not None:
             server.engine.shutdown()
+    if server.failure:
+        sys.exit(f"error: {server.failure}")
     if not uv.started:
         sys.exit(f"error: could not listen on {cfg.host}:{cfg.port} (in use, or not an address here)")
 

@@ -4,6 +4,7 @@ trained here, talked to with the openai client and with raw HTTP."""
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -334,6 +335,7 @@ def test_server_on_data_and_tensor_with_int8_weights_and_cache_says_its_bytes(ru
     printed = capsys.readouterr().out
     assert "int8 blocks" in printed and "KV cache 160 bytes per token (int8)" in printed, printed
     assert "(160 bytes per token)" in printed  # the engine's measured cache: 2 x 2 layers x 2 heads x (16 + 4)
+    assert re.search(r"memory: serving needs [\d.]+ [KMG]i?B per device x 4 = .* of .* available", printed), printed
     setup, params, _, tok = inference.load_checkpoint(run, kv_cache_dtype="int8")
     ids = generate.encode_prompt(tok, "hello world")
     expected = generate.generate(setup, inference.int8_weights(params), [ids], 12, temperature=0).tokens[0]
@@ -341,6 +343,18 @@ def test_server_on_data_and_tensor_with_int8_weights_and_cache_says_its_bytes(ru
     request = server.engine.submit(engine.Request(ids, 12, temperature=0, on_finish=finished.set_result))
     assert finished.result(timeout=120) == "length" and request.tokens == expected
     server.engine.shutdown()
+
+
+def test_programs_too_big_for_the_memory_end_the_server_with_one_line(run):
+    """The start-up check: the compiled programs (~290 KiB) against a 105 KiB limit, refused before any request."""
+    port = free_port()
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}", "--slots=4",
+                             "--memory_limit_gib=0.0001", "--log_interval=0", f"--port={port}"],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: memory: serving needs [\d.]+ [KM]iB per device, more than the 104.86 KiB available "
+                        r"\(memory_limit_gib\); try --slots=2, or --kv_cache_dtype=int8, or .*", error), error
 
 
 def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(server):
