@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 import hardware
 import sharding
+import train
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -28,7 +29,8 @@ def expected(setup) -> dict:
       data    one all-reduce of the gradients (the device's share of them), after the micro-steps
       fsdp    each micro-step gathers the parameters forward and again backward (the embedding
               table once: the lookup and the tied output layer share it) and reduce-scatters
-              the gradients (result: the device's shard)
+              the gradients (result: the device's shard); with fsdp_reduce_once the step gathers
+              them once and reduce-scatters once
       tensor  per layer two all-reduces of the activations forward and two backward, plus one
               each for the vocabulary-split lookup and the output layer's input gradient
       expert  per sparse layer two all-to-alls of the routed tokens forward and two backward
@@ -44,8 +46,11 @@ def expected(setup) -> dict:
         bytes_of["all-reduce"] = shard
     if mesh["fsdp"] > 1:
         gathered = shard * mesh["fsdp"]  # the device's (tensor-split) share of every parameter
-        bytes_of["all-gather"] = A * (2 * gathered - (table if c.tie_embeddings else 0))
-        bytes_of["reduce-scatter"] = A * shard
+        if "fsdp" in train.shards_kept_apart(setup):
+            bytes_of["all-gather"], bytes_of["reduce-scatter"] = gathered, shard
+        else:
+            bytes_of["all-gather"] = A * (2 * gathered - (table if c.tie_embeddings else 0))
+            bytes_of["reduce-scatter"] = A * shard
     if mesh["tensor"] > 1:
         bytes_of["all-reduce"] = bytes_of.get("all-reduce", 0) + A * (4 * c.n_layer + 2) * activation
     if mesh["expert"] > 1:

@@ -136,6 +136,9 @@ class Config:
     # device mesh (per slice): product must equal the devices per slice; -1 takes the rest
     mesh_data: int = -1
     mesh_fsdp: int = 1
+    fsdp_reduce_once: bool = False  # with gradient accumulation under fsdp: gather the parameters once and
+    #                                 reduce-scatter the gradients once per step, not every micro-step;
+    #                                 costs each device the whole parameters and gradient (ZeRO-2's memory)
     mesh_tensor: int = 1
     mesh_expert: int = 1  # splits a mixture of experts' experts (and the batch elsewhere)
     mesh_context: int = 1  # splits each row's tokens (long sequences); attention gathers keys and values
@@ -317,7 +320,7 @@ ROLES = {
             "sample_tokens", "mesh_data", "mesh_fsdp", "mesh_tensor", "mesh_expert", "mesh_stage",
             "mesh_context", "pipeline_microbatches", "layers_per_stage", "offload", "dcn_data", "dcn_fsdp",
             "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context", "coordinator_address", "num_processes",
-            "process_id", "compiled_train_step", "memory_check", "memory_limit_gib"),
+            "process_id", "compiled_train_step", "memory_check", "memory_limit_gib", "fsdp_reduce_once"),
 }
 ROLE = {key: role for role, keys in ROLES.items() for key in keys}
 

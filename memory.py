@@ -73,6 +73,8 @@ def needed(programs, platform: str) -> int:
 def training_remedies(config: configurator.Config, n_devices: int) -> list[str]:
     """The cheapest ways down that the config offers, the same advice as compile_aot.py's."""
     tips = []
+    if config.fsdp_reduce_once and config.mesh_fsdp != 1:
+        tips.append("--fsdp_reduce_once=False (each device keeps only its share of the parameters and gradient)")
     if config.batch_size > 1:
         tips.append(f"--batch_size={config.batch_size // 2} "
                     f"--gradient_accumulation_steps={2 * config.gradient_accumulation_steps} (same tokens per step)")

@@ -226,6 +226,12 @@ def rules_without(mesh_axis: str, rules) -> tuple:
     return tuple((name, tuple(a for a in _as_tuple(axes) if a != mesh_axis) or None) for name, axes in rules)
 
 
+def without_axes(named: NamedSharding, mesh_axes: tuple[str, ...]) -> NamedSharding:
+    """`named` replicated over `mesh_axes`: each device holds what it held, whole along those axes."""
+    spec = [tuple(a for a in _as_tuple(entry) if a not in mesh_axes) or None for entry in named.spec]
+    return NamedSharding(named.mesh, PartitionSpec(*spec), memory_kind=named.memory_kind)
+
+
 def batch_sharding(mesh) -> NamedSharding:
     """Token batches (B, T): rows split over every axis that splits the batch."""
     return NamedSharding(mesh, mesh_axes_for(("batch", "seq")))

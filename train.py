@@ -206,30 +206,37 @@ def training_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None, packed_B
     return loss + aux / n_micro, (loss, stats)
 
 
-def data_shards_kept_apart(setup: Setup) -> int:
-    """How many per-device partial gradient sums the micro-step loop carries: the `data` axis's size.
-    A gradient constrained to the parameters' (replicated over `data`) sharding inside the loop is
-    all-reduced every micro-step (and a tied embedding's twice: lookup and output layer); kept apart
-    per data shard it is summed on the device and reduced once, after the loop, at no cost in memory
-    (each device held the whole replicated sum anyway). `fsdp` is left as it is: its gradients are
-    reduce-scattered each micro-step, as the sharded sum is all the memory ZeRO-3 keeps. Mixtures of
-    experts (whose router losses are over the whole micro-batch) and pipelines keep one sum."""
+def shards_kept_apart(setup: Setup) -> tuple[str, ...]:
+    """The mesh axes over which the micro-step loop carries per-device partial gradient sums. A
+    gradient constrained to the parameters' (replicated over `data`) sharding inside the loop is
+    all-reduced every micro-step; kept apart per data shard it is summed on the device and reduced
+    once, after the loop, at no cost in memory (each device held the whole replicated sum anyway).
+    `fsdp` joins only with fsdp_reduce_once: its gradients are otherwise reduce-scattered each
+    micro-step, as the sharded sum is all the memory ZeRO-3 keeps. Mixtures of experts (whose router
+    losses are over the whole micro-batch) and pipelines keep one sum."""
     if setup.config.n_experts or setup.mesh.shape["stage"] > 1:
-        return 1
-    return setup.mesh.shape["data"]
+        return ()
+    axes = ("data", "fsdp") if setup.config.fsdp_reduce_once else ("data",)
+    return tuple(axis for axis in axes if setup.mesh.shape[axis] > 1)
 
 
-def per_data_shard(micro_step_grads, shards: int):
-    """micro_step_grads run on each data shard's rows on its own (vmap over `data`): gradients
-    (shards, ...), each a device's partial sum, that no collective reduces. The model's own
-    constraints split the rows over the other batch axes only; each shard draws its own dropout."""
+def per_shard(micro_step_grads, mesh, axes: tuple[str, ...]):
+    """micro_step_grads run on each shard's rows on its own (vmap over `axes`): gradients (shards, ...),
+    each a device's partial sum, that no collective reduces. Inside, the model's own constraints split
+    the rows over the other batch axes only (with `fsdp` among `axes`, each device computes with the
+    whole parameters, gathered once for the loop); each shard draws its own dropout."""
+    shards = math.prod(mesh.shape[axis] for axis in axes)
+    rules = spmd.get_logical_axis_rules()
+    for axis in axes:
+        rules = sharding.rules_without(axis, rules)
+
     def split(a_BxT):
         return None if a_BxT is None else a_BxT.reshape(shards, a_BxT.shape[0] // shards, *a_BxT.shape[1:])
 
     def run(x_BxT, y_BxT, packed_BxT, key):
         keys = None if key is None else jax.random.split(key, shards)
-        with nnx.logical_axis_rules(sharding.rules_without("data", spmd.get_logical_axis_rules())):
-            grads_S, (loss_S, router) = jax.vmap(micro_step_grads, spmd_axis_name="data")(
+        with nnx.logical_axis_rules(rules):
+            grads_S, (loss_S, router) = jax.vmap(micro_step_grads, spmd_axis_name=axes)(
                 split(x_BxT), split(y_BxT), split(packed_BxT), keys)
         return grads_S, (loss_S.sum(), router)
 
@@ -255,13 +262,19 @@ def make_train_step(setup: Setup):
         # The loss is the mean over the step's targets, however they fall into micro-batches.
         n_targets = jnp.maximum((y_AxBxT >= 0).sum(), 1)
 
-        def micro_step_grads(x_BxT, y_BxT, packed_BxT, key):
-            (_, (loss, router)), grads = grad_fn(params, x_BxT, y_BxT, key, packed_BxT, n_targets, n_micro)
-            return jax.lax.with_sharding_constraint(grads, setup.compute_shardings["params"]), (loss, router)
+        kept_apart = shards_kept_apart(setup)
+        grad_shardings = jax.tree.map(lambda s: sharding.without_axes(s, kept_apart), setup.compute_shardings["params"])
 
-        shards = data_shards_kept_apart(setup)
-        if shards > 1:
-            micro_step_grads = per_data_shard(micro_step_grads, shards)
+        # With fsdp kept apart the loop computes with whole parameters, gathered here once for every micro-step.
+        loop_params = jax.lax.with_sharding_constraint(params, grad_shardings) if "fsdp" in kept_apart else params
+
+        def micro_step_grads(x_BxT, y_BxT, packed_BxT, key):
+            (_, (loss, router)), grads = grad_fn(loop_params, x_BxT, y_BxT, key, packed_BxT, n_targets, n_micro)
+            return jax.lax.with_sharding_constraint(grads, grad_shardings), (loss, router)
+
+        shards = math.prod(setup.mesh.shape[axis] for axis in kept_apart)
+        if kept_apart:
+            micro_step_grads = per_shard(micro_step_grads, setup.mesh, kept_apart)
 
         def micro_step(grad_sum, inputs):
             x_BxT, y_BxT, packed_BxT, i = inputs
@@ -270,10 +283,10 @@ def make_train_step(setup: Setup):
             return jax.tree.map(jnp.add, grad_sum, grads), (loss, router)
 
         # Gradient accumulation as a scan: one compiled loop, not one dispatch per micro-step.
-        zeros = jax.tree.map(lambda p: jnp.zeros((shards, *p.shape) if shards > 1 else p.shape, p.dtype), params)
+        zeros = jax.tree.map(lambda p: jnp.zeros((shards, *p.shape) if kept_apart else p.shape, p.dtype), params)
         grads, (losses, router) = jax.lax.scan(micro_step, zeros,
                                                (x_AxBxT, y_AxBxT, packed_AxBxT, jnp.arange(n_micro)))
-        if shards > 1:  # the data shards' partial sums, reduced once for the step
+        if kept_apart:  # the shards' partial sums, reduced once for the step
             grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g.sum(0), grads),
                                                      setup.compute_shardings["params"])
         loss, grad_norm = losses.sum(), optax.tree.norm(grads)

@@ -21,7 +21,10 @@ def layouts(tmp_path_factory):
     make_dataset(root / "data", vocab_size=64)
     base = small_config(root, n_layer=2, n_embd=64, n_head=4, batch_size=8, mesh_data=1)
     meshes = {"data": dict(mesh_data=8), "data, 4 micro-steps": dict(mesh_data=8, gradient_accumulation_steps=4),
-              "fsdp": dict(mesh_fsdp=8, dtype="bfloat16"), "tensor x data": dict(mesh_data=2, mesh_tensor=4)}
+              "fsdp": dict(mesh_fsdp=8, dtype="bfloat16"),
+              "fsdp, 4 micro-steps": dict(mesh_fsdp=8, gradient_accumulation_steps=4),
+              "fsdp, 4 micro-steps, reduced once": dict(mesh_fsdp=8, gradient_accumulation_steps=4, fsdp_reduce_once=True),
+              "tensor x data": dict(mesh_data=2, mesh_tensor=4)}
     target = compile_aot.make_target("cpu:8")
     return {name: compile_aot.compile_step(dataclasses.replace(base, **flags), target, VOCAB)
             for name, flags in meshes.items()}
@@ -38,6 +41,18 @@ def test_accumulated_gradients_are_reduced_once_per_step(layouts):
     one = layouts["data"].collectives["all-reduce"][0]
     four = layouts["data, 4 micro-steps"].collectives["all-reduce"][0]
     assert abs(four - one) < 1024  # the same gradients (the micro-steps' losses are a few scalars more)
+
+
+def test_fsdp_reduce_once_gathers_and_reduces_once_per_step_not_per_micro_step(layouts):
+    """Under fsdp each micro-step gathers the parameters and reduces their gradients; with
+    fsdp_reduce_once the step gathers them once and reduces once (XLA:CPU all-reduces where a
+    TPU reduce-scatters), for the whole parameters and gradient on every device."""
+    per_micro_step = layouts["fsdp, 4 micro-steps"].collectives
+    once = layouts["fsdp, 4 micro-steps, reduced once"].collectives
+    for kind in ("all-gather", "all-reduce"):
+        assert once[kind][0] < per_micro_step[kind][0] / 3, (kind, once[kind], per_micro_step[kind])
+    r = layouts["fsdp, 4 micro-steps, reduced once"]
+    assert 0.8 < once["all-gather"][0] / communication.expected(r.setup)["all-gather"] < 1.2
 
 
 def test_fsdp_gathers_the_embedding_table_once(layouts):

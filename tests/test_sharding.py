@@ -370,17 +370,21 @@ def test_document_masking_sharded_trains_on_each_document_as_if_alone(tmp_path):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_data_parallel_accumulation_equals_one_device(toy64):
-    """data=4 x fsdp=2 with 2 micro-steps, where each data shard carries its own partial gradient sum
-    through the micro-steps (train.per_data_shard), takes one device's step: same loss, same parameters."""
+@pytest.mark.parametrize("fsdp_reduce_once", [False, True])
+def test_accumulation_with_sums_kept_apart_equals_one_device(toy64, fsdp_reduce_once):
+    """data=4 x fsdp=2 with 2 micro-steps, where each data shard (and with fsdp_reduce_once each
+    fsdp shard too) carries its own partial gradient sum through the micro-steps (train.per_shard),
+    takes one device's step: same loss, same parameters."""
     root, _ = toy64
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 64, (2, 2, 8, 16)).astype(np.int32)  # (inputs | targets, micro-steps, B, T)
     results = []
     for data, fsdp in ((1, 1), (4, 2)):
-        config = dataclasses.replace(sharded_config(root, data, fsdp, 1), gradient_accumulation_steps=2)
+        config = dataclasses.replace(sharded_config(root, data, fsdp, 1), gradient_accumulation_steps=2,
+                                     fsdp_reduce_once=fsdp_reduce_once)
         setup = train.make_setup(config, sharding.make_mesh(data, fsdp, 1, devices=jax.devices()[:data * fsdp]), 64)
-        assert train.data_shards_kept_apart(setup) == data
+        if data > 1:
+            assert train.shards_kept_apart(setup) == (("data", "fsdp") if fsdp_reduce_once else ("data",))
         with sharding.activate(setup.mesh):
             batch = tuple(jax.device_put(a, setup.micro_batch_sharding) for a in (x, y))
             state, metrics = train.jit_train_step(setup)(train.init_state(setup), batch)
