@@ -150,16 +150,18 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores(toy64, tm
 
 
 def test_checkpoint_restores_onto_a_different_mesh(toy64, tmp_path):
+    """Saved on fsdp=4 x context=2 (rows in the balanced order inside the step), resumed with
+    context=1 on data x fsdp x tensor and on one device: the losses of an uninterrupted run."""
     root, _ = toy64
-    base = dataclasses.replace(sharded_config(root, 1, 8, 1), max_iters=8, eval_interval=4)
+    base = dataclasses.replace(sharded_config(root, 1, 4, 1, context=2), max_iters=8, eval_interval=4)
     straight = [l for _, l in train.train(dataclasses.replace(
-        base, out_dir=str(tmp_path / "straight"), mesh_fsdp=1), jax.devices()[:1])]
+        base, out_dir=str(tmp_path / "straight"), mesh_fsdp=1, mesh_context=1), jax.devices()[:1])]
     for name, layout in (("2x2x2", (2, 2, 2)), ("one-device", (1, 1, 1))):
         out_dir = str(tmp_path / name)
-        train.train(dataclasses.replace(base, out_dir=out_dir, max_iters=4))  # saved on fsdp=8
+        train.train(dataclasses.replace(base, out_dir=out_dir, max_iters=4))  # saved on fsdp=4 x context=2
         data, fsdp, tensor = layout
         resumed = dataclasses.replace(base, out_dir=out_dir, init_from="resume", mesh_data=data,
-                                      mesh_fsdp=fsdp, mesh_tensor=tensor)
+                                      mesh_fsdp=fsdp, mesh_tensor=tensor, mesh_context=1)
         devices = jax.devices()[:data * fsdp * tensor]
         losses = [l for _, l in train.train(resumed, devices)]
         np.testing.assert_allclose(losses, straight[4:], rtol=0, atol=1e-5)
