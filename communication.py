@@ -32,8 +32,9 @@ def expected(setup) -> dict:
       tensor  per layer two all-reduces of the activations forward and two backward, plus one
               each for the vocabulary-split lookup and the output layer's input gradient
       expert  per sparse layer two all-to-alls of the routed tokens forward and two backward
-      context per layer an all-gather of the row's keys and values forward (again in the backward
-              with remat) and a reduce-scatter of their gradients (result: the device's tokens)
+      context as fsdp for the parameters (split over fsdp x context), and per layer an all-gather
+              of the row's keys and values forward (again in the backward with remat) and a
+              reduce-scatter of their gradients (result: the device's tokens)
     Parameters move in the dtype they are stored in, activations in the compute dtype."""
     c, mesh, A = setup.config, setup.mesh.shape, setup.config.gradient_accumulation_steps
     params = setup.abstract_state["params"]
@@ -44,8 +45,8 @@ def expected(setup) -> dict:
     bytes_of = {}
     if mesh["data"] > 1:
         bytes_of["all-reduce"] = shard
-    if mesh["fsdp"] > 1:
-        gathered = shard * mesh["fsdp"]  # the device's (tensor-split) share of every parameter
+    if mesh["fsdp"] * mesh["context"] > 1:  # parameters are split over both (sharding.RULES)
+        gathered = shard * mesh["fsdp"] * mesh["context"]  # the device's (tensor-split) share of every parameter
         bytes_of["all-gather"] = A * (2 * gathered - (table if c.tie_embeddings else 0))
         bytes_of["reduce-scatter"] = A * shard
     if mesh["tensor"] > 1:

@@ -50,10 +50,11 @@ def test_sharded_loss_curve_equals_one_device(toy64, layout):
     np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5)
 
 
-def test_fsdp_stores_an_eighth_of_the_parameters_per_device(toy64):
+@pytest.mark.parametrize("fsdp, context", [(8, 1), (2, 4)])  # the context devices split the weights too
+def test_fsdp_stores_an_eighth_of_the_parameters_per_device(toy64, fsdp, context):
     root, _ = toy64
-    config = sharded_config(root, 1, 8, 1)
-    mesh = sharding.make_mesh(1, 8, 1)
+    config = sharded_config(root, 1, fsdp, 1, context)
+    mesh = sharding.make_mesh(1, fsdp, 1, context=context)
     state = train.init_state(train.make_setup(config, mesh, 64))
     leaves = jax.tree_util.tree_leaves_with_path(state["params"])
     total = sum(a.nbytes for _, a in leaves)
@@ -216,9 +217,10 @@ def test_llama_style_model_sharded_equals_one_device(toy64):
     assert one_device[-1] < one_device[0] - 0.1  # it learns
     P = jax.sharding.PartitionSpec
     specs = setup.state_shardings["params"]
-    assert specs["blocks"]["attn"]["qkv_kernel"].spec == P("stage", "fsdp", None, "tensor", None)  # (L, D, G+2, K, H)
-    assert specs["blocks"]["mlp"]["gate_kernel"].spec == P("stage", "fsdp", "tensor")
-    assert specs["lm_head_kernel"].spec == P("fsdp", "tensor")
+    weights = ("fsdp", "context")  # the model width: split over both (context is 1 here)
+    assert specs["blocks"]["attn"]["qkv_kernel"].spec == P("stage", weights, None, "tensor", None)  # (L, D, G+2, K, H)
+    assert specs["blocks"]["mlp"]["gate_kernel"].spec == P("stage", weights, "tensor")
+    assert specs["lm_head_kernel"].spec == P(weights, "tensor")
 
 
 def test_key_value_heads_that_tensor_cannot_split_or_replicate_are_one_clear_error(toy64):
