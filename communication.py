@@ -34,25 +34,35 @@ def expected(setup) -> dict:
       tensor  per layer two all-reduces of the activations forward and two backward, plus one
               each for the vocabulary-split lookup and the output layer's input gradient
       expert  per sparse layer two all-to-alls of the routed tokens forward and two backward
+      context as fsdp for the parameters (split over fsdp x context), and per layer an all-gather
+              of the row's keys and values forward (again in the backward with remat) and a
+              reduce-scatter of their gradients (result: the device's tokens)
     Parameters move in the dtype they are stored in, activations in the compute dtype."""
     c, mesh, A = setup.config, setup.mesh.shape, setup.config.gradient_accumulation_steps
     params = setup.abstract_state["params"]
     shard = device_bytes(params)
     table = params["wte"].size * params["wte"].dtype.itemsize // mesh["tensor"]
     rows = c.batch_size // sharding.batch_shards(setup.mesh)
-    activation = rows * c.block_size * c.n_embd * jnp.dtype(c.dtype).itemsize
+    activation = rows * c.block_size // mesh["context"] * c.n_embd * jnp.dtype(c.dtype).itemsize
     bytes_of = {}
     if mesh["data"] > 1:
         bytes_of["all-reduce"] = shard
-    if mesh["fsdp"] > 1:
-        gathered = shard * mesh["fsdp"]  # the device's (tensor-split) share of every parameter
-        if "fsdp" in train.shards_kept_apart(setup):
+    if mesh["fsdp"] * mesh["context"] > 1:  # parameters are split over both (sharding.RULES)
+        gathered = shard * mesh["fsdp"] * mesh["context"]  # the device's (tensor-split) share of every parameter
+        if "fsdp" in train.shards_kept_apart(setup):  # fsdp_reduce_once (context is 1 with it)
             bytes_of["all-gather"], bytes_of["reduce-scatter"] = gathered, shard
         else:
             bytes_of["all-gather"] = A * (2 * gathered - (table if c.tie_embeddings else 0))
             bytes_of["reduce-scatter"] = A * shard
     if mesh["tensor"] > 1:
         bytes_of["all-reduce"] = bytes_of.get("all-reduce", 0) + A * (4 * c.n_layer + 2) * activation
+    if mesh["context"] > 1:
+        kv_heads = setup.model_config.kv_heads
+        keys_values = rows * c.block_size * 2 * kv_heads * (c.n_embd // c.n_head) * jnp.dtype(c.dtype).itemsize
+        keys_values //= mesh["tensor"]  # `tensor` splits the heads
+        gathers = c.n_layer * (2 if c.remat_policy != "none" else 1)
+        bytes_of["all-gather"] = bytes_of.get("all-gather", 0) + A * gathers * keys_values
+        bytes_of["reduce-scatter"] = bytes_of.get("reduce-scatter", 0) + A * c.n_layer * keys_values // mesh["context"]
     if mesh["expert"] > 1:
         routed = activation * c.experts_per_token * (c.capacity_factor or 1.0)
         bytes_of["all-to-all"] = A * 4 * (c.n_layer - c.moe_dense_layers) * routed

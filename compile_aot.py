@@ -238,7 +238,8 @@ def state_terms(config: configurator.Config) -> tuple[str, str]:
 def estimate_memory(setup: train.Setup) -> dict:
     """Per-device bytes, term by term, from the shapes alone (nothing compiled)."""
     c, m, mesh = setup.config, setup.model_config, setup.mesh.shape
-    tokens = c.batch_size // (mesh["data"] * mesh["fsdp"]) * c.block_size  # per device and micro-step
+    # per device and micro-step; `context` splits each row's tokens (every query still sees T keys)
+    tokens = c.batch_size // (mesh["data"] * mesh["fsdp"]) * c.block_size // mesh["context"]
     kv_heads, swiglu, F = m.kv_heads, m.mlp == "swiglu", m.mlp_hidden_size
     widths = dict(D=c.n_embd, N=c.n_head, T=c.block_size, t=mesh["tensor"],
                   s=jnp.dtype(c.dtype).itemsize, qkv=(c.n_head + 2 * kv_heads) * (c.n_embd // c.n_head),
@@ -461,6 +462,12 @@ def suggestions(r: Result) -> list[str]:
     if rows > 1:
         tips.append((e["activations"] + e["logits or a re-run layer"],
                      f"a smaller batch per device ({rows} rows now), same tokens per step: "
+                     f"--batch_size={c.batch_size // 2} "
+                     f"--gradient_accumulation_steps={2 * c.gradient_accumulation_steps}"))
+    if rows == 1 and mesh["fsdp"] % 2 == 0 and c.block_size % (4 * mesh["context"]) == 0:
+        tips.append((e["activations"] + e["logits or a re-run layer"],
+                     f"split each row's tokens over twice as many devices, same tokens per step: "
+                     f"--mesh_context={2 * mesh['context']} --mesh_fsdp={mesh['fsdp'] // 2} "
                      f"--batch_size={c.batch_size // 2} "
                      f"--gradient_accumulation_steps={2 * c.gradient_accumulation_steps}"))
     if c.remat_policy != "full":

@@ -204,6 +204,10 @@ class Config:
                               f"{self.rope_scaling_factor}, {self.rope_original_context}")
         check_choice("nan_policy", self.nan_policy, ("stop", "skip_step"))
         check_choice("offload", self.offload, ("none", "optimizer", "params_and_optimizer"))
+        if self.fsdp_reduce_once and self.mesh_context * self.dcn_context != 1:
+            raise ConfigError("fsdp_reduce_once keeps a whole partial gradient sum per fsdp shard, which the "
+                              "context axis's devices would have to reduce every micro-step: use it with "
+                              "mesh_context=1 dcn_context=1, or leave it False")
         if self.mesh_stage * self.dcn_stage > 1 and self.n_experts and self.moe_dense_layers:
             raise ConfigError(f"a pipeline (mesh_stage={self.mesh_stage}) runs one stack of equal layers, but "
                               f"moe_dense_layers={self.moe_dense_layers} makes two: use moe_dense_layers=0 "

@@ -9,7 +9,8 @@ Six mesh axes, each a different way to split the work:
   fsdp    split the batch *and* shard parameters/optimizer state (ZeRO-3: all-gather
           weights before use, reduce-scatter gradients)
   context split the sequence: each device holds T / context tokens of every row (activations
-          and queries); attention gathers the keys and values over the axis (all-gather)
+          and queries); attention gathers the keys and values over the axis (all-gather); the
+          parameters are sharded over fsdp x context (the context devices gather them as fsdp's do)
   tensor  split attention heads and MLP hidden units (Megatron: activations all-reduced)
 The model names its axes logically (model.py); RULES below is the only place where those
 names meet the mesh. Needs only jax/flax/numpy, so it can be copied into another project.
@@ -32,7 +33,9 @@ RULES = (
     ("batch", ("data", "expert", "fsdp")),
     ("expert_batch", ("data", "fsdp")),  # the rows of the experts' buffers: `expert` splits the experts
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    # parameters and optimizer state: split over the context devices too (they hold the same weights
+    # and gather them as fsdp's do), so a long row's devices don't each keep a copy
+    ("embed", ("fsdp", "context")),
     ("heads", "tensor"),
     ("mlp", "tensor"),
     ("experts", "expert"),  # a mixture of experts' expert axis (moe.MoE)

@@ -24,7 +24,9 @@ def layouts(tmp_path_factory):
               "fsdp": dict(mesh_fsdp=8, dtype="bfloat16"),
               "fsdp, 4 micro-steps": dict(mesh_fsdp=8, gradient_accumulation_steps=4),
               "fsdp, 4 micro-steps, reduced once": dict(mesh_fsdp=8, gradient_accumulation_steps=4, fsdp_reduce_once=True),
-              "tensor x data": dict(mesh_data=2, mesh_tensor=4)}
+              "tensor x data": dict(mesh_data=2, mesh_tensor=4),
+              # rows of 64 tokens: the keys and values gathered are half of what it moves
+              "context": dict(mesh_context=8, remat_policy="full", block_size=64)}
     target = compile_aot.make_target("cpu:8")
     return {name: compile_aot.compile_step(dataclasses.replace(base, **flags), target, VOCAB)
             for name, flags in meshes.items()}
@@ -63,7 +65,8 @@ def test_fsdp_gathers_the_embedding_table_once(layouts):
     assert len(gathers) == 1, gathers
 
 
-@pytest.mark.parametrize("layout, kind", [("data", "all-reduce"), ("fsdp", "all-gather"), ("tensor x data", "all-reduce")])
+@pytest.mark.parametrize("layout, kind", [("data", "all-reduce"), ("fsdp", "all-gather"), ("tensor x data", "all-reduce"),
+                                          ("context", "all-gather")])  # weights, and keys and values twice (remat)
 def test_compiled_bytes_are_what_the_scaling_book_expects(layouts, layout, kind):
     r = layouts[layout]
     compiled, expected = r.collectives[kind][0], communication.expected(r.setup)[kind]

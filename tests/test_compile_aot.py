@@ -158,6 +158,23 @@ def test_too_small_memory_is_reported_as_does_not_fit(result):
     assert big.fits and "verdict: fits" in compile_aot.report(big)
 
 
+def test_context_splits_the_estimated_activations_and_is_suggested_for_one_row_per_device(compiled):
+    """mesh_context=4 leaves each device a quarter of every row's tokens (each query still sees all
+    T keys); a step with one row per device that does not fit is offered the context split."""
+    root, config, _, _ = compiled
+
+    def setup(context, batch_size=8):
+        c = dataclasses.replace(config, mesh_fsdp=2, mesh_context=context, batch_size=batch_size)
+        return train.make_setup(c, train.make_mesh(c, jax.devices()[:2 * context]), 64)
+
+    assert compile_aot.estimate_memory(setup(1))["activations"] == 4 * compile_aot.estimate_memory(setup(4))["activations"]
+    one_row = setup(1, batch_size=2)
+    r = compile_aot.Result(compile_aot.make_target("cpu:2"), one_row, None, None, 0.0, {"total": 1 << 30}, "",
+                           compile_aot.estimate_memory(one_row), 0.0, None, {})
+    split = "--mesh_context=2 --mesh_fsdp=1 --batch_size=1 --gradient_accumulation_steps=4"  # same tokens per step
+    assert any(tip.endswith(split) for tip in compile_aot.suggestions(r))
+
+
 def test_xla_out_of_memory_messages_are_parsed():
     assert compile_aot.oom_memory("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
                                   "required for HLO temporaries (58.64G) exceeds available HBM "

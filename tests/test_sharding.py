@@ -50,10 +50,11 @@ def test_sharded_loss_curve_equals_one_device(toy64, layout):
     np.testing.assert_allclose(losses, reference, rtol=0, atol=1e-5)
 
 
-def test_fsdp_stores_an_eighth_of_the_parameters_per_device(toy64):
+@pytest.mark.parametrize("fsdp, context", [(8, 1), (2, 4)])  # the context devices split the weights too
+def test_fsdp_stores_an_eighth_of_the_parameters_per_device(toy64, fsdp, context):
     root, _ = toy64
-    config = sharded_config(root, 1, 8, 1)
-    mesh = sharding.make_mesh(1, 8, 1)
+    config = sharded_config(root, 1, fsdp, 1, context)
+    mesh = sharding.make_mesh(1, fsdp, 1, context=context)
     state = train.init_state(train.make_setup(config, mesh, 64))
     leaves = jax.tree_util.tree_leaves_with_path(state["params"])
     total = sum(a.nbytes for _, a in leaves)
@@ -150,16 +151,18 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores(toy64, tm
 
 
 def test_checkpoint_restores_onto_a_different_mesh(toy64, tmp_path):
+    """Saved on fsdp=4 x context=2 (rows in the balanced order inside the step), resumed with
+    context=1 on data x fsdp x tensor and on one device: the losses of an uninterrupted run."""
     root, _ = toy64
-    base = dataclasses.replace(sharded_config(root, 1, 8, 1), max_iters=8, eval_interval=4)
+    base = dataclasses.replace(sharded_config(root, 1, 4, 1, context=2), max_iters=8, eval_interval=4)
     straight = [l for _, l in train.train(dataclasses.replace(
-        base, out_dir=str(tmp_path / "straight"), mesh_fsdp=1), jax.devices()[:1])]
+        base, out_dir=str(tmp_path / "straight"), mesh_fsdp=1, mesh_context=1), jax.devices()[:1])]
     for name, layout in (("2x2x2", (2, 2, 2)), ("one-device", (1, 1, 1))):
         out_dir = str(tmp_path / name)
-        train.train(dataclasses.replace(base, out_dir=out_dir, max_iters=4))  # saved on fsdp=8
+        train.train(dataclasses.replace(base, out_dir=out_dir, max_iters=4))  # saved on fsdp=4 x context=2
         data, fsdp, tensor = layout
         resumed = dataclasses.replace(base, out_dir=out_dir, init_from="resume", mesh_data=data,
-                                      mesh_fsdp=fsdp, mesh_tensor=tensor)
+                                      mesh_fsdp=fsdp, mesh_tensor=tensor, mesh_context=1)
         devices = jax.devices()[:data * fsdp * tensor]
         losses = [l for _, l in train.train(resumed, devices)]
         np.testing.assert_allclose(losses, straight[4:], rtol=0, atol=1e-5)
@@ -214,9 +217,10 @@ def test_llama_style_model_sharded_equals_one_device(toy64):
     assert one_device[-1] < one_device[0] - 0.1  # it learns
     P = jax.sharding.PartitionSpec
     specs = setup.state_shardings["params"]
-    assert specs["blocks"]["attn"]["qkv_kernel"].spec == P("stage", "fsdp", None, "tensor", None)  # (L, D, G+2, K, H)
-    assert specs["blocks"]["mlp"]["gate_kernel"].spec == P("stage", "fsdp", "tensor")
-    assert specs["lm_head_kernel"].spec == P("fsdp", "tensor")
+    weights = ("fsdp", "context")  # the model width: split over both (context is 1 here)
+    assert specs["blocks"]["attn"]["qkv_kernel"].spec == P("stage", weights, None, "tensor", None)  # (L, D, G+2, K, H)
+    assert specs["blocks"]["mlp"]["gate_kernel"].spec == P("stage", weights, "tensor")
+    assert specs["lm_head_kernel"].spec == P(weights, "tensor")
 
 
 def test_key_value_heads_that_tensor_cannot_split_or_replicate_are_one_clear_error(toy64):
