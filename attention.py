@@ -177,3 +177,52 @@ def _attend_bwd(dropout_rate, saved, do_BxTxNxH):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT, mesh_axis: str = "context"):
+    """Causal attention with the row's tokens split over `mesh_axis` (ring attention): each device
+    keeps its queries and its own keys and values, and the key/value blocks travel round the ring
+    (ppermute), one step per device, while a running softmax (the largest score, the sum of
+    exponentials, the weighted values) takes in each block. Scores exist one T/C x T/C block at a
+    time, not T/C x T as when keys and values are all-gathered. The mask compares positions and
+    segments (the tokens may be in balanced_order). Each step is rematerialised in the backward
+    pass, so it keeps only the blocks and running sums, not the scores. Other mesh axes stay with
+    the compiler (batch, heads)."""
+    C = jax.sharding.get_abstract_mesh().shape[mesh_axis]
+    G = q_BxTxNxH.shape[2] // k_BxTxKxH.shape[2]
+    tokens = jax.sharding.PartitionSpec(None, mesh_axis)
+
+    def local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT):
+        (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
+        q_BxTxKxGxH = (q_BxTxNxH * H ** -0.5).reshape(B, T, K, G, H)  # query head k·G + g uses key head k
+
+        @jax.checkpoint
+        def take_in(carry, _):
+            k_BxSxKxH, v_BxSxKxH, key_position_BxS, key_segment_BxS, max_BxKxGxT, sum_BxKxGxT, o_BxKxGxTxH = carry
+            s_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32)
+            visible = ((key_position_BxS[:, None, :] <= position_BxT[:, :, None])
+                       & (key_segment_BxS[:, None, :] == segment_ids_BxT[:, :, None]))[:, None, None]
+            s_BxKxGxTxS = jnp.where(visible, s_BxKxGxTxS, -jnp.inf)
+            # the first block is the device's own: every query sees itself there, so the max is finite after it
+            new_max = jnp.maximum(max_BxKxGxT, s_BxKxGxTxS.max(-1))
+            p_BxKxGxTxS = jnp.exp(s_BxKxGxTxS - new_max[..., None])
+            rescale = jnp.exp(max_BxKxGxT - new_max)
+            sum_BxKxGxT = sum_BxKxGxT * rescale + p_BxKxGxTxS.sum(-1)
+            o_BxKxGxTxH = o_BxKxGxTxH * rescale[..., None] + jnp.einsum(
+                "bkgts,bskh->bkgth", p_BxKxGxTxS.astype(v_BxSxKxH.dtype), v_BxSxKxH, preferred_element_type=jnp.float32)
+            to_next = [(i, (i + 1) % C) for i in range(C)]
+            passed = [jax.lax.ppermute(a, mesh_axis, to_next)
+                      for a in (k_BxSxKxH, v_BxSxKxH, key_position_BxS, key_segment_BxS)]
+            return (*passed, new_max, sum_BxKxGxT, o_BxKxGxTxH), None
+
+        # the running values start from q's own layout (one per device, split as q is)
+        o_BxKxGxTxH = jnp.zeros_like(q_BxTxKxGxH, jnp.float32).transpose(0, 2, 3, 1, 4)
+        sum_BxKxGxT = o_BxKxGxTxH[..., 0]
+        start = (k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT, sum_BxKxGxT - jnp.inf, sum_BxKxGxT,
+                 o_BxKxGxTxH)
+        (*_, sum_BxKxGxT, o_BxKxGxTxH), _ = jax.lax.scan(take_in, start, length=C)
+        o_BxKxGxTxH = o_BxKxGxTxH / sum_BxKxGxT[..., None]
+        return o_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q_BxTxNxH.dtype)
+
+    return jax.shard_map(local, in_specs=(tokens,) * 5, out_specs=tokens, axis_names={mesh_axis})(
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT)

@@ -36,7 +36,8 @@ def expected(setup) -> dict:
       expert  per sparse layer two all-to-alls of the routed tokens forward and two backward
       context as fsdp for the parameters (split over fsdp x context), and per layer an all-gather
               of the row's keys and values forward (again in the backward with remat) and a
-              reduce-scatter of their gradients (result: the device's tokens)
+              reduce-scatter of their gradients (result: the device's tokens); with ring attention
+              collective-permutes of the same keys and values (and back of their gradients)
     Parameters move in the dtype they are stored in, activations in the compute dtype."""
     c, mesh, A = setup.config, setup.mesh.shape, setup.config.gradient_accumulation_steps
     params = setup.abstract_state["params"]
@@ -60,9 +61,14 @@ def expected(setup) -> dict:
         kv_heads = setup.model_config.kv_heads
         keys_values = rows * c.block_size * 2 * kv_heads * (c.n_embd // c.n_head) * jnp.dtype(c.dtype).itemsize
         keys_values //= mesh["tensor"]  # `tensor` splits the heads
-        gathers = c.n_layer * (2 if c.remat_policy != "none" else 1)
-        bytes_of["all-gather"] = bytes_of.get("all-gather", 0) + A * gathers * keys_values
-        bytes_of["reduce-scatter"] = bytes_of.get("reduce-scatter", 0) + A * c.n_layer * keys_values // mesh["context"]
+        passes = 2 if c.remat_policy != "none" else 1  # the forward, and remat's re-run
+        if c.context_attention == "ring":  # each device's block goes all the way round, and its gradient too
+            ring = A * c.n_layer * (passes + 1) * keys_values
+            bytes_of["collective-permute"] = bytes_of.get("collective-permute", 0) + ring
+        else:
+            bytes_of["all-gather"] = bytes_of.get("all-gather", 0) + A * c.n_layer * passes * keys_values
+            bytes_of["reduce-scatter"] = (bytes_of.get("reduce-scatter", 0)
+                                          + A * c.n_layer * keys_values // mesh["context"])
     if mesh["expert"] > 1:
         routed = activation * c.experts_per_token * (c.capacity_factor or 1.0)
         bytes_of["all-to-all"] = A * 4 * (c.n_layer - c.moe_dense_layers) * routed

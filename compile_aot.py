@@ -238,10 +238,12 @@ def state_terms(config: configurator.Config) -> tuple[str, str]:
 def estimate_memory(setup: train.Setup) -> dict:
     """Per-device bytes, term by term, from the shapes alone (nothing compiled)."""
     c, m, mesh = setup.config, setup.model_config, setup.mesh.shape
-    # per device and micro-step; `context` splits each row's tokens (every query still sees T keys)
+    # per device and micro-step; `context` splits each row's tokens (every query still sees T keys,
+    # all at once, or a T / context block at a time round the ring)
     tokens = c.batch_size // (mesh["data"] * mesh["fsdp"]) * c.block_size // mesh["context"]
     kv_heads, swiglu, F = m.kv_heads, m.mlp == "swiglu", m.mlp_hidden_size
-    widths = dict(D=c.n_embd, N=c.n_head, T=c.block_size, t=mesh["tensor"],
+    keys_seen = c.block_size // (mesh["context"] if c.context_attention == "ring" else 1)  # at a time
+    widths = dict(D=c.n_embd, N=c.n_head, T=keys_seen, t=mesh["tensor"],
                   s=jnp.dtype(c.dtype).itemsize, qkv=(c.n_head + 2 * kv_heads) * (c.n_embd // c.n_head),
                   mlp=(3 if swiglu else 2) * F, mlp_in=(2 if swiglu else 1) * F)
     params = per_device_bytes(setup.abstract_state["params"])  # 4 B per parameter / its shards

@@ -142,6 +142,9 @@ class Config:
     mesh_tensor: int = 1
     mesh_expert: int = 1  # splits a mixture of experts' experts (and the batch elsewhere)
     mesh_context: int = 1  # splits each row's tokens (long sequences); attention gathers keys and values
+    context_attention: str = "gather"  # with mesh_context > 1: 'gather' (all-gather the keys and values:
+    #                                    T/context x T scores per device) | 'ring' (pass them round the
+    #                                    devices: T/context x T/context scores at a time)
     mesh_stage: int = 1  # pipeline stages: each holds n_layer / mesh_stage layers (pipeline.py)
     pipeline_microbatches: int = 1  # with mesh_stage > 1: the batch flows through the stages in this
     #                                 many pieces; bubble = (stages-1) / (microbatches+stages-1)
@@ -179,6 +182,10 @@ class Config:
         check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
         check_choice("attention", self.attention, ("auto", "xla", "einsum", "cudnn"))
         check_choice("quantization", self.quantization, ("none", "int8", "fp8"))
+        check_choice("context_attention", self.context_attention, ("gather", "ring"))
+        if self.context_attention == "ring" and (self.dropout > 0 or self.mesh_stage * self.dcn_stage > 1):
+            raise ConfigError("context_attention='ring' has no attention dropout and no pipeline stages: "
+                              "use dropout=0 and mesh_stage=1, or context_attention='gather'")
         if self.attention == "cudnn" and self.dtype != "bfloat16":
             raise ConfigError(f"attention='cudnn' needs dtype='bfloat16' (cuDNN's flash attention has no "
                               f"float32 kernel); got dtype={self.dtype!r}. Use attention='auto' or 'xla'")
@@ -312,7 +319,7 @@ ROLES = {
               "mlp", "mlp_hidden", "n_kv_head", "tie_embeddings", "qk_norm", "zero_init_proj", "logit_softcap",
               "n_experts", "experts_per_token", "n_shared_experts", "moe_hidden", "moe_dense_layers",
               "capacity_factor"),
-    "compute": ("dtype", "scan_layers", "remat_policy", "attention", "quantization"),
+    "compute": ("dtype", "scan_layers", "remat_policy", "attention", "quantization", "context_attention"),
     "optimizer": ("optimizer", "batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
                   "beta1", "beta2", "grad_clip", "decay_lr", "warmup_iters", "lr_decay_iters", "min_lr",
                   "muon_learning_rate", "muon_momentum", "muon_weight_decay", "dropout",

@@ -51,6 +51,17 @@ def constrain(x, logical_axes):
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def sequence_axis() -> tuple[str | None, int]:
+    """The mesh axis that splits each row's tokens (logical 'seq': `context`) and its size; (None, 1)
+    when none does."""
+    rules, mesh = dict(spmd.get_logical_axis_rules() or ()), jax.sharding.get_abstract_mesh()
+    axes = rules.get("seq")
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    if mesh.empty or len(axes) != 1 or mesh.shape.get(axes[0], 1) == 1:
+        return None, 1
+    return axes[0], mesh.shape[axes[0]]
+
+
 def dropout(x, rate: float, key):
     if key is None or rate == 0.0:
         return x

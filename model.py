@@ -39,9 +39,10 @@ from flax import nnx
 
 import pipeline
 import quantization
-from attention import Segments, causal_attention, causal_mask, permuted_segments, position_mask, same_segment
+from attention import (Segments, causal_attention, causal_mask, permuted_segments, position_mask, ring_attention,
+                       same_segment)
 from kv_cache import KVCache
-from layers import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init
+from layers import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis
 from moe import MoE
 
 
@@ -87,6 +88,8 @@ class GPTConfig:
     attention: str = "xla"  # training attention: 'xla' | 'einsum' (written out with its backward:
     #                         fastest on CPUs) | 'cudnn' (fused flash kernel, GPU, bf16)
     quantization: str = "none"  # the blocks' dense matmuls: 'none' | 'int8' | 'fp8' (quantization.py)
+    context_attention: str = "gather"  # rows split over the mesh's sequence axis: 'gather' (all-gather the
+    #                                    keys and values) | 'ring' (pass them round: attention.ring_attention)
     pipeline_stages: int = 1  # > 1: the layer stack runs as a pipeline over the `stage` mesh axis
     pipeline_microbatches: int = 1  # the batch is cut into this many micro-batches for it
     layers_per_stage: int = 0  # 0 = n_layer / stages (GPipe); fewer: the circular schedule
@@ -213,13 +216,18 @@ class Attention(nnx.Module):
         position_BxT = start_B[:, None] + jnp.arange(T) if segments is None else segments.position_BxT
         q_BxTxNxH = rotate(normalize(q_BxTxNxH, config), position_BxT, config)
         k_BxTxKxH = rotate(normalize(k_BxTxKxH, config), position_BxT, config)
-        # every query sees keys and values of the whole row: gathered over `context` (MaxText's default)
-        k_BxTxKxH, v_BxTxKxH = (constrain(a, ("batch", None, "heads", None)) for a in (k_BxTxKxH, v_BxTxKxH))
+        seq_axis, seq_splits = sequence_axis()
+        ring = config.context_attention == "ring" and cache is None and seq_splits > 1
+        if not ring:  # every query sees keys and values of the whole row: gathered over `context` (MaxText's default)
+            k_BxTxKxH, v_BxTxKxH = (constrain(a, ("batch", None, "heads", None)) for a in (k_BxTxKxH, v_BxTxKxH))
         k_probs, k_out = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         dropping = k_probs is not None and config.dropout > 0  # only the written-out attention drops probabilities
         segment_ids_BxT = None if segments is None else segments.ids_BxT
         out_of_order = segments is not None and not segments.in_order
-        if cache is None and (config.attention == "einsum" or dropping):
+        if ring:
+            ids_BxT = jnp.zeros_like(position_BxT) if segment_ids_BxT is None else segment_ids_BxT
+            y_BxTxNxH = ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, ids_BxT, seq_axis)
+        elif cache is None and (config.attention == "einsum" or dropping):
             y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, config.dropout, k_probs, segment_ids_BxT,
                                          segments.position_BxT if out_of_order else None)
         elif cache is None and out_of_order:  # is_causal would compare array indices

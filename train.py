@@ -213,8 +213,10 @@ def shards_kept_apart(setup: Setup) -> tuple[str, ...]:
     once, after the loop, at no cost in memory (each device held the whole replicated sum anyway).
     `fsdp` joins only with fsdp_reduce_once: its gradients are otherwise reduce-scattered each
     micro-step, as the sharded sum is all the memory ZeRO-3 keeps. Mixtures of experts (whose router
-    losses are over the whole micro-batch) and pipelines keep one sum."""
-    if setup.config.n_experts or setup.mesh.shape["stage"] > 1:
+    losses are over the whole micro-batch), pipelines and ring attention (JAX cannot vmap its
+    shard_map over an axis that the shard_map leaves to the compiler) keep one sum."""
+    ring = setup.config.context_attention == "ring" and setup.mesh.shape["context"] > 1
+    if setup.config.n_experts or setup.mesh.shape["stage"] > 1 or ring:
         return ()
     axes = ("data", "fsdp") if setup.config.fsdp_reduce_once else ("data",)
     return tuple(axis for axis in axes if setup.mesh.shape[axis] > 1)

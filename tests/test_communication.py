@@ -26,7 +26,8 @@ def layouts(tmp_path_factory):
               "fsdp, 4 micro-steps, reduced once": dict(mesh_fsdp=8, gradient_accumulation_steps=4, fsdp_reduce_once=True),
               "tensor x data": dict(mesh_data=2, mesh_tensor=4),
               # rows of 64 tokens: the keys and values gathered are half of what it moves
-              "context": dict(mesh_context=8, remat_policy="full", block_size=64)}
+              "context": dict(mesh_context=8, remat_policy="full", block_size=64),
+              "context, ring": dict(mesh_context=8, remat_policy="full", block_size=64, context_attention="ring")}
     target = compile_aot.make_target("cpu:8")
     return {name: compile_aot.compile_step(dataclasses.replace(base, **flags), target, VOCAB)
             for name, flags in meshes.items()}
@@ -66,7 +67,8 @@ def test_fsdp_gathers_the_embedding_table_once(layouts):
 
 
 @pytest.mark.parametrize("layout, kind", [("data", "all-reduce"), ("fsdp", "all-gather"), ("tensor x data", "all-reduce"),
-                                          ("context", "all-gather")])  # weights, and keys and values twice (remat)
+                                          ("context", "all-gather"),  # weights, and keys and values twice (remat)
+                                          ("context, ring", "collective-permute")])  # keys and values round the ring
 def test_compiled_bytes_are_what_the_scaling_book_expects(layouts, layout, kind):
     r = layouts[layout]
     compiled, expected = r.collectives[kind][0], communication.expected(r.setup)[kind]

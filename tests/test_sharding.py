@@ -24,13 +24,14 @@ LAYOUTS = {  # (data, fsdp, tensor[, context]): between them, every axis split 2
     "tensor=2 x fsdp=4": (1, 4, 2),
     "data=2 x fsdp=2 x tensor=2": (2, 2, 2),
     "context=4 x fsdp=2": (1, 2, 1, 4),  # the balanced causal layout (attention.balanced_order)
+    "data=2 x context=2 x tensor=2, ring attention": (2, 1, 2, 2, "ring"),
 }
 
 
-def sharded_config(tmp_path, data, fsdp, tensor, context=1):
+def sharded_config(tmp_path, data, fsdp, tensor, context=1, context_attention="gather"):
     # vocab 64 and width 64 divide evenly, so every named axis really is split
     return small_config(tmp_path, mesh_data=data, mesh_fsdp=fsdp, mesh_tensor=tensor, mesh_context=context,
-                        n_embd=64, n_head=4, max_iters=5, eval_interval=1000,
+                        context_attention=context_attention, n_embd=64, n_head=4, max_iters=5, eval_interval=1000,
                         out_dir=str(tmp_path / f"out-{data}-{fsdp}-{tensor}"))
 
 
@@ -399,13 +400,17 @@ def test_accumulation_with_sums_kept_apart_equals_one_device(toy64, fsdp_reduce_
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), sharded, one)
 
 
-@pytest.mark.parametrize("model, fsdp, context, tensor", [("gpt2", 1, 8, 1), ("llama", 2, 2, 2)])
-def test_context_parallel_trains_on_each_document_as_if_alone(tmp_path, model, fsdp, context, tensor):
-    """mesh_context splits each row's tokens (keys and values gathered): with document masking, the step's
-    loss and gradient norm are the documents' own, each alone on one device (GPT-2 with all 8 devices on
-    context; RoPE and grouped-query attention with context=2 x fsdp=2 x tensor=2)."""
+@pytest.mark.parametrize("model, fsdp, context, tensor, context_attention", [
+    ("gpt2", 1, 8, 1, "gather"), ("llama", 2, 2, 2, "gather"), ("gpt2", 1, 8, 1, "ring"), ("llama", 2, 2, 2, "ring")])
+def test_context_parallel_trains_on_each_document_as_if_alone(tmp_path, model, fsdp, context, tensor,
+                                                              context_attention):
+    """mesh_context splits each row's tokens (keys and values gathered, or passed round the ring): with
+    document masking, the step's loss and gradient norm are the documents' own, each alone on one device
+    (GPT-2 with all 8 devices on context; RoPE and grouped-query attention with context=2 x fsdp=2 x
+    tensor=2)."""
     config = dataclasses.replace(sharded_config(tmp_path, 1, fsdp, tensor), n_embd=32, document_masking=True,
-                                 mesh_context=context, **(LLAMA_STYLE if model == "llama" else {}))
+                                 mesh_context=context, context_attention=context_attention,
+                                 **(LLAMA_STYLE if model == "llama" else {}))
     mesh = sharding.make_mesh(1, fsdp, tensor, context=context)
     assert tuple(sharding.batch_sharding(mesh).spec) == (("data", "expert", "fsdp"), "context")  # tokens split
     got, expected = masked_step_and_alone(config, mesh)
@@ -430,10 +435,14 @@ def test_context_parallel_splits_the_activations(tmp_path):
     """The step's temporary memory (mostly activations) per device with the row's 512 tokens split over
     context=8: 0.23 of one device's (the ideal 1/8, plus gathered keys and values, the weights'
     gradients, and the balanced layout's one T/8 x T block of scores per device, where one device
-    skips the score tiles above the diagonal); 0.19 with contiguous chunks, before the balance."""
-    def temp_bytes(context):
-        config = small_config(tmp_path, block_size=512, batch_size=1, mesh_data=1, mesh_context=context)
+    skips the score tiles above the diagonal); 0.19 with contiguous chunks, before the balance. Ring
+    attention, whose scores are one T/8 x T/8 block at a time, needs less still."""
+    def temp_bytes(context, context_attention="gather"):
+        config = small_config(tmp_path, block_size=512, batch_size=1, mesh_data=1, mesh_context=context,
+                              context_attention=context_attention)
         mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:context], context=context)
         setup = train.make_setup(config, mesh, 64)
         return train.lower(setup).compile().memory_analysis().temp_size_in_bytes
-    assert temp_bytes(8) < 0.25 * temp_bytes(1)
+    gathered = temp_bytes(8)
+    assert gathered < 0.25 * temp_bytes(1)
+    assert temp_bytes(8, "ring") < 0.7 * gathered
