@@ -186,6 +186,8 @@ def test_choice_validation(flag, words):
     (["--dropout=-0.1"], ["dropout", "-0.1"]),
     (["--n_embd=100", "--n_head=3"], ["n_embd", "100", "n_head", "3", "divisible"]),
     (["--attention=cudnn"], ["attention='cudnn'", "dtype='bfloat16'", "float32"]),
+    (["--context_attention=ring", "--dropout=0.1"], ["context_attention='ring'", "dropout=0"]),
+    (["--fsdp_reduce_once=True", "--mesh_context=2"], ["fsdp_reduce_once", "mesh_context=1"]),
 ])
 def test_range_checks(flags, words):
     message = error_of(flags)
