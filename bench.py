@@ -243,8 +243,14 @@ def bench_decode(config, options: Options, devices) -> dict:
     runs = []
     for batch_size in (int(s) for s in options.decode_batch.split(",")):
         prompts = rng.integers(0, vocab_size, (batch_size, P)).tolist()
+        start = time.perf_counter()  # the programs generate() runs, compiled first to check their memory
+        programs = generate.first_programs(setup, params, prompts, new_tokens, temperature=0.0)
+        compile_s = time.perf_counter() - start
+        check = memory.preflight(f"decoding {batch_size} rows", programs, devices, config.memory_limit_gib,
+                                 memory.decoding_remedies(batch_size, new_tokens, options.weight_dtype,
+                                                          mc.kv_cache_dtype)) if config.memory_check else None
         run = lambda: generate.generate(setup, params, prompts, new_tokens, temperature=0.0)
-        first = run()  # compiles
+        first = run()  # finds the programs compiled above
         out = [run() for _ in range(max(1, min(options.steps, 5)))]
         decode_s = [g.decode_s for g in out]
         steps = new_tokens - 1  # the prefill samples each row's first new token
@@ -254,12 +260,13 @@ def bench_decode(config, options: Options, devices) -> dict:
         bytes_per_step = weight_bytes + batch_size * mean_positions * cache_bytes_per_position
         runs.append({
             "batch_size": batch_size, "prompt_len": P, "new_tokens": new_tokens,
-            "compile_s": first.compile_s, "prefill_s": statistics.median(g.prefill_s for g in out),
+            "compile_s": compile_s + first.compile_s, "prefill_s": statistics.median(g.prefill_s for g in out),
             "decode_s": decode_s, "min_s": min(decode_s), "median_s": statistics.median(decode_s),
             "decode_tokens": out[0].decode_tokens, "step_s": step_s,
             "tokens_per_s": out[0].decode_tokens / statistics.median(decode_s),
             "bytes_per_step": bytes_per_step, "bandwidth": bytes_per_step / step_s,
             "roofline_fraction": bytes_per_step / step_s / bandwidth if bandwidth else None,
+            "memory_check": check,
         })
     return {"params": count_params(mc), "vocab_size": vocab_size, "mesh": dict(mesh.shape),
             "weight_dtype": options.weight_dtype, "kv_cache_dtype": mc.kv_cache_dtype,

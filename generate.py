@@ -155,6 +155,42 @@ def _compile(graphdef, mesh, treedef, leaves, length, sampling, kv_cache, vocab,
     return run_prefill, run_decode
 
 
+def padded_rows(setup, prompts: list) -> list:
+    """The prompts, padded up to a multiple of the mesh's batch axes with rows that want nothing."""
+    return [list(ids) for ids in prompts] + [[0]] * (-len(prompts) % sharding.batch_shards(setup.mesh))
+
+
+def segment_inputs(setup, params, prompt_ids: list, wanted_B, new_B, max_new_tokens: int, seed: int,
+                   stop_ids) -> tuple[tuple, int]:
+    """A segment's inputs on the devices, for prompts prompt_ids (one per padded row), and its
+    length S (prompt and new tokens, at most the context)."""
+    mesh, batch = setup.mesh, sharding.batch_sharding(setup.mesh)
+    rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch.spec[0]))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    P = max(len(ids) for ids in prompt_ids)
+    prompt_BxP = np.zeros((len(prompt_ids), P), np.int32)
+    for b, ids in enumerate(prompt_ids):
+        prompt_BxP[b, :len(ids)] = ids
+    prompt_len_B = np.array([len(ids) for ids in prompt_ids], np.int32)
+    inputs = (params, jax.device_put(prompt_BxP, batch), jax.device_put(prompt_len_B, rows_sharding),
+              jax.device_put(wanted_B, rows_sharding), jax.device_put(new_B, rows_sharding),
+              jax.device_put(jax.random.key(seed), replicated),
+              jax.device_put(np.array([*stop_ids] or [-1], np.int32), replicated))  # [-1]: no stop id
+    return inputs, min(P + max_new_tokens, setup.model_config.block_size)
+
+
+def first_programs(setup, params, prompts: list, max_new_tokens: int, *, temperature: float = 1.0,
+                   top_k: int = 0, top_p: float = 1.0, stop_ids=(), kv_cache: bool = True, vocab: int | None = None):
+    """The compiled prefill and decode that generate() runs first for these arguments (compiled
+    here once; generate reuses them): what a memory check needs before generating."""
+    rows = padded_rows(setup, prompts)
+    wanted_B = np.where(np.arange(len(rows)) < len(prompts), max_new_tokens, 0).astype(np.int32)
+    inputs, S = segment_inputs(setup, params, rows, wanted_B, np.zeros(len(rows), np.int32), max_new_tokens,
+                               0, stop_ids)
+    drawable = min(vocab or setup.model_config.vocab_size, setup.model_config.vocab_size)
+    return compile_programs(setup, inputs, S, (temperature, top_k, top_p), kv_cache, drawable)
+
+
 @dataclasses.dataclass
 class Generation:
     tokens: list  # the new tokens of each prompt, without the stop token
@@ -183,16 +219,10 @@ def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0
         if not 0 < len(ids) < block_size:
             raise ValueError(f"prompt {i} is {len(ids)} tokens; the model's context is {block_size} "
                              f"tokens, with at least one left to generate: shorten the prompt")
-    split = sharding.batch_shards(setup.mesh)
-    rows = [list(ids) for ids in prompts] + [[0]] * (-len(prompts) % split)  # padding rows want nothing
+    rows = padded_rows(setup, prompts)
     new_B = np.zeros(len(rows), np.int32)  # new tokens so far, stop tokens included
     running_B = (np.arange(len(rows)) < len(prompts)) & (max_new_tokens > 0)
     window = max(block_size // 2, 1)
-    mesh, batch = setup.mesh, sharding.batch_sharding(setup.mesh)
-    rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch.spec[0]))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    key = jax.device_put(jax.random.key(seed), replicated)
-    stop = jax.device_put(np.array([*stop_ids] or [-1], np.int32), replicated)  # [-1]: none
     sampling = (temperature, top_k, top_p)
     drawable = min(vocab or setup.model_config.vocab_size, setup.model_config.vocab_size)
     prompt_tokens = decode_tokens = 0
@@ -200,15 +230,9 @@ def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0
 
     prompt_ids = rows  # the first segment's prompts
     while running_B.any():
-        P = max(len(ids) for ids in prompt_ids)
-        S = min(P + max_new_tokens, block_size)
-        prompt_BxP = np.zeros((len(rows), P), np.int32)
-        for b, ids in enumerate(prompt_ids):
-            prompt_BxP[b, :len(ids)] = ids
-        prompt_len_B = np.array([len(ids) for ids in prompt_ids], np.int32)
         wanted_B = np.where(running_B, max_new_tokens - new_B, 0).astype(np.int32)
-        inputs = (params, jax.device_put(prompt_BxP, batch), jax.device_put(prompt_len_B, rows_sharding),
-                  jax.device_put(wanted_B, rows_sharding), jax.device_put(new_B, rows_sharding), key, stop)
+        inputs, S = segment_inputs(setup, params, prompt_ids, wanted_B, new_B, max_new_tokens, seed, stop_ids)
+        prompt_len_B = np.array([len(ids) for ids in prompt_ids], np.int32)
         start = time.perf_counter()
         run_prefill, run_decode = compile_programs(setup, inputs, S, sampling, kv_cache, drawable, on_token)
         compile_s += time.perf_counter() - start

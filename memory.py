@@ -120,6 +120,18 @@ def check(what: str, need: int, devices, limit_gib: float, remedies: list[str], 
     return result
 
 
+def decoding_remedies(batch_size: int, new_tokens: int, weight_dtype: str, kv_cache_dtype: str) -> list[str]:
+    """bench.py --mode=decode's ways down: fewer rows, a shorter cache (prompt + new tokens), int8."""
+    tips = [f"--decode_batch={batch_size // 2}"] if batch_size > 1 else []
+    if new_tokens > 2:
+        tips.append(f"--new_tokens={new_tokens // 2}")
+    if kv_cache_dtype != "int8":
+        tips.append("--kv_cache_dtype=int8")
+    if weight_dtype != "int8":
+        tips.append("--weight_dtype=int8")
+    return tips
+
+
 def serving_remedies(cfg, n_devices: int) -> list[str]:
     """serve.py's ways down (cfg: its ServeConfig): the KV cache grows with the slots, the weights
     and the cache shrink in int8, and tensor parallelism splits both."""

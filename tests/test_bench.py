@@ -45,11 +45,13 @@ def test_train_record_is_consistent(tmp_path, capsys):
     assert len(read_records(out)) == 2  # a second run appends
 
 
-def test_decode_record_is_consistent(tmp_path):
+def test_decode_record_is_consistent(tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     record = bench.run(TINY + ["--mode=decode", "--decode_batch=1,2", "--prompt_len=4",
                                "--new_tokens=6", "--steps=2", f"--json={out}"])
     assert [r["batch_size"] for r in record["runs"]] == [1, 2]
+    printed = capsys.readouterr().out  # each batch's pre-flight memory line, kept in its record
+    assert all(r["memory_check"]["needed_bytes"] > 0 and r["memory_check"]["line"] in printed for r in record["runs"])
     itemsize = 4  # float32
     for r in record["runs"]:
         assert r["decode_tokens"] == r["batch_size"] * (6 - 1)  # the first new token is the prefill's
@@ -58,6 +60,15 @@ def test_decode_record_is_consistent(tmp_path):
         cache = r["batch_size"] * (4 + 6 / 2) * 2 * 2 * 32 * itemsize
         assert math.isclose(r["bytes_per_step"], record["weight_bytes"] + cache)
         assert math.isclose(r["roofline_fraction"], r["bytes_per_step"] / r["step_s"] / record["peak_bandwidth"])
+
+
+def test_decode_that_cannot_fit_is_refused_before_it_runs(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(TINY + ["--mode=decode", "--decode_batch=4", "--memory_limit_gib=0.0001", "--json="])
+    message = str(e.value)
+    assert message.startswith("config error: memory: decoding 4 rows needs") and "more than the 104.86 KiB" in message
+    assert "--decode_batch=2" in message and "--kv_cache_dtype=int8" in message
+    assert "ms/token step" not in capsys.readouterr().out  # nothing was timed
 
 
 def test_decode_roofline_counts_key_value_heads_and_int8(tmp_path):
