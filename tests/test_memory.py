@@ -1,6 +1,9 @@
 """The pre-flight memory check (memory.py): a step that cannot fit is refused before it runs."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -48,3 +51,38 @@ def test_a_step_over_the_limit_is_refused_before_it_runs_and_accumulation_fits(t
     unchecked = small_config(root / "unchecked", **BIG_BATCH, data_dir=config.data_dir,
                              memory_limit_gib=limit_gib, memory_check=False)
     assert train.train(unchecked)
+
+
+# Run in a fresh process, so that nothing else in it allocates: the step's need, and how far one step
+# (the first after compiling) raises the process's peak resident memory.
+MEASURE_ONE_STEP = """
+import json, jax, bench, configurator, memory, train
+config = configurator.Config(n_layer=1, n_embd=128, n_head=4, block_size=256, batch_size=8, vocab_size=8192,
+                             mesh_data=1, attention="einsum")
+setup = train.make_setup(config, train.make_mesh(config, jax.devices()[:1]), 8192)
+step = train.jit_train_step(setup).lower(setup.abstract_state, bench.random_batch(setup, 8192)).compile()
+state, batch = train.init_state(setup), bench.random_batch(setup, 8192)
+status = lambda field: int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # Linux: the peak RSS starts again from the current RSS
+before = status("VmRSS:")
+jax.block_until_ready(step(state, batch))
+print(json.dumps({"need": memory.needed([step], "cpu"), "grown": status("VmHWM:") - before,
+                  "arguments": sum(a.nbytes for a in jax.tree.leaves((state, batch)))}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+def test_the_estimate_of_a_small_step_is_within_2x_of_its_measured_peak():
+    """The need memory.py checks (XLA's arguments + outputs + temporaries) against the memory the step
+    really holds at its peak: its arguments (the state and batch, resident before it starts) plus
+    what the process's peak RSS grows by while it runs. The step's temporaries (~220 MiB: the
+    logits of 8 x 256 tokens over 8,192 ids and their gradient) dominate both."""
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", MEASURE_ONE_STEP], capture_output=True, text=True, cwd=root,
+                         env=os.environ | {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(out.stdout.splitlines()[-1])
+    measured = m["arguments"] + m["grown"]
+    assert m["grown"] > 100 * 2**20, m  # the step's own memory, not noise
+    assert 0.5 < m["need"] / measured < 2, m
