@@ -217,7 +217,7 @@ class Attention(nnx.Module):
         q_BxTxNxH = rotate(normalize(q_BxTxNxH, config), position_BxT, config)
         k_BxTxKxH = rotate(normalize(k_BxTxKxH, config), position_BxT, config)
         seq_axis, seq_splits = sequence_axis()
-        ring = config.context_attention == "ring" and cache is None and seq_splits > 1
+        ring = config.context_attention == "ring" and cache is None and seq_splits > 1 and T % seq_splits == 0
         if not ring:  # every query sees keys and values of the whole row: gathered over `context` (MaxText's default)
             k_BxTxKxH, v_BxTxKxH = (constrain(a, ("batch", None, "heads", None)) for a in (k_BxTxKxH, v_BxTxKxH))
         k_probs, k_out = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
