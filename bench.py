@@ -240,15 +240,20 @@ def bench_decode(config, options: Options, devices) -> dict:
     cache_bytes_per_position = inference.kv_bytes_per_token(mc)
     rng = np.random.default_rng(0)
     P = options.prompt_len
-    runs = []
+    # Every batch's programs (those generate() runs) compiled and checked against the memory first,
+    # so a batch that cannot fit is refused before any is timed.
+    batches = []
     for batch_size in (int(s) for s in options.decode_batch.split(",")):
         prompts = rng.integers(0, vocab_size, (batch_size, P)).tolist()
-        start = time.perf_counter()  # the programs generate() runs, compiled first to check their memory
+        start = time.perf_counter()
         programs = generate.first_programs(setup, params, prompts, new_tokens, temperature=0.0)
         compile_s = time.perf_counter() - start
-        check = memory.preflight(f"decoding {batch_size} rows", programs, devices, config.memory_limit_gib,
+        check = memory.preflight(f"decoding a batch of {batch_size}", programs, devices, config.memory_limit_gib,
                                  memory.decoding_remedies(batch_size, new_tokens, options.weight_dtype,
                                                           mc.kv_cache_dtype)) if config.memory_check else None
+        batches.append((batch_size, prompts, compile_s, check))
+    runs = []
+    for batch_size, prompts, compile_s, check in batches:
         run = lambda: generate.generate(setup, params, prompts, new_tokens, temperature=0.0)
         first = run()  # finds the programs compiled above
         out = [run() for _ in range(max(1, min(options.steps, 5)))]

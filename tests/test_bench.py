@@ -63,12 +63,13 @@ def test_decode_record_is_consistent(tmp_path, capsys):
 
 
 def test_decode_that_cannot_fit_is_refused_before_it_runs(capsys):
+    """Batch 1 needs ~200 KiB here, batch 4 ~300 KiB: with 252 KiB, batch 4 is refused before batch 1 runs."""
     with pytest.raises(SystemExit) as e:
-        bench.main(TINY + ["--mode=decode", "--decode_batch=4", "--memory_limit_gib=0.0001", "--json="])
+        bench.main(TINY + ["--mode=decode", "--decode_batch=1,4", "--memory_limit_gib=0.00024", "--json="])
     message = str(e.value)
-    assert message.startswith("config error: memory: decoding 4 rows needs") and "more than the 104.86 KiB" in message
+    assert message.startswith("config error: memory: decoding a batch of 4 needs") and "than the 251.66 KiB" in message
     assert "--decode_batch=2" in message and "--kv_cache_dtype=int8" in message
-    assert "ms/token step" not in capsys.readouterr().out  # nothing was timed
+    assert "ms/token step" not in capsys.readouterr().out  # nothing was timed, batch 1 neither
 
 
 def test_decode_roofline_counts_key_value_heads_and_int8(tmp_path):
