@@ -2,7 +2,7 @@
 scores, query blocks that skip the score tiles above the diagonal, grouped-query heads, and
 nanoGPT's dropout on the attention probabilities; and the masks and positions of packed rows
 (Segments: several examples in one row, told apart by segment ids) and of rows in context
-parallelism's balanced order. jax only.
+parallelism's balanced order; and ring attention for rows split over the context axis. jax only.
 """
 
 import dataclasses

@@ -9,8 +9,9 @@ Six mesh axes, each a different way to split the work:
   fsdp    split the batch *and* shard parameters/optimizer state (ZeRO-3: all-gather
           weights before use, reduce-scatter gradients)
   context split the sequence: each device holds T / context tokens of every row (activations
-          and queries); attention gathers the keys and values over the axis (all-gather); the
-          parameters are sharded over fsdp x context (the context devices gather them as fsdp's do)
+          and queries); attention gathers the keys and values over the axis (all-gather), or
+          passes them round it (ring attention); the parameters are sharded over fsdp x context
+          (the context devices gather them as fsdp's do)
   tensor  split attention heads and MLP hidden units (Megatron: activations all-reduced)
 The model names its axes logically (model.py); RULES below is the only place where those
 names meet the mesh. Needs only jax/flax/numpy, so it can be copied into another project.
