@@ -191,6 +191,7 @@ def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_Bx
     C = jax.sharding.get_abstract_mesh().shape[mesh_axis]
     G = q_BxTxNxH.shape[2] // k_BxTxKxH.shape[2]
     tokens = jax.sharding.PartitionSpec(None, mesh_axis)
+    to_next = [(i, (i + 1) % C) for i in range(C)]  # the ring
 
     def local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT):
         (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
@@ -210,7 +211,6 @@ def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_Bx
             sum_BxKxGxT = sum_BxKxGxT * rescale + p_BxKxGxTxS.sum(-1)
             o_BxKxGxTxH = o_BxKxGxTxH * rescale[..., None] + jnp.einsum(
                 "bkgts,bskh->bkgth", p_BxKxGxTxS.astype(v_BxSxKxH.dtype), v_BxSxKxH, preferred_element_type=jnp.float32)
-            to_next = [(i, (i + 1) % C) for i in range(C)]
             passed = [jax.lax.ppermute(a, mesh_axis, to_next)
                       for a in (k_BxSxKxH, v_BxSxKxH, key_position_BxS, key_segment_BxS)]
             return (*passed, new_max, sum_BxKxGxT, o_BxKxGxTxH), None

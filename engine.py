@@ -101,7 +101,7 @@ class Engine:
         if slots % sharding.batch_shards(self.mesh):  # the slots are the cache's rows, split like a batch
             raise EngineError(f"slots={slots} is not divisible by the mesh's batch axes (mesh_data = "
                               f"{sharding.batch_shards(self.mesh)}): use a multiple of it")
-        self.vocab = min(vocab or self.config.vocab_size, self.config.vocab_size)
+        self.vocab = generate.drawable_ids(setup, vocab)
         self.slots, self.max_queue, self.log = slots, max_queue, log
         self.context = self.config.block_size
         self.buckets = prompt_buckets(self.context)

@@ -179,6 +179,11 @@ def segment_inputs(setup, params, prompt_ids: list, wanted_B, new_B, max_new_tok
     return inputs, min(P + max_new_tokens, setup.model_config.block_size)
 
 
+def drawable_ids(setup, vocab: int | None) -> int:
+    """How many ids sampling may draw: the tokenizer's `vocab` where the model's vocabulary is larger."""
+    return min(vocab or setup.model_config.vocab_size, setup.model_config.vocab_size)
+
+
 def first_programs(setup, params, prompts: list, max_new_tokens: int, *, temperature: float = 1.0,
                    top_k: int = 0, top_p: float = 1.0, stop_ids=(), kv_cache: bool = True, vocab: int | None = None):
     """The compiled prefill and decode that generate() runs first for these arguments (compiled
@@ -187,8 +192,7 @@ def first_programs(setup, params, prompts: list, max_new_tokens: int, *, tempera
     wanted_B = np.where(np.arange(len(rows)) < len(prompts), max_new_tokens, 0).astype(np.int32)
     inputs, S = segment_inputs(setup, params, rows, wanted_B, np.zeros(len(rows), np.int32), max_new_tokens,
                                0, stop_ids)
-    drawable = min(vocab or setup.model_config.vocab_size, setup.model_config.vocab_size)
-    return compile_programs(setup, inputs, S, (temperature, top_k, top_p), kv_cache, drawable)
+    return compile_programs(setup, inputs, S, (temperature, top_k, top_p), kv_cache, drawable_ids(setup, vocab))
 
 
 @dataclasses.dataclass
@@ -224,7 +228,7 @@ def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0
     running_B = (np.arange(len(rows)) < len(prompts)) & (max_new_tokens > 0)
     window = max(block_size // 2, 1)
     sampling = (temperature, top_k, top_p)
-    drawable = min(vocab or setup.model_config.vocab_size, setup.model_config.vocab_size)
+    drawable = drawable_ids(setup, vocab)
     prompt_tokens = decode_tokens = 0
     compile_s = prefill_s = decode_s = 0.0
 

@@ -222,12 +222,11 @@ def shards_kept_apart(setup: Setup) -> tuple[str, ...]:
     return tuple(axis for axis in axes if setup.mesh.shape[axis] > 1)
 
 
-def per_shard(micro_step_grads, mesh, axes: tuple[str, ...]):
+def per_shard(micro_step_grads, axes: tuple[str, ...], shards: int):
     """micro_step_grads run on each shard's rows on its own (vmap over `axes`): gradients (shards, ...),
     each a device's partial sum, that no collective reduces. Inside, the model's own constraints split
     the rows over the other batch axes only (with `fsdp` among `axes`, each device computes with the
     whole parameters, gathered once for the loop); each shard draws its own dropout."""
-    shards = math.prod(mesh.shape[axis] for axis in axes)
     rules = spmd.get_logical_axis_rules()
     for axis in axes:
         rules = sharding.rules_without(axis, rules)
@@ -276,7 +275,7 @@ def make_train_step(setup: Setup):
 
         shards = math.prod(setup.mesh.shape[axis] for axis in kept_apart)
         if kept_apart:
-            micro_step_grads = per_shard(micro_step_grads, setup.mesh, kept_apart)
+            micro_step_grads = per_shard(micro_step_grads, kept_apart, shards)
 
         def micro_step(grad_sum, inputs):
             x_BxT, y_BxT, packed_BxT, i = inputs
