@@ -32,16 +32,14 @@ import jax
 import numpy as np
 
 import configurator
-import dataset
-import generate
-import hardware
-import hf
-import inference
-import memory
-import optimizer
 import sharding
 import train
+from data import dataset
+from devices import hardware, memory
+from inference import generate, loader
 from model import active_params, count_params, describe_params, flops_per_token
+from training import optimizer
+from weights import hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +65,8 @@ class Options:
                 raise configurator.ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
         if self.warmup < 0 or self.devices < 0 or self.new_tokens < 0:
             raise configurator.ConfigError("--warmup, --devices and --new_tokens must be >= 0")
-        configurator.check_choice("weight_dtype", self.weight_dtype, inference.WEIGHT_DTYPES)
-        configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, inference.KV_CACHE_DTYPES)
+        configurator.check_choice("weight_dtype", self.weight_dtype, loader.WEIGHT_DTYPES)
+        configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, loader.KV_CACHE_DTYPES)
         if not all(s.strip().isdigit() and int(s) > 0 for s in self.decode_batch.split(",")):
             raise configurator.ConfigError(f"--decode_batch must be positive integers separated by "
                                            f"commas (e.g. 1,8), got {self.decode_batch!r}")
@@ -229,15 +227,15 @@ def bench_decode(config, options: Options, devices) -> dict:
     bandwidth, bandwidth_source = hardware.peak_bandwidth(devices)
     params = train.init_state(setup)["params"]
     # Decoding's setup: the same model with its cache in kv_cache_dtype, the weights as sample.py holds them.
-    setup = inference.model_setup(config, mesh, vocab_size, options.kv_cache_dtype)
-    params = inference.serving_weights(setup, params, options.weight_dtype)
+    setup = loader.model_setup(config, mesh, vocab_size, options.kv_cache_dtype)
+    params = loader.serving_weights(setup, params, options.weight_dtype)
     mc = setup.model_config
     # The fewest bytes a token step can read: every weight once, as held (the position table is a
     # lookup of one row), plus each row's cache up to its position: keys and values of the KV heads
     # only (grouped-query attention), an int8 cache's scales included.
-    weight_bytes = inference.weight_bytes(params) - (
-        inference.weight_bytes(params["wpe"]) if mc.pos_embedding == "learned" else 0)
-    cache_bytes_per_position = inference.kv_bytes_per_token(mc)
+    weight_bytes = loader.weight_bytes(params) - (
+        loader.weight_bytes(params["wpe"]) if mc.pos_embedding == "learned" else 0)
+    cache_bytes_per_position = loader.kv_bytes_per_token(mc)
     rng = np.random.default_rng(0)
     P = options.prompt_len
     # Every batch's programs (those generate() runs) compiled and checked against the memory first,
@@ -337,7 +335,7 @@ def run(argv: list[str]) -> dict:
         result = bench_train(config, options, devices)
     else:
         result = bench_decode(config, options, devices)
-    mc = inference.model_config(config, result["vocab_size"], devices[0].platform)
+    mc = loader.model_config(config, result["vocab_size"], devices[0].platform)
     record = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git": git_revision(), "argv": argv, "mode": options.mode, "options": dataclasses.asdict(options),

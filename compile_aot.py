@@ -23,20 +23,19 @@ import time
 import jax
 import jax.numpy as jnp
 
-import communication
-import compiled_step
-import compile_serve
 import configurator
-import dataset
-import hardware
-import hf
-import pipeline
 import sharding
 import train
-from compiled_step import AotError
-from hardware import GiB
-from memory import compiler_memory, size
+from aot import communication, serve_plan
+from data import dataset
+from devices import hardware
+from devices.hardware import GiB
+from devices.memory import compiler_memory, size
+from layers import pipeline
 from model import describe_params, flops_per_token
+from training import compiled_step
+from training.compiled_step import AotError
+from weights import hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,10 +506,10 @@ def main(argv: list[str]) -> None:
         target = make_target(options.topology, options.topology_num_slices, options.hbm_gib)
         vocab_size = aot_vocab_size(config)
         if options.serve:
-            served = compile_serve.compile_serving(config, target, vocab_size, options.slots, options.context,
+            served = serve_plan.compile_serving(config, target, vocab_size, options.slots, options.context,
                                                    options.weight_dtype, options.kv_cache_dtype, options.chip,
                                                    options.hbm_gib)
-            print(compile_serve.serve_report(served))
+            print(serve_plan.serve_report(served))
             sys.exit(1 if served.fits is False else 0)
         result = compile_step(config, target, vocab_size)
     except (AotError, configurator.ConfigError, sharding.MeshError, dataset.DataError) as e:

@@ -14,62 +14,13 @@ acc_norm per character of the choice. --prefix=eot puts <|endoftext|> first; bui
 and llm.c's HellaSwag ("completion style") is --norm=token --hellaswag_text=raw.
 """
 
-import dataclasses
 import sys
 import time
 
-import jax
-
 import configurator
-import evals
-import sharding
-from generate import weights_in_compute_dtype
-from inference import default_dtype, load_checkpoint, load_hf
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    init_from: str = "resume"  # 'resume' (newest intact checkpoint in out_dir) or a Hugging Face model
-    out_dir: str = "out"
-    task: str = "hellaswag"  # 'hellaswag' | 'choice' ({context, choices, label} jsonl) | 'perplexity' (text)
-    data: str = ""  # the task's file; '' with hellaswag: its validation set, downloaded once
-    limit: int = 0  # only the first N examples of hellaswag or choice (0 = all)
-    norm: str = "char"  # acc_norm per 'char' of the choice (lm-evaluation-harness) or per 'token' (build-nanogpt)
-    hellaswag_text: str = "harness"  # 'harness' ("label: ctx_a Ctx_b", cleaned up) or 'raw' (ctx: build-nanogpt)
-    prefix: str = "auto"  # before a context: 'auto' (the tokenizer's own: Llama's BOS; GPT-2 none) | none | bos | eot
-    batch_size: int = 32  # rows (choices or windows) per forward pass, over all devices
-    dtype: str = "auto"  # a Hugging Face model's compute dtype: 'auto' = bfloat16 on GPUs/TPUs, else float32
-    devices: int = 0  # split the rows over the first N devices (0 = all)
-
-    def __post_init__(self):
-        configurator.check_choice("task", self.task, evals.TASKS)
-        if self.task == "perplexity" and self.limit:
-            raise configurator.ConfigError("--limit counts the examples of hellaswag and choice; perplexity "
-                                           "scores the whole --data file: cut the file to score less")
-        configurator.check_choice("norm", self.norm, ("char", "token"))
-        configurator.check_choice("prefix", self.prefix, evals.PREFIXES)
-        configurator.check_choice("hellaswag_text", self.hellaswag_text, evals.HELLASWAG_TEXTS)
-        configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
-        for key in ("limit", "devices"):
-            if getattr(self, key) < 0:
-                raise configurator.ConfigError(f"{key} must be >= 0, got {getattr(self, key)}")
-        if self.batch_size < 1:
-            raise configurator.ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.task != "hellaswag" and not self.data:
-            raise configurator.ConfigError(f"--task={self.task} needs --data=FILE")
-
-
-def load_model(cfg: EvalConfig):
-    """(setup, params, tokenizer, what was loaded) for cfg.init_from, on the chosen devices."""
-    devices = jax.devices()[:cfg.devices or jax.device_count()]
-    if cfg.devices > jax.device_count():
-        raise evals.EvalError(f"--devices={cfg.devices}, but there are {jax.device_count()}")
-    mesh = sharding.make_mesh(len(devices), 1, 1, devices=devices)
-    if cfg.init_from == "resume":
-        setup, params, step, tok = load_checkpoint(cfg.out_dir, mesh)
-        return setup, params, tok, f"step {step} of {cfg.out_dir}"
-    setup, params, tok = load_hf(cfg.init_from, mesh, dtype=default_dtype(cfg.dtype))
-    return setup, params, tok, cfg.init_from
+from evals import scoring
+from evals.loading import EvalConfig, load_model
+from inference.generate import weights_in_compute_dtype
 
 
 def main(argv):
@@ -83,17 +34,17 @@ def main(argv):
                 with open(cfg.data, encoding="utf-8-sig") as f:
                     text = f.read()
             except (OSError, UnicodeDecodeError) as e:
-                raise evals.EvalError(f"--data={cfg.data}: {e}") from None
-            result = evals.perplexity(setup, params, tok, text, cfg.batch_size, label=cfg.task, prefix=cfg.prefix)
+                raise scoring.EvalError(f"--data={cfg.data}: {e}") from None
+            result = scoring.perplexity(setup, params, tok, text, cfg.batch_size, label=cfg.task, prefix=cfg.prefix)
         else:
-            path = cfg.data or evals.hellaswag_file()
-            examples = evals.read_examples(path, cfg.task, cfg.limit, cfg.hellaswag_text)
-            result = evals.multiple_choice(setup, params, tok, examples, cfg.norm, cfg.batch_size, label=cfg.task,
+            path = cfg.data or scoring.hellaswag_file()
+            examples = scoring.read_examples(path, cfg.task, cfg.limit, cfg.hellaswag_text)
+            result = scoring.multiple_choice(setup, params, tok, examples, cfg.norm, cfg.batch_size, label=cfg.task,
                                            prefix=cfg.prefix)
     except (OSError, ValueError) as e:  # EvalError, CheckpointError, HFError
         sys.exit(f"error: {e}")
     print(f"{what}, {setup.model_config.dtype}, {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    print(evals.summary(cfg.task, result))
+    print(scoring.summary(cfg.task, result))
     return result
 
 

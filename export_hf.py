@@ -22,10 +22,10 @@ import sys
 import jax
 import numpy as np
 
-import chat
 import configurator
-import hf
-from inference import load_checkpoint
+from data import chat_template
+from inference.loader import load_checkpoint
+from weights import hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ def export(cfg: ExportConfig, log=print) -> list:
             log(f"note: no tokenizer files written ({tok.summary()} has none): the export holds the "
                 f"weights only; sample the run itself with `sample.py --out_dir={cfg.out_dir}`")
         elif tok.chat_template is None:  # serve.py's default template: apply_chat_template gives its ids
-            add_chat_template(os.path.join(directory, "tokenizer_config.json"), chat.DEFAULT_TEMPLATE)
+            add_chat_template(os.path.join(directory, "tokenizer_config.json"), chat_template.DEFAULT_TEMPLATE)
 
     files = hf.write_model(cfg.to, tensors, config, cfg.dtype, int(cfg.max_shard_gb * 2**30), add_files)
     n_params = sum(t.size for t in tensors.values())

@@ -37,13 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import pipeline
-import quantization
-from attention import (Segments, causal_attention, causal_mask, permuted_segments, position_mask, ring_attention,
-                       same_segment)
-from kv_cache import KVCache
-from layers import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis
-from moe import MoE
+from layers import pipeline, quantization
+from layers.attention import (Segments, causal_attention, causal_mask, permuted_segments, position_mask, ring_attention,
+                              same_segment)
+from layers.blocks import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis
+from layers.kv_cache import KVCache
+from layers.moe import MoE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,12 +15,12 @@ import json
 import os
 import sys
 
-import chat
 import configurator
-from generate import decode_sample, encode_prompt, generate, stop_token_ids
-from inference import (KV_CACHE_DTYPES, WEIGHT_DTYPES, decode_mesh, default_dtype, load_checkpoint, load_hf,
-                       memory_summary, serving_weights)
-from quantization import MODES as QUANTIZATION_MODES
+from data import chat_template
+from inference.generate import decode_sample, encode_prompt, generate, stop_token_ids
+from inference.loader import (KV_CACHE_DTYPES, WEIGHT_DTYPES, decode_mesh, default_dtype, load_checkpoint, load_hf,
+                              memory_summary, serving_weights)
+from layers.quantization import MODES as QUANTIZATION_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +117,7 @@ def read_messages(path: str) -> list[dict]:
     """--messages: a JSON list of {role, content}."""
     try:
         with open(path, encoding="utf-8") as f:
-            return chat.check_messages(json.load(f))
+            return chat_template.check_messages(json.load(f))
     except (OSError, ValueError) as e:  # json's and chat's errors are ValueErrors
         raise ValueError(f"--messages={path}: {getattr(e, 'strerror', None) or e}") from None
 
@@ -147,7 +147,7 @@ def converse(cfg: SampleConfig, setup, params, tok, given=None) -> list[dict]:
         if given is not None:
             print(f"user> {text}")
         history.append({"role": "user", "content": text})
-        prompt = tok.encode(chat.render(tok, history))  # a template that wants BOS writes it itself
+        prompt = tok.encode(chat_template.render(tok, history))  # a template that wants BOS writes it itself
         print("assistant> ", end="", flush=True)
         stream = StreamPrinter(tok, [], stop_ids)
         out = generate(setup, params, [prompt], cfg.max_new_tokens, seed=cfg.seed + n, temperature=cfg.temperature,

@@ -42,18 +42,16 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-import auth
-import chat
 import configurator
-import engine
-import evals
-import generate
-import inference
-import memory
 import sharding
-from quantization import MODES as QUANTIZATION_MODES
+from data import chat_template
+from devices import memory
+from evals import scoring
+from inference import engine, generate, loader
+from layers.quantization import MODES as QUANTIZATION_MODES
+from serving import auth
 
-WEB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web")  # the chat page
+WEB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serving", "web")  # the chat page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +87,8 @@ class ServeConfig:
             raise configurator.ConfigError(f"port must be in 1..65535, got {self.port}")
         configurator.check_choice("quantization", self.quantization, ("auto", *QUANTIZATION_MODES))
         configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
-        configurator.check_choice("weight_dtype", self.weight_dtype, inference.WEIGHT_DTYPES)
-        configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, inference.KV_CACHE_DTYPES)
+        configurator.check_choice("weight_dtype", self.weight_dtype, loader.WEIGHT_DTYPES)
+        configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, loader.KV_CACHE_DTYPES)
         if self.slots % self.mesh_data:
             raise configurator.ConfigError(f"slots={self.slots} is not divisible by mesh_data={self.mesh_data}: "
                                            f"the slots are split over it; use a multiple of {self.mesh_data}")
@@ -281,16 +279,16 @@ class Server:
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
-        mesh = inference.decode_mesh(cfg.mesh_data, cfg.mesh_tensor)
+        mesh = loader.decode_mesh(cfg.mesh_data, cfg.mesh_tensor)
         if cfg.init_from == "resume":
-            setup, params, step, self.tok = inference.load_checkpoint(cfg.out_dir, mesh, cfg.quantization,
+            setup, params, step, self.tok = loader.load_checkpoint(cfg.out_dir, mesh, cfg.quantization,
                                                                       cfg.kv_cache_dtype)
             source = f"step {step} of {cfg.out_dir}"
         else:
-            setup, params, self.tok = inference.load_hf(cfg.init_from, mesh, cfg.quantization,
-                                                        inference.default_dtype(cfg.dtype), cfg.kv_cache_dtype)
+            setup, params, self.tok = loader.load_hf(cfg.init_from, mesh, cfg.quantization,
+                                                        loader.default_dtype(cfg.dtype), cfg.kv_cache_dtype)
             source = cfg.init_from
-        self.setup, self.params = setup, inference.serving_weights(setup, params, cfg.weight_dtype)
+        self.setup, self.params = setup, loader.serving_weights(setup, params, cfg.weight_dtype)
         self.context = setup.model_config.block_size
         self.name = cfg.model_name or os.path.basename(os.path.normpath(
             cfg.out_dir if cfg.init_from == "resume" else cfg.init_from))
@@ -347,7 +345,7 @@ class Server:
         so there is one program per bucket, compiled on first use. Called off the event loop."""
         e = self.ready()
         if self.token_scorer is None:
-            self.token_scorer = evals.make_token_scorer(self.setup, TOP)
+            self.token_scorer = scoring.make_token_scorer(self.setup, TOP)
         length = next(b for b in e.buckets if b >= len(ids))
         tokens_1xL = np.zeros((1, length), np.int32)
         tokens_1xL[0, :len(ids)] = ids
@@ -493,8 +491,8 @@ def make_app(server: Server) -> Starlette:
 
     def chat_prompt(body: dict) -> list:
         try:
-            text = chat.render(server.tok, body.get("messages"))
-        except chat.ChatError as e:
+            text = chat_template.render(server.tok, body.get("messages"))
+        except chat_template.ChatError as e:
             raise APIError(400, str(e), "messages") from None
         return encode(text, with_bos=False)  # a template that wants BOS writes it itself
 

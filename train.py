@@ -22,24 +22,20 @@ import optax
 from flax import nnx
 from flax.core import spmd
 
-import attention
-import checkpoint
-import compiled_step
 import configurator
-import dataset
-import evals
-import generate
-import hardware
-import hf
-import inference
-import memory
-import monitor
 import sharding
-from checkpoint import CheckpointError
 from configurator import Config
+from data import dataset
+from data.tokenizer import same_vocabulary
+from devices import hardware, memory
+from evals import scoring
+from inference import generate, loader
+from layers import attention
 from model import GPT, GPTConfig, flops_per_token
-from optimizer import groups_summary, learning_rate, make_optimizer, state_shardings
-from tokenizer import same_vocabulary
+from training import compiled_step, monitor
+from training.optimizer import groups_summary, learning_rate, make_optimizer, state_shardings
+from weights import checkpoint, hf
+from weights.checkpoint import CheckpointError
 
 
 class TrainingError(RuntimeError):
@@ -97,7 +93,7 @@ def make_setup(config: Config, mesh, vocab_size: int, document_start: int | None
             "document_masking=True starts a document at each begin-of-text or end-of-text token, and the "
             "dataset has neither (a char-level tokenizer, or no meta.json to name one): prepare the data with "
             "a tokenizer that has them (GPT-2's, a Hugging Face one), or set document_masking=False")
-    model = inference.model_setup(config, mesh, vocab_size)
+    model = loader.model_setup(config, mesh, vocab_size)
     param_shardings, abstract_params = model.param_shardings, model.abstract_params
     optimizer = make_optimizer(config)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
@@ -450,9 +446,9 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
                                 f"{dataset.dataset_dir(config)} is a fine-tuning set: use packing=True instead")
     open_split = dataset.open_chat_split if chat else dataset.open_split
     splits = {s: open_split(config, s, vocab_size) for s in ("train", "val")}
-    tasks = evals.load_tasks(config.eval_tasks, config.eval_tasks_limit)  # read now: a bad file fails early
+    tasks = scoring.load_tasks(config.eval_tasks, config.eval_tasks_limit)  # read now: a bad file fails early
     if tasks and tok is None:
-        raise evals.EvalError("eval_tasks need the dataset's tokenizer, and this dataset has no meta.json")
+        raise scoring.EvalError("eval_tasks need the dataset's tokenizer, and this dataset has no meta.json")
     mesh = make_mesh(config, devices)
     setup = make_setup(config, mesh, vocab_size, dataset.document_start(tok))
     train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
@@ -480,7 +476,7 @@ def check_pretrained_tokenizer(config: Config, tok) -> None:
     if config.init_from in ("scratch", "resume") or tok is None:
         return
     directory = hf.resolve(config.init_from)
-    theirs = inference.model_tokenizer(directory, hf.read_config(directory))
+    theirs = loader.model_tokenizer(directory, hf.read_config(directory))
     if theirs is not None and not same_vocabulary(tok, theirs):
         raise dataset.DataError(
             f"init_from={config.init_from} reads ids with {theirs.summary()}, but {dataset.dataset_dir(config)}"
@@ -545,7 +541,7 @@ class Run:
 
     def __init__(self, setup: Setup, splits: dict, tok, manager, state: dict, tasks=(), best_val=float("inf")):
         self.setup, self.config, self.splits, self.tok, self.manager = setup, setup.config, splits, tok, manager
-        self.tasks, self.scorer = tasks, evals.make_scorer(setup) if tasks else None
+        self.tasks, self.scorer = tasks, scoring.make_scorer(setup) if tasks else None
         self.state = state
         self.step = self.start_step = int(state["step"])
         self.log = monitor.Logger(self.config)
@@ -573,9 +569,9 @@ class Run:
         line = f"step {self.step} | train loss {losses['train']:.4f} | val loss {losses['val']:.4f}"
         values = {"eval/train_loss": losses["train"], "eval/val_loss": losses["val"]}
         for task in self.tasks:
-            result = evals.run_task(task, self.setup, self.device_params(), self.tok, self.scorer)
-            line += " | " + evals.headline(task, result)
-            values |= evals.log_values(task, result)
+            result = scoring.run_task(task, self.setup, self.device_params(), self.tok, self.scorer)
+            line += " | " + scoring.headline(task, result)
+            values |= scoring.log_values(task, result)
         self.log.print(line)
         self.log.scalars(self.step, values)
         if self.config.sample_tokens and self.tok and jax.process_count() == 1:
@@ -724,7 +720,7 @@ def main(argv: list[str]) -> None:
                                         config.process_id)
         train(config)
     except (configurator.ConfigError, dataset.DataError, CheckpointError, TrainingError, sharding.MeshError,
-            compiled_step.AotError, evals.EvalError) as e:
+            compiled_step.AotError, scoring.EvalError) as e:
         sys.exit(f"error: {e}")
     except OSError as e:  # a full disk or a read-only folder outside a checkpoint's write (the lock, logs)
         where = f"writing {e.filename}" if e.filename else "writing to out_dir"

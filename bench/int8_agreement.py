@@ -30,11 +30,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import dataset  # noqa: E402
-import generate  # noqa: E402
-import inference  # noqa: E402
-import kv_cache  # noqa: E402
-import quantization  # noqa: E402
+from data import dataset  # noqa: E402
+from inference import generate  # noqa: E402
+from inference import loader  # noqa: E402
+from layers import kv_cache  # noqa: E402
+from layers import quantization  # noqa: E402
 
 NEW_TOKENS, PROMPT_TOKENS = 64, 16
 
@@ -66,9 +66,9 @@ def rounded_weights(params, group: int):
     per output channel and per `group` rows of the flattened input (0: all of them)."""
     def convert(path, p):
         module, name = (path[-2].key if len(path) > 1 else None), path[-1].key
-        if name not in inference.INT8_KERNELS or not (module == "attn" or (module == "mlp" and p.ndim == 3)):
+        if name not in loader.INT8_KERNELS or not (module == "attn" or (module == "mlp" and p.ndim == 3)):
             return p
-        inputs = int(np.prod(p.shape[1:1 + inference.INT8_KERNELS[name]]))  # after the layers' axis
+        inputs = int(np.prod(p.shape[1:1 + loader.INT8_KERNELS[name]]))  # after the layers' axis
         grouped = p.reshape(p.shape[0], inputs // (group or inputs), group or inputs, -1)
         q, scale = quantization.quantize_int8(grouped, axis=2)
         return (q * scale).reshape(p.shape).astype(p.dtype)
@@ -120,9 +120,9 @@ def main(argv):
     parser.add_argument("--groups", default="", help="comma-separated group sizes to try (0: per output channel)")
     args = parser.parse_args(argv)
 
-    setup, params, step, _ = inference.load_checkpoint(args.out_dir)
-    int8_kv = inference.load_checkpoint(args.out_dir, kv_cache_dtype="int8")[0]
-    in_dtype = lambda s, dtype, kv="auto": inference.model_setup(dataclasses.replace(s.config, dtype=dtype), s.mesh,
+    setup, params, step, _ = loader.load_checkpoint(args.out_dir)
+    int8_kv = loader.load_checkpoint(args.out_dir, kv_cache_dtype="int8")[0]
+    in_dtype = lambda s, dtype, kv="auto": loader.model_setup(dataclasses.replace(s.config, dtype=dtype), s.mesh,
                                                                  s.model_config.vocab_size, kv)
     if args.dtype:
         setup, int8_kv = in_dtype(setup, args.dtype), in_dtype(int8_kv, args.dtype, "int8")
@@ -140,7 +140,7 @@ def main(argv):
     print("|---|---|---|---|---|---|---|")
     print(f"| {setup.model_config.dtype} | {inference.weight_bytes(params):,} B "
           f"| {inference.kv_bytes_per_token(setup.model_config):,} B | {reference.perplexity:.4f} | - | - | - |")
-    int8_params = inference.int8_weights(params)
+    int8_params = loader.int8_weights(params)
     for name, s, p in (("int8 weights", setup, int8_params), ("int8 KV cache", int8_kv, params),
                        ("both", int8_kv, int8_params)):
         print(reference.compare(name, s, p))

@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tokenizer.py, data/
 from data.shakespeare_text import load_shakespeare_text  # noqa: E402
-from tokenizer import GPT2_EOT, gpt2_encoding  # noqa: E402
+from data.tokenizer import GPT2_EOT, gpt2_encoding  # noqa: E402
 
 SHARD_TOKENS = 100_000_000  # build-nanogpt's shard size
 DOCS_PER_ROW_GROUP = 1000

@@ -1,2 +1,1 @@
-"""Dataset preparation scripts. A package so that prepare.py scripts can share helpers
-(`from data.shakespeare_text import ...`) with the repo root on sys.path."""
+"""Data: the tokenizers, the memory-mapped token datasets and their writer, chat templates, and each dataset's prepare.py (<dataset>/prepare.py -> train.bin, val.bin)."""

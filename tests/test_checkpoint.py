@@ -14,15 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_train import (ONE_DEVICE, REPO, config_flags, logged_losses, make_dataset, small_config, snapshot,
+                        start_training, wait_for_line)
 
-import checkpoint
 import plot
-import inference
 import sample
 import train
-from checkpoint import CheckpointError
-from test_train import (REPO, ONE_DEVICE, config_flags, logged_losses, make_dataset, small_config,
-                        snapshot, start_training, wait_for_line)
+from inference import loader
+from weights import checkpoint
+from weights.checkpoint import CheckpointError
 
 
 def main_error(argv, capfd) -> str:
@@ -124,7 +124,7 @@ def test_samples_use_the_vocabulary_stored_with_the_checkpoint(copy_of_run8, tmp
     root, config, _ = copy_of_run8
     trained_chars = json.loads((root / "data" / "toy" / "meta.json").read_text())["chars"]
     rewrite_vocabulary(root, "".join(chr(0x400 + i) for i in range(65)))  # re-prepared since
-    *_, tok = inference.load_checkpoint(config.out_dir)
+    *_, tok = loader.load_checkpoint(config.out_dir)
     assert tok.chars == trained_chars
     shutil.rmtree(root / "data")  # and the dataset gone: sampling needs only the checkpoint
     monkeypatch.chdir(tmp_path)  # from another working directory
@@ -246,7 +246,7 @@ def test_a_resume_after_damage_counts_from_the_newest_intact_step(copy_of_run8, 
 def test_a_damaged_latest_checkpoint_is_skipped_when_sampling(copy_of_run8, damage, capfd):
     root, config, _ = copy_of_run8
     damage(root / "out" / "checkpoints" / "8")
-    _, _, step, _ = inference.load_checkpoint(config.out_dir)
+    _, _, step, _ = loader.load_checkpoint(config.out_dir)
     err = capfd.readouterr().err
     assert step == 4
     assert "warning: damaged checkpoint step 8 (" in err and "using step 4, the newest intact one" in err

@@ -6,10 +6,10 @@ import re
 import types
 
 import pytest
-
-import communication
-import compile_aot
 from test_train import make_dataset, small_config
+
+import compile_aot
+from aot import communication
 
 VOCAB = 96  # a width no other weight has: the embedding table is the only (96, 64) matrix
 

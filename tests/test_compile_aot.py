@@ -10,14 +10,14 @@ import sys
 import jax
 import numpy as np
 import pytest
+from test_train import make_dataset, small_config
 
 import compile_aot
-import compiled_step
 import sharding
 import train
 from configurator import Config
 from model import count_params
-from test_train import make_dataset, small_config
+from training import compiled_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = dict(n_embd=64, n_head=4, batch_size=8, gradient_accumulation_steps=2, max_iters=4,

@@ -4,7 +4,7 @@ weight and KV cache sizes against the arithmetic, and the report."""
 import pytest
 
 import compile_aot
-import compile_serve
+from aot import serve_plan
 from configurator import Config
 from model import count_params
 
@@ -17,7 +17,7 @@ MODEL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=64, vocab_s
 @pytest.mark.parametrize("kv_cache_dtype, per_head", [("auto", 16 * 2), ("int8", 16 + 4)])
 def test_sizes_equal_the_arithmetic(kv_cache_dtype, per_head):
     config = Config(**MODEL)
-    r = compile_serve.compile_serving(config, compile_aot.make_target("cpu:4"), 256, slots=4, context=32,
+    r = serve_plan.compile_serving(config, compile_aot.make_target("cpu:4"), 256, slots=4, context=32,
                                       kv_cache_dtype=kv_cache_dtype, chip="H100")
     kv_per_token = 2 * 2 * 2 * per_head  # keys and values x layers x KV heads x (bytes of a head, + a scale)
     assert r.kv_bytes_per_token == kv_per_token
@@ -28,6 +28,6 @@ def test_sizes_equal_the_arithmetic(kv_cache_dtype, per_head):
     assert r.fits and r.step_memory["temporaries"] > 0
     assert r.most_slots == (80 * 10**9 - r.weight_bytes_per_chip - r.step_memory["temporaries"]) // (
         32 * kv_per_token // 2) * 2
-    text = compile_serve.serve_report(r)
+    text = serve_plan.serve_report(r)
     assert f"KV per token    {kv_per_token:,} B (analytic {kv_per_token:,} B)" in text
     assert "verdict: fits" in text and "tokens/s" in text

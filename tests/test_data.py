@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tokenizer.py, dataset_writer.py and data/ live at the repo root
+sys.path.insert(0, str(ROOT))  # data/ lives at the repo root
 
-import dataset_writer  # noqa: E402
-import tokenizer  # noqa: E402
 from data import shakespeare_text  # noqa: E402
+from data import tokenizer  # noqa: E402
+from data import writer  # noqa: E402
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
         "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all resolved rather to die than to famish?\n") * 5
@@ -188,16 +188,16 @@ def test_text_prepare_errors(tmp_path):
 
 def test_atomic_writes(tmp_path):
     path = tmp_path / "train.bin"
-    assert dataset_writer.write_tokens(path, [1, 2, 65535]) == 3
+    assert writer.write_tokens(path, [1, 2, 65535]) == 3
     assert read_bin(path).tolist() == [1, 2, 65535]
     with pytest.raises(ValueError, match="uint16"):
-        dataset_writer.write_tokens(path, [1, 65536])
+        writer.write_tokens(path, [1, 65536])
     with pytest.raises(ValueError, match="uint16"):  # fails mid-stream, after a flush
-        with dataset_writer.TokenWriter(path) as w:
+        with writer.TokenWriter(path) as w:
             w.write(np.arange(10))
             w.write([70000])
     assert read_bin(path).tolist() == [1, 2, 65535]  # the old file is untouched
-    dataset_writer.write_meta(tmp_path, {"kind": "gpt2", "vocab_size": 50257})
+    writer.write_meta(tmp_path, {"kind": "gpt2", "vocab_size": 50257})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json", "train.bin"]
 
 
@@ -271,14 +271,14 @@ def test_failed_write_dataset_leaves_the_old_dataset_intact(tmp_path, monkeypatc
     before = dataset_bytes(tmp_path)
     meta = {"kind": "gpt2", "vocab_size": 50257}
     with pytest.raises(ValueError, match="uint16"):
-        dataset_writer.write_dataset(tmp_path, [1, 2], [70000], meta)
+        writer.write_dataset(tmp_path, [1, 2], [70000], meta)
 
     def ctrl_c(*args):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(dataset_writer, "_write_json_synced", ctrl_c)  # the bins are written by then
     with pytest.raises(KeyboardInterrupt):
-        dataset_writer.write_dataset(tmp_path, [1, 2], [3], meta)
+        writer.write_dataset(tmp_path, [1, 2], [3], meta)
     assert dataset_bytes(tmp_path) == before
     assert_only_dataset_files(tmp_path)
 

@@ -7,14 +7,13 @@ import re
 import numpy as np
 import pytest
 import tokenizers
-
-import dataset
-import generate
-import inference
-import train
-from dataset_writer import write_dataset
 from test_train import ONE_DEVICE, make_dataset, small_config
-from tokenizer import hf_tokenizer
+
+import train
+from data import dataset
+from data.tokenizer import hf_tokenizer
+from data.writer import write_dataset
+from inference import generate, loader
 
 
 @pytest.fixture
@@ -121,7 +120,7 @@ def test_a_vocabulary_over_65536_tokens_trains_resumes_and_samples_from_uint32_f
     rest = train.train(dataclasses.replace(config, out_dir=str(tmp_path / "b"), init_from="resume"), ONE_DEVICE)
     assert first + rest == whole
 
-    setup, params, _, run_tok = inference.load_checkpoint(config.out_dir)
+    setup, params, _, run_tok = loader.load_checkpoint(config.out_dir)
     prompt = [int(i) for i in phrases[0, :4]]
     new = generate.generate(setup, params, [prompt], 12, temperature=0).tokens[0]
     assert len(new) == 12 and run_tok.encode(run_tok.decode(prompt + new)) == prompt + new

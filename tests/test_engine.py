@@ -3,10 +3,9 @@
 import threading
 
 import pytest
-
-import engine
-import generate
 from test_generate import RAGGED, sharded_model
+
+from inference import engine, generate
 
 
 def engine_tokens(setup, params, prompts, max_tokens):

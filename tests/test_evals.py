@@ -9,15 +9,15 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-
-import eval as eval_cli
-import evals
-import plot
-import train
 from test_generate import tiny
 from test_tokenizer import BOS, make_tokenizer
 from test_train import ONE_DEVICE, make_dataset, small_config
-from tokenizer import char_tokenizer, gpt2_tokenizer, hf_tokenizer
+
+import eval as eval_cli
+import plot
+import train
+from data.tokenizer import char_tokenizer, gpt2_tokenizer, hf_tokenizer
+from evals import scoring
 
 CHARS = " " + "".join(chr(0x101 + i) for i in range(64))  # a space joins context and choice
 TOK = char_tokenizer(CHARS)
@@ -39,7 +39,7 @@ def write_examples(path, n=6, seed=0, context_len=12, hellaswag=True):
     return str(path)
 
 
-def reference_sums(setup, params, rows: evals.Rows) -> list:
+def reference_sums(setup, params, rows: scoring.Rows) -> list:
     """One forward pass per row, unbatched and unpadded: the summed log-probability of its targets."""
     forward = jax.jit(lambda p, x: nnx.merge(setup.graphdef, p)(x))
     sums = []
@@ -65,16 +65,16 @@ def model():
 
 def test_scores_equal_one_forward_pass_per_choice_batched_or_not(model, tmp_path):
     setup, params = model
-    examples = evals.read_examples(write_examples(tmp_path / "hs.jsonl"), "hellaswag")
-    rows = evals.choice_rows(examples, TOK, setup.model_config.block_size)
+    examples = scoring.read_examples(write_examples(tmp_path / "hs.jsonl"), "hellaswag")
+    rows = scoring.choice_rows(examples, TOK, setup.model_config.block_size)
     assert len(rows.tokens) == 24 and rows.start[0] == 12  # no start token at char level: context first
     reference = reference_sums(setup, params, rows)
     for batch_rows in (1, 5, 32):
-        sums, counts, greedy = evals.score_rows(setup, params, rows, batch_rows)
+        sums, counts, greedy = scoring.score_rows(setup, params, rows, batch_rows)
         np.testing.assert_allclose(sums, reference, rtol=0, atol=1e-5)
         assert list(counts) == [len(t) - s for t, s in zip(rows.tokens, rows.start)]
-    assert evals.multiple_choice(setup, params, TOK, examples, batch_rows=1) == \
-        evals.multiple_choice(setup, params, TOK, examples, batch_rows=32)
+    assert scoring.multiple_choice(setup, params, TOK, examples, batch_rows=1) == \
+        scoring.multiple_choice(setup, params, TOK, examples, batch_rows=32)
 
 
 def test_contexts_start_as_lm_evaluation_harness_starts_them(tmp_path):
@@ -83,17 +83,17 @@ def test_contexts_start_as_lm_evaluation_harness_starts_them(tmp_path):
     context's tokens in the encoding of both together. --prefix picks the other convention."""
     gpt2, llama = gpt2_tokenizer(), hf_tokenizer(make_tokenizer(tmp_path / "tok"))
     for tok, start, empty in ((gpt2, [], gpt2.eot_token), (llama, [BOS], BOS)):
-        context, ending = evals.encode_pair(tok, "Hello, world ", "again")
+        context, ending = scoring.encode_pair(tok, "Hello, world ", "again")
         assert context == start + tok.encode("Hello, world")
         assert context + ending == start + tok.encode("Hello, world again")
-        assert evals.encode_pair(tok, "", " again") == ([empty], tok.encode(" again"))
-    rows = evals.choice_rows([evals.Example("Hello, world", ("again", "x"), 0, "x:1")], gpt2, 64)
+        assert scoring.encode_pair(tok, "", " again") == ([empty], tok.encode(" again"))
+    rows = scoring.choice_rows([scoring.Example("Hello, world", ("again", "x"), 0, "x:1")], gpt2, 64)
     assert rows.tokens[0] == gpt2.encode("Hello, world again")  # no <|endoftext|> first
-    eot = evals.choice_rows([evals.Example("Hello, world", ("again", "x"), 0, "x:1")], gpt2, 64, prefix="eot")
+    eot = scoring.choice_rows([scoring.Example("Hello, world", ("again", "x"), 0, "x:1")], gpt2, 64, prefix="eot")
     assert eot.tokens[0] == [gpt2.eot_token] + rows.tokens[0]
-    assert evals.encode_pair(llama, "Hello", " again", prefix="none")[0] == llama.encode("Hello")
-    with pytest.raises(evals.EvalError, match="--prefix=bos: this tokenizer has no BOS token"):
-        evals.choice_rows([evals.Example("Hello", ("a", "b"), 0, "x:1")], gpt2, 64, prefix="bos")
+    assert scoring.encode_pair(llama, "Hello", " again", prefix="none")[0] == llama.encode("Hello")
+    with pytest.raises(scoring.EvalError, match="--prefix=bos: this tokenizer has no BOS token"):
+        scoring.choice_rows([scoring.Example("Hello", ("a", "b"), 0, "x:1")], gpt2, 64, prefix="bos")
 
 
 def test_hellaswag_lines_read_as_the_harness_reads_them(tmp_path):
@@ -101,21 +101,21 @@ def test_hellaswag_lines_read_as_the_harness_reads_them(tmp_path):
     path.write_text(json.dumps({"activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.",
                                 "ctx_b": "he", "ctx": "A man is sitting on a roof. he", "label": "1",
                                 "endings": ["is using wrap.", " [title] Remove the shingles. [step] Use a pry bar."]}))
-    example, = evals.read_examples(str(path), "hellaswag")
+    example, = scoring.read_examples(str(path), "hellaswag")
     assert example.context == "Roof shingle removal: A man is sitting on a roof. He"
     assert example.choices == ("is using wrap.", " Remove the shingles. Use a pry bar.")  # the harness's own
-    raw, = evals.read_examples(str(path), "hellaswag", hellaswag_text="raw")  # build-nanogpt's
+    raw, = scoring.read_examples(str(path), "hellaswag", hellaswag_text="raw")  # build-nanogpt's
     assert raw.context == "A man is sitting on a roof. he" and raw.choices[1].startswith(" [title] Remove")
 
 
 def test_eight_devices_give_what_one_gives(model, tmp_path):
     setup, params = model
-    examples = evals.read_examples(write_examples(tmp_path / "hs.jsonl", n=5), "hellaswag")
-    rows = evals.choice_rows(examples, TOK, setup.model_config.block_size)
+    examples = scoring.read_examples(write_examples(tmp_path / "hs.jsonl", n=5), "hellaswag")
+    rows = scoring.choice_rows(examples, TOK, setup.model_config.block_size)
     setup8, _ = tiny(jax.devices(), data=8)
     params8 = jax.device_put(params, setup8.state_shardings["params"])
-    one, _, _ = evals.score_rows(setup, params, rows, 8)
-    eight, _, _ = evals.score_rows(setup8, params8, rows, 8)
+    one, _, _ = scoring.score_rows(setup, params, rows, 8)
+    eight, _, _ = scoring.score_rows(setup8, params8, rows, 8)
     np.testing.assert_allclose(eight, one, rtol=1e-6)  # sums of ~50 log-probabilities in another order
 
 
@@ -125,24 +125,24 @@ def test_acc_and_acc_norm_worked_by_hand():
     (-2, 1) vs (-9, 9): acc picks 0, acc_norm ties at -1 and takes the first, 0.
     Per character (the harness's), "bb" vs "c" at -5 vs -3: -2.5 > -3 picks 0; counting the space
     before each choice would give -5/3 < -3/2 and pick 1."""
-    examples = [evals.Example("a", ("b", "c"), label, f"x:{i}") for i, label in enumerate((1, 0, 0))]
+    examples = [scoring.Example("a", ("b", "c"), label, f"x:{i}") for i, label in enumerate((1, 0, 0))]
     sums, counts = np.array([-4., -6, -3, -1, -2, -9]), np.array([2, 4, 3, 1, 1, 9])
-    assert evals.accuracy(examples, sums, counts, norm="token") == {"acc": 1 / 3, "acc_norm": 2 / 3, "examples": 3}
-    by_char = evals.accuracy([evals.Example("a", ("bb", "c"), 0, "x:0")], np.array([-5., -3]), np.array([1, 1]))
+    assert scoring.accuracy(examples, sums, counts, norm="token") == {"acc": 1 / 3, "acc_norm": 2 / 3, "examples": 3}
+    by_char = scoring.accuracy([scoring.Example("a", ("bb", "c"), 0, "x:0")], np.array([-5., -3]), np.array([1, 1]))
     assert by_char == {"acc": 0, "acc_norm": 1, "examples": 1}
 
 
 def test_perplexity_scores_every_token_once_in_half_overlapping_windows(model):
     setup, params = model
     ids = list(np.random.default_rng(1).integers(0, 65, 100))
-    rows = evals.window_rows(ids, 32)
+    rows = scoring.window_rows(ids, 32)
     scored = [row_start + begin for begin, (row, start) in zip(range(0, 100, 16), zip(rows.tokens, rows.start))
               for row_start in range(max(start, 1), len(row))]
     assert scored == list(range(1, 100))  # each token after the first, once, in order
     assert all(start >= 16 for start in rows.start[1:])  # with at least half a window before it
     assert len(rows.tokens) == 6 and all(len(row) <= 33 for row in rows.tokens)  # begins 0, 16, ..., 80
     text = "".join(CHARS[i] for i in ids)
-    result = evals.perplexity(setup, params, TOK, text)
+    result = scoring.perplexity(setup, params, TOK, text)
     nats = -sum(reference_sums(setup, params, rows))
     assert result["tokens"] == 99 and result["bytes"] == len(text.encode())
     assert math.isclose(result["loss"], nats / 99, rel_tol=1e-6)
@@ -152,11 +152,11 @@ def test_perplexity_scores_every_token_once_in_half_overlapping_windows(model):
 
 def test_a_long_context_is_cut_from_the_left_and_counted(model, tmp_path):
     setup, params = model
-    examples = evals.read_examples(write_examples(tmp_path / "long.jsonl", n=2, context_len=40), "hellaswag")
-    rows = evals.choice_rows(examples, TOK, 32)
+    examples = scoring.read_examples(write_examples(tmp_path / "long.jsonl", n=2, context_len=40), "hellaswag")
+    rows = scoring.choice_rows(examples, TOK, 32)
     assert rows.truncated == 8 and all(len(row) == 33 for row in rows.tokens)
-    result = evals.multiple_choice(setup, params, TOK, examples)
-    assert "8 rows cut from the left to fit" in evals.summary("hellaswag", result)
+    result = scoring.multiple_choice(setup, params, TOK, examples)
+    assert "8 rows cut from the left to fit" in scoring.summary("hellaswag", result)
 
 
 @pytest.mark.parametrize("line, words", [
@@ -169,8 +169,8 @@ def test_a_long_context_is_cut_from_the_left_and_counted(model, tmp_path):
 def test_bad_lines_are_named(tmp_path, line, words):
     path = tmp_path / "x.jsonl"
     path.write_text('{"ctx": "ab", "endings": ["c", "d"], "label": 0}\n' + line + "\n")
-    with pytest.raises(evals.EvalError) as excinfo:
-        evals.read_examples(str(path), "hellaswag")
+    with pytest.raises(scoring.EvalError) as excinfo:
+        scoring.read_examples(str(path), "hellaswag")
     assert all(word in str(excinfo.value) for word in words)
 
 
@@ -186,7 +186,7 @@ def test_command_line_and_its_one_line_errors(tmp_path, monkeypatch, capsys):
     def offline(*args, **kwargs):
         raise urllib.error.URLError("no network")
 
-    monkeypatch.setattr(evals.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(scoring.urllib.request, "urlopen", offline)
     monkeypatch.setenv("HOME", str(tmp_path))
     for flags, words in [
         (["--task=hellaswag"], ["could not download HellaSwag", "pass --data=FILE"]),
@@ -218,6 +218,6 @@ def test_eval_tasks_in_training_are_logged_and_plotted(tmp_path, capsys):
     assert [s for s, _ in series["eval/hellaswag_acc_norm"]] == [1, 2] and "eval/perplexity_bpb" in series
     plot.main([config.out_dir, f"--out={tmp_path / 'p.png'}"])
     assert (tmp_path / "p.png").stat().st_size > 0
-    with pytest.raises(evals.EvalError, match="missing.jsonl not found"):
+    with pytest.raises(scoring.EvalError, match="missing.jsonl not found"):
         train.train(small_config(tmp_path, out_dir=str(tmp_path / "o2"), eval_tasks="choice:missing.jsonl"),
                     ONE_DEVICE)

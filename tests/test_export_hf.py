@@ -10,18 +10,18 @@ import jax
 import numpy as np
 import pytest
 import tokenizers
-
-import chat
-import export_hf
-import hf
-import inference
-import sample
-import train
-from configurator import Config
 from test_hf import LLAMA, assert_trees_equal, export, load, random_params
 from test_tokenizer import load_prepare_script, make_tokenizer
 from test_train import make_dataset, small_config
-from tokenizer import hf_tokenizer
+
+import export_hf
+import sample
+import train
+from configurator import Config
+from data import chat_template
+from data.tokenizer import hf_tokenizer
+from inference import loader
+from weights import hf
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello, world! café ☕ naïve résumé. " * 40
 
@@ -55,7 +55,7 @@ def test_a_llama_directory_with_its_tokenizer_end_to_end(tmp_path, capsys):
 
     # The checkpoint samples without the dataset, through the tokenizer it was trained with.
     shutil.rmtree(tmp_path / "data")
-    setup, params, _, saved_tok = inference.load_checkpoint(run.out_dir)
+    setup, params, _, saved_tok = loader.load_checkpoint(run.out_dir)
     assert saved_tok.describe()["sha256"] == tok.describe()["sha256"]
     _, loaded = load(model_dir, block_size=16)
     assert_trees_equal(jax.tree.map(np.asarray, params), loaded)
@@ -96,11 +96,11 @@ def test_char_level_export_round_trips_and_bad_requests_are_one_line(tmp_path, c
         samples.append(capsys.readouterr().out)
     assert samples[0] == samples[1] and samples[0].startswith("ROMEO: O")
     # serve.py's default chat template goes with it: transformers' apply_chat_template gives serve.py's ids.
-    exported, original = hf_tokenizer(tmp_path / "hf"), inference.load_checkpoint(config.out_dir)[3]
+    exported, original = hf_tokenizer(tmp_path / "hf"), loader.load_checkpoint(config.out_dir)[3]
     messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "O, she doth"},
                 {"role": "user", "content": "teach!"}]
-    assert exported.chat_template == chat.DEFAULT_TEMPLATE and original.chat_template is None
-    assert exported.encode(chat.render(exported, messages)) == original.encode(chat.render(original, messages))
+    assert exported.chat_template == chat_template.DEFAULT_TEMPLATE and original.chat_template is None
+    assert exported.encode(chat_template.render(exported, messages)) == original.encode(chat_template.render(original, messages))
 
     for flags, words in [
         ([f"--to={tmp_path / 'hf'}"], ["already exists and is not an empty directory"]),

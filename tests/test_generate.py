@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import generate
 import sharding
 import train
 from configurator import Config
+from inference import generate
 
 CHARS = "".join(chr(0x100 + i) for i in range(65))  # a 65-symbol character vocabulary
 RAGGED = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9], list(range(10, 35))]  # 3, 9 and 25 tokens

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-import hardware
+from devices import hardware
 
 
 @pytest.mark.parametrize("device_kind, chip", [

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
+from test_model import _gelu_tanh, _layer_norm, tokens
 
-import checkpoint
 import configurator
-import hf
 import sharding
 import train
 from model import GPT, GPTConfig
-from test_model import _gelu_tanh, _layer_norm, tokens
+from weights import checkpoint, hf
 
 GPT2 = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
 LLAMA = dataclasses.replace(GPT2, pos_embedding="rope", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu",

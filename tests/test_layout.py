@@ -1,9 +1,12 @@
-"""The repository's layout (DESIGN.md, "The shape"): dependencies point one way, and the
-files that say they stand alone really do.
+"""The repository's layout (README, "Where things live"): the top level holds the design card's
+files and the commands, everything else sits in a folder named for its concern; dependencies
+point one way, and the files that say they stand alone really do.
 
-- No import cycles among the top-level modules, counting imports hidden inside functions
-  (an import moved into a function to dodge a cycle is still a cycle).
-- configurator.py, sharding.py, and model.py (+ layers.py, attention.py, moe.py, kv_cache.py, quantization.py, pipeline.py) work copied alone into an
+- Only the design card's files (model, sharding, configurator, train, sample, compile_aot) and
+  commands (files with a `__main__` block) at the top level.
+- No import cycles among the modules, top level and folders alike, counting imports hidden
+  inside functions (an import moved into a function to dodge a cycle is still a cycle).
+- configurator.py, sharding.py, and model.py with its layers/ folder work copied alone into an
   empty folder, with the rest of the repo not importable.
 """
 
@@ -16,35 +19,51 @@ import sys
 import textwrap
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+DESIGN_CARD = {"model", "sharding", "configurator", "train", "sample", "compile_aot"}
+SKIPPED_FOLDERS = {"tests", "bench", "config", "docs"}  # not modules the program imports
 
 
 # ---- the import graph --------------------------------------------------------------------
 
-def top_level_modules(root: pathlib.Path = REPO) -> dict[str, pathlib.Path]:
-    """Module name -> file, for every *.py in the repo root (packages like data/ excluded)."""
-    return {p.stem: p for p in sorted(root.glob("*.py"))}
+def repo_modules(root: pathlib.Path = REPO) -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for every *.py at the top level and in its folders
+    (`layers/attention.py` -> `layers.attention`; a folder's __init__.py is the folder)."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[0] in SKIPPED_FOLDERS or parts[0].startswith("."):
+            continue
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        modules[".".join(parts)] = path
+    return modules
 
 
-def imported_names(source: str) -> set[str]:
-    """First components of every absolute import anywhere in the file: module level, inside
-    functions, methods, conditionals and try blocks alike."""
+def imported_modules(source: str, known) -> set[str]:
+    """The repo modules a file imports anywhere in it (module level, inside functions, methods,
+    conditionals and try blocks alike): `import a.b` and `from a.b import c` name `a.b`, and
+    `from a import b` names `a.b` when that is a module, else `a`."""
     names = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names.update(alias.name.partition(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.partition(".")[0])
-    return names
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                names.add(submodule if submodule in known else node.module)
+    found = set()
+    for name in names:  # the longest known prefix: `import layers.attention.x` is layers.attention
+        parts = name.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in known:
+                found.add(".".join(parts[:n]))
+                break
+    return found
 
 
 def import_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
-    """Edges a -> b where top-level module a imports top-level module b.
-
-    `from data.x import y` names the data/ package: it is no edge unless a file data.py
-    exists at the root (it doesn't). Only the first dotted component is a top-level module,
-    so `import model.sub` would still mean model.py.
-    """
-    return {name: imported_names(path.read_text()) & modules.keys() - {name}
+    """Edges a -> b where module a imports module b. A folder's __init__ is an edge of its own
+    only where code imports the folder itself."""
+    return {name: imported_modules(path.read_text(), modules.keys()) - {name}
             for name, path in modules.items()}
 
 
@@ -88,10 +107,10 @@ def test_cycle_finder_finds_a_cycle_and_accepts_a_dag():
     assert find_cycle({}) is None
 
 
-def test_import_graph_counts_imports_inside_functions_and_ignores_packages(tmp_path):
+def test_import_graph_counts_imports_inside_functions_and_follows_folders(tmp_path):
     (tmp_path / "a.py").write_text(textwrap.dedent("""\
         import os
-        from data.shakespeare import prepare   # the data/ package, not a module here
+        from pkg import leaf                  # a module in a folder
         def f():
             if True:
                 import b                       # hidden in a function: still an edge
@@ -100,20 +119,43 @@ def test_import_graph_counts_imports_inside_functions_and_ignores_packages(tmp_p
                 from c import thing
         """))
     (tmp_path / "b.py").write_text("import a.sub\n")
-    (tmp_path / "c.py").write_text("from . import a\n")  # relative: not a top-level edge
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "shakespeare.py").write_text("")
-    graph = import_graph(top_level_modules(tmp_path))
-    assert graph == {"a": {"b", "c"}, "b": {"a"}, "c": set()}
+    (tmp_path / "c.py").write_text("from . import a\n")  # relative: no edge
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "leaf.py").write_text("from pkg.other import x\n")
+    (tmp_path / "pkg" / "other.py").write_text("import c\n")
+    graph = import_graph(repo_modules(tmp_path))
+    assert graph == {"a": {"b", "c", "pkg.leaf"}, "b": {"a"}, "c": set(), "pkg": set(),
+                     "pkg.leaf": {"pkg.other"}, "pkg.other": {"c"}}
     assert find_cycle(graph) == ["a", "b", "a"]
 
 
-def test_no_import_cycles_among_the_top_level_modules():
-    modules = top_level_modules()
-    assert {"train", "model", "configurator", "sharding"} <= modules.keys()
+def test_no_import_cycles_among_the_modules():
+    modules = repo_modules()
+    assert {"train", "model", "configurator", "sharding", "layers.attention", "inference.engine"} <= modules.keys()
     cycle = find_cycle(import_graph(modules))
-    assert cycle is None, (f"import cycle among the top-level modules: {' -> '.join(cycle)} "
-                           f"(imports inside functions count; DESIGN.md: dependencies point one way)")
+    assert cycle is None, (f"import cycle: {' -> '.join(cycle)} "
+                           f"(imports inside functions count; dependencies point one way)")
+
+
+def test_the_top_level_holds_the_design_card_and_commands_only():
+    """A module that is neither a design-card file nor a command belongs in the folder of its
+    concern (layers/, data/, weights/, training/, inference/, evals/, serving/, devices/, aot/)."""
+    strays = [path.name for name, path in repo_modules().items()
+              if "." not in name and path.parent == REPO and name not in DESIGN_CARD
+              and 'if __name__ == "__main__":' not in path.read_text()]
+    assert strays == [], f"not commands, yet at the top level: {strays}"
+
+
+def test_model_and_its_layers_import_only_jax_flax_numpy_and_the_standard_library():
+    allowed = {"jax", "flax", "numpy", "layers"} | set(sys.stdlib_module_names)
+    for path in [REPO / "model.py", *sorted((REPO / "layers").glob("*.py"))]:
+        tree = ast.parse(path.read_text())
+        roots = {alias.name.partition(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+        roots |= {node.module.partition(".")[0] for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module}
+        assert roots <= allowed, f"{path.relative_to(REPO)} imports {sorted(roots - allowed)}"
 
 
 # ---- files that stand alone --------------------------------------------------------------
@@ -131,10 +173,13 @@ else:
 
 
 def run_alone(tmp_path, files, script, extra_env=None):
-    """Copy `files` from the repo into the empty tmp_path and run `script` there with the
-    repo off the import path; return stdout."""
+    """Copy `files` (and folders) from the repo into the empty tmp_path and run `script` there
+    with the repo off the import path; return stdout."""
     for name in files:
-        shutil.copy(REPO / name, tmp_path / name)
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO / name, tmp_path / name)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
@@ -183,11 +228,12 @@ def test_sharding_works_copied_alone_into_an_empty_folder(tmp_path):
         """, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
 
 
-def test_model_with_quantization_works_copied_alone_into_an_empty_folder(tmp_path):
-    run_alone(tmp_path, ["model.py", "layers.py", "attention.py", "moe.py", "kv_cache.py", "quantization.py", "pipeline.py"], f"""
+def test_model_with_its_layers_folder_works_copied_alone_into_an_empty_folder(tmp_path):
+    run_alone(tmp_path, ["model.py", "layers"], f"""
         import jax, jax.numpy as jnp
         from flax import nnx
-        import model, quantization
+        import model
+        from layers import quantization
         config = model.GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16,
                                  quantization="int8")
         calls = []
@@ -201,6 +247,6 @@ def test_model_with_quantization_works_copied_alone_into_an_empty_folder(tmp_pat
         logits = nnx.jit(lambda idx: model.GPT(config, jax.random.key(0))(idx))(idx)
         assert logits.shape == (2, 8, config.padded_vocab_size), logits.shape
         assert bool(jnp.isfinite(logits).all())
-        assert calls and all(q == "int8" for q in calls), calls  # quantization.py did the matmuls
+        assert calls and all(q == "int8" for q in calls), calls  # layers/quantization.py did the matmuls
         print("{MARKER}")
         """)

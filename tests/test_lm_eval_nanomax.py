@@ -15,13 +15,13 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not in
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
-
-import evals  # noqa: E402
-import generate  # noqa: E402
-import lm_eval_nanomax  # noqa: E402
-from test_serve import start_server  # noqa: E402
 from test_hf import LLAMA, export, random_hf_gpt2, random_params, write_hf_gpt2  # noqa: E402
+from test_serve import start_server  # noqa: E402
 from test_tokenizer import BOS, make_tokenizer, tokenizer_json  # noqa: E402
+
+from evals import lm_eval_nanomax  # noqa: E402
+from evals import scoring  # noqa: E402
+from inference import generate  # noqa: E402
 
 GPT2_VOCAB = 50257
 CONTEXTS = ["The quick brown fox", "Hello, world! Hello again", "café ☕ naïve ", "Numbers 12345 and"]
@@ -50,8 +50,8 @@ def test_the_harness_log_likelihoods_equal_evals_py(models, name):
     lm = models[name]
     pairs = [(c, " " + x) for c in CONTEXTS for x in CHOICES] + [("", " Hello world")]
     harness = lm.loglikelihood(requests(pairs))
-    ours_pairs = [evals.encode_pair(lm.tok, c, x) for c, x in pairs]
-    sums, _, greedy = evals.score_rows(lm.setup, lm.params, evals.pair_rows(ours_pairs, 64), 8)
+    ours_pairs = [scoring.encode_pair(lm.tok, c, x) for c, x in pairs]
+    sums, _, greedy = scoring.score_rows(lm.setup, lm.params, scoring.pair_rows(ours_pairs, 64), 8)
     np.testing.assert_allclose([ll for ll, _ in harness], sums, rtol=0, atol=1e-5)
     assert [g for _, g in harness] == list(greedy)
     first = lm.tok.encode(CONTEXTS[0])
@@ -81,7 +81,7 @@ def test_rolling_log_likelihood_of_a_short_text_is_perplexitys(models):
     lm = models["gpt2"]
     text = "The quick brown fox jumps over the lazy dog."
     rolling, = lm.loglikelihood_rolling(requests([(text,)], "loglikelihood_rolling"))
-    result = evals.perplexity(lm.setup, lm.params, lm.tok, text)  # one window: the same tokens scored
+    result = scoring.perplexity(lm.setup, lm.params, lm.tok, text)  # one window: the same tokens scored
     assert result["tokens"] == len(lm.tok.encode(text))
     np.testing.assert_allclose(-rolling, result["loss"] * result["tokens"], rtol=1e-6)
 
@@ -121,7 +121,7 @@ metric_list:
     results = lm_eval.simple_evaluate(model=lm, tasks=["nanomax_toy"],
                                       task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
     harness = results["results"]["nanomax_toy"]
-    ours = evals.multiple_choice(lm.setup, lm.params, lm.tok, evals.read_examples(str(data), "choice"))
+    ours = scoring.multiple_choice(lm.setup, lm.params, lm.tok, scoring.read_examples(str(data), "choice"))
     assert (harness["acc,none"], harness["acc_norm,none"]) == (ours["acc"], ours["acc_norm"])
     # Registering 'nanomax' keeps the harness's own models findable (its registry loads them only while empty).
     assert {"nanomax", "hf", "local-completions"} <= set(lm_eval.api.registry.model_registry.keys())

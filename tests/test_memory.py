@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from test_train import make_dataset, small_config
 
 import configurator
-import memory
 import train
-from test_train import make_dataset, small_config
+from devices import memory
 
 # activations dominate this step, so halving the micro-batch halves most of what it needs
 BIG_BATCH = dict(block_size=128, batch_size=16, max_iters=1, eval_iters=1, eval_interval=1)

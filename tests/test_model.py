@@ -17,13 +17,13 @@ from flax import nnx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # model.py lives at the repo root
 
-import attention  # noqa: E402
-import hf  # noqa: E402
-import kv_cache  # noqa: E402
-import layers  # noqa: E402
 import model  # noqa: E402
-import moe as moe_layer  # noqa: E402
+from layers import attention  # noqa: E402
+from layers import blocks  # noqa: E402
+from layers import kv_cache  # noqa: E402
+from layers import moe as moe_layer  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from weights import hf  # noqa: E402
 
 TINY = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
 # Every switch away from GPT-2: 4 query heads in 2 groups (G = 2), head size 8, SwiGLU 64 wide.
@@ -899,7 +899,7 @@ def test_layer_norm_backward_equals_autodiff_of_its_formula():
         return (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + 1e-5) * scale + bias
 
     loss = lambda norm: lambda *args: jnp.sum(jnp.sin(norm(*args)))
-    ours = jax.grad(loss(lambda x, s, b: layers.layer_norm(x, s, b, 1e-5)), argnums=(0, 1, 2))(x, scale, bias)
+    ours = jax.grad(loss(lambda x, s, b: blocks.layer_norm(x, s, b, 1e-5)), argnums=(0, 1, 2))(x, scale, bias)
     reference = jax.grad(loss(formula), argnums=(0, 1, 2))(x, scale, bias)
     for a, b in zip(ours, reference):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)

@@ -8,13 +8,13 @@ import numpy as np
 import optax
 import pytest
 from optax.contrib import _muon
+from test_train import ONE_DEVICE, small_config
 
-import checkpoint
-import optimizer
 import sharding
 import train
 from configurator import Config, ConfigError
-from test_train import ONE_DEVICE, small_config
+from training import optimizer
+from weights import checkpoint
 
 LLAMA_STYLE = dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=1, bias=False,
                    tie_embeddings=False)

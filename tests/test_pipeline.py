@@ -7,13 +7,13 @@ import types
 import jax
 import numpy as np
 import pytest
+from test_train import make_dataset, masked_step_and_alone, small_config
 
 import configurator
 import model
-import pipeline
 import sharding
 import train
-from test_train import make_dataset, masked_step_and_alone, small_config
+from layers import pipeline
 
 
 @pytest.mark.parametrize("stages, microbatches, n_repeats", [(2, 4, 1), (4, 4, 1), (4, 8, 1), (2, 4, 4), (4, 4, 2)])

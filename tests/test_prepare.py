@@ -20,11 +20,11 @@ import tokenizers
 from tokenizers import models, pre_tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tokenizer.py, dataset_writer.py and data/ live at the repo root
+sys.path.insert(0, str(ROOT))  # data/ lives at the repo root
 
-import dataset_writer  # noqa: E402
-import tokenizer  # noqa: E402
 from data import corpus  # noqa: E402
+from data import tokenizer  # noqa: E402
+from data import writer  # noqa: E402
 from data.fineweb import prepare as fineweb  # noqa: E402
 from data.openwebtext import prepare as openwebtext  # noqa: E402
 from data.text import prepare as text_prep  # noqa: E402
@@ -206,7 +206,7 @@ def test_a_val_split_shorter_than_a_row_names_the_val_fraction_that_gives_one(tm
     text_prep.main([f"--input_dir={tmp_path / 'in'}", f"--out_dir={tmp_path / 'out'}", "--num_proc=1"])
     out = capsys.readouterr().out
     train, val = (int(n.replace(",", "")) for n in re.search(r"train: ([\d,]+) tokens, val: ([\d,]+) tokens", out).groups())
-    suggested = dataset_writer.val_fraction_for(1025, train + val)
+    suggested = writer.val_fraction_for(1025, train + val)
     assert f"note: val holds only {val} tokens and training needs block_size + 1 of them (1,025 at GPT-2's " \
            f"1024): for more, run again with --val_fraction={suggested:g}" in out
     assert 0.0005 < suggested <= 0.5

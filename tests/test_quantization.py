@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import quantization
+from layers import quantization
 
 
 def operands(scale, outlier=None, shape=((128, 96), (96, 64)), seed=0):

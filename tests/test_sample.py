@@ -5,13 +5,13 @@ import json
 import jax
 import numpy as np
 import pytest
+from test_hf import load, random_hf_gpt2, write_hf_gpt2
 
-import inference
 import sample
 import train
 from configurator import Config
-from test_hf import load, random_hf_gpt2, write_hf_gpt2
-from tokenizer import gpt2_tokenizer
+from data.tokenizer import gpt2_tokenizer
+from inference import loader
 
 CHARS = "".join(chr(0x100 + i) for i in range(65))  # a 65-symbol character vocabulary
 
@@ -50,7 +50,7 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
                     batch_size=2, max_iters=1, learning_rate=0.0, min_lr=0.0, warmup_iters=0,
                     eval_interval=1, eval_iters=1, tensorboard=False)
     train.train(config, jax.devices()[:1])
-    setup, params, step, tok = inference.load_checkpoint(config.out_dir)
+    setup, params, step, tok = loader.load_checkpoint(config.out_dir)
     assert setup.model_config.quantization == "none"  # trained quantized or not: chosen when sampling
     _, loaded = load(hf_dir, block_size=16)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):

@@ -19,15 +19,13 @@ import numpy as np
 import openai
 import pytest
 from flax import nnx
+from test_train import small_config
 
-import chat
-import generate
-import engine
-import inference
-import kv_cache
 import serve
 import train
-from test_train import small_config
+from data import chat_template
+from inference import engine, generate, loader
+from layers import kv_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:!?., \n"  # the default chat template's too
@@ -93,7 +91,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def loaded(run):
-    return inference.load_checkpoint(run)
+    return loader.load_checkpoint(run)
 
 
 def post(url, body, raw: bytes | None = None):
@@ -178,7 +176,7 @@ def test_stop_strings_end_the_text_before_them(client):
 def test_chat_renders_the_template_and_streams_the_role_first(client, server, loaded):
     _, _, _, tok = loaded
     messages = [{"role": "user", "content": "hi there"}]
-    ids = tok.encode(chat.render(tok, messages))
+    ids = tok.encode(chat_template.render(tok, messages))
     as_completion = client.completions.create(model="out", prompt=ids, max_tokens=10, temperature=0)
     reply = client.chat.completions.create(model="out", messages=messages, max_tokens=10, temperature=0)
     assert reply.choices[0].message.role == "assistant"
@@ -311,15 +309,15 @@ def test_int8_weights_and_kv_cache_agree_with_float(run, loaded):
     rows = jnp.asarray(val[:8 * 32].reshape(8, 32))
     expected = generate.generate(setup, params, prompts, 64, temperature=0).tokens
     float_ppl, float_greedy = teacher_forced(setup, params, rows)
-    int8_params = inference.int8_weights(params)
-    int8_kv, _, _, _ = inference.load_checkpoint(run, kv_cache_dtype="int8")
+    int8_params = loader.int8_weights(params)
+    int8_kv, _, _, _ = loader.load_checkpoint(run, kv_cache_dtype="int8")
     for setup_, params_ in ((setup, int8_params), (int8_kv, params), (int8_kv, int8_params)):
         tokens = generate.generate(setup_, params_, prompts, 64, temperature=0).tokens
         agree = np.mean([a == b for want, got in zip(expected, tokens) for a, b in zip(want, got)])
         assert agree >= 0.95, agree
         ppl, greedy = teacher_forced(setup_, params_, rows)
         assert abs(ppl / float_ppl - 1) < 0.01 and np.mean(greedy == float_greedy) >= 0.95
-    kernels = lambda p: inference.weight_bytes(p["blocks"]["attn"]) + inference.weight_bytes(p["blocks"]["mlp"])
+    kernels = lambda p: loader.weight_bytes(p["blocks"]["attn"]) + loader.weight_bytes(p["blocks"]["mlp"])
     assert kernels(int8_params) < 0.3 * kernels(params)  # float32 -> int8 and a scale per output
     one_token = lambda s: sum(a.nbytes for a in jax.tree.leaves(kv_cache.init_cache(s.model_config, 1, 1)))
     assert one_token(int8_kv) == 2 * 2 * 2 * (16 + 4)  # 2 layers x k, v x 2 heads x (16 int8 + a float32 scale)
@@ -336,9 +334,9 @@ def test_server_on_data_and_tensor_with_int8_weights_and_cache_says_its_bytes(ru
     assert "int8 blocks" in printed and "KV cache 160 bytes per token (int8)" in printed, printed
     assert "(160 bytes per token)" in printed  # the engine's measured cache: 2 x 2 layers x 2 heads x (16 + 4)
     assert re.search(r"memory: serving needs [\d.]+ [KMG]i?B per device x 4 = .* of .* available", printed), printed
-    setup, params, _, tok = inference.load_checkpoint(run, kv_cache_dtype="int8")
+    setup, params, _, tok = loader.load_checkpoint(run, kv_cache_dtype="int8")
     ids = generate.encode_prompt(tok, "hello world")
-    expected = generate.generate(setup, inference.int8_weights(params), [ids], 12, temperature=0).tokens[0]
+    expected = generate.generate(setup, loader.int8_weights(params), [ids], 12, temperature=0).tokens[0]
     finished = concurrent.futures.Future()
     request = server.engine.submit(engine.Request(ids, 12, temperature=0, on_finish=finished.set_result))
     assert finished.result(timeout=120) == "length" and request.tokens == expected

@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import pytest
 from tensorboard.util import tensor_util
+from test_train import make_dataset, masked_step_and_alone, small_config
 
-import attention
-import dataset
 import sharding
 import train
-from test_train import masked_step_and_alone, make_dataset, small_config
+from data import dataset
+from layers import attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-import tokenizer
+from data import tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]

@@ -20,19 +20,18 @@ import pytest
 from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
-
-import checkpoint
-import configurator
-import dataset
-import hardware
-import optimizer
-import plot
-import sharding
-import tokenizer
-import train
-from configurator import Config, ConfigError
 from test_hf import write_config
 from test_tokenizer import BOS, make_tokenizer
+
+import configurator
+import plot
+import sharding
+import train
+from configurator import Config, ConfigError
+from data import dataset, tokenizer
+from devices import hardware
+from training import optimizer
+from weights import checkpoint
 
 ONE_DEVICE = jax.devices()[:1]
 

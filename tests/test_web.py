@@ -23,16 +23,15 @@ import numpy as np
 import openai
 import pytest
 from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.common.exceptions import StaleElementReferenceException
+from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
-
-import chat
-import tokenizer
-import train
 from test_serve import ROOT, free_port
 from test_train import small_config
+
+import train
+from data import chat_template, tokenizer
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
@@ -292,7 +291,7 @@ def test_regenerate_and_edit_send_the_conversation_up_to_there(browser, server):
     assert [body["messages"] for body in sent(browser, "/v1/chat/completions")] == expected
     # The server's request log agrees (its last two lines): each prompt is that conversation's
     # rendering, token for token. A line is written just after the stream's end: wait for it.
-    lengths = [len(TOK.encode(chat.render(TOK, messages))) for messages in expected]
+    lengths = [len(TOK.encode(chat_template.render(TOK, messages))) for messages in expected]
     wait(browser, lambda: logged()[-2:] == lengths, seconds=10)
     assert texts(browser, ".user .content") == ["hello", PAYLOAD]  # the user's HTML is text too
     html_stayed_text(browser)

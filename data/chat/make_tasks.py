@@ -22,8 +22,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: dataset_writer.py
-from dataset_writer import PrepareError, run_prepare_script  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: data/writer.py
+from data.writer import PrepareError, run_prepare_script  # noqa: E402
 
 SPECIALS = ("<|im_start|>", "<|im_end|>")
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "

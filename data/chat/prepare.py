@@ -39,13 +39,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: chat.py, tokenizer.py, data/
-import chat  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: data/
+from data import chat_template  # noqa: E402
 from data import corpus  # noqa: E402
 from data.corpus import InputError  # noqa: E402
-from dataset_writer import (DatasetWriter, PrepareError, check_out_dir, format_prepare_command,  # noqa: E402
-                            run_prepare_script, token_dtype)
-from tokenizer import command_path, gpt2_tokenizer, hf_tokenizer  # noqa: E402
+from data.tokenizer import command_path, gpt2_tokenizer, hf_tokenizer  # noqa: E402
+from data.writer import (DatasetWriter, PrepareError, check_out_dir, format_prepare_command,  # noqa: E402
+                         run_prepare_script, token_dtype)
 
 FORMATS = (".jsonl", ".jsonl.gz", ".parquet")
 SHAPES = "{messages}, {prompt, completion} or {instruction, output}"
@@ -92,7 +92,7 @@ def conversation(row) -> list:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in chat.ROLES:
+        if role not in chat_template.ROLES:
             what = f"has role {role!r}" if isinstance(message, dict) else "is not a {role, content} object"
             raise ValueError(f"messages[{i}] {what}: the roles are {', '.join(chat.ROLES)}")
     return messages
@@ -190,7 +190,7 @@ def prepare(inputs, out_dir, tokenizer="gpt2", val_inputs=None, val_fraction=0.0
     val_inputs (files) or else val_fraction of inputs. Returns the counts. Raises InputError."""
     tok = load_tokenizer(str(tokenizer))
     check_out_dir(out_dir)
-    template = tok.chat_template or chat.DEFAULT_TEMPLATE
+    template = tok.chat_template or chat_template.DEFAULT_TEMPLATE
     if tok.chat_template is None:
         log(f"note: {tok.summary()} has no chat template: using chat.py's default (USER: ... ASSISTANT: ...), "
             f"which serve.py uses for it too")
@@ -204,8 +204,8 @@ def prepare(inputs, out_dir, tokenizer="gpt2", val_inputs=None, val_fraction=0.0
         for path, forced in sources:
             for where, position, row in read_rows(path):
                 try:
-                    ids, mask = chat.tokenize_conversation(tok, conversation(row))
-                except (ValueError, chat.ChatError) as e:  # a ChatError is a ValueError too
+                    ids, mask = chat_template.tokenize_conversation(tok, conversation(row))
+                except (ValueError, chat_template.ChatError) as e:  # a ChatError is a ValueError too
                     raise InputError(f"{where}: {e}") from None
                 split = forced or ("val" if not val_inputs and in_val(seed, path, position, val_fraction) else "train")
                 splits[split].add(ids, mask, capacity, truncate)

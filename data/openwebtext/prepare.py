@@ -29,7 +29,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: tokenizer.py, dataset_writer.py, data/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: data/ and its tokenizer and writer
 from data import corpus  # noqa: E402
 from data.text import prepare as text_prepare  # noqa: E402
 

@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: tokenizer.py, dataset_writer.py, data/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: data/ and its tokenizer and writer
 from data.shakespeare_text import text_to_prepare  # noqa: E402
-from dataset_writer import run_prepare_script, write_dataset  # noqa: E402
-from tokenizer import GPT2_VOCAB_SIZE, gpt2_encoding  # noqa: E402
+from data.tokenizer import GPT2_VOCAB_SIZE, gpt2_encoding  # noqa: E402
+from data.writer import run_prepare_script, write_dataset  # noqa: E402
 
 
 def prepare(text, out_dir, val_fraction=0.1, source=None, command=None):

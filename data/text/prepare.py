@@ -56,13 +56,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: tokenizer.py, dataset_writer.py, data/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: data/ and its tokenizer and writer
 from data import corpus  # noqa: E402
 from data.corpus import BadFile, InputError  # noqa: E402,F401  (InputError: the errors a user can fix)
-from dataset_writer import (GPT2_ROW_TOKENS, DatasetWriter, PrepareError, TokenWriter,  # noqa: E402
-                            check_out_dir, format_prepare_command, run_prepare_script, token_dtype,
-                            val_fraction_for)
-from tokenizer import command_path, gpt2_tokenizer, hf_tokenizer  # noqa: E402
+from data.tokenizer import command_path, gpt2_tokenizer, hf_tokenizer  # noqa: E402
+from data.writer import (GPT2_ROW_TOKENS, DatasetWriter, PrepareError, TokenWriter, check_out_dir,  # noqa: E402
+                         format_prepare_command, run_prepare_script, token_dtype, val_fraction_for)
 
 PIECE_BYTES = (1 << 20, 64 << 20)  # input per piece, at least and at most: 1/64 of the corpus in between
 COPY_TOKENS = 1 << 20  # tokens in memory at a time while parts are joined

@@ -17,9 +17,9 @@ import re
 
 import numpy as np
 
-import tokenizer
 from configurator import Config
-from dataset_writer import val_fraction_for
+from data import tokenizer
+from data.writer import val_fraction_for
 
 
 class DataError(ValueError):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import spmd
 
-import quantization
+from layers import quantization
 
 
 def param(value, logical_axes) -> nnx.Param:

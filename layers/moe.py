@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import quantization
-from layers import ACTIVATIONS, MLPS, constrain, dropout, normal, param, residual_init
+from layers import quantization
+from layers.blocks import ACTIVATIONS, MLPS, constrain, dropout, normal, param, residual_init
 
 
 def expert_capacity(config, tokens_per_row: int) -> int:

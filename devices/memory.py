@@ -9,7 +9,7 @@ instead of the device's own limit (tests set one; so can a user sharing a device
 
 
 import configurator
-from hardware import GiB
+from devices.hardware import GiB
 
 WARN_FRACTION = 0.95  # a need above this share of the limit runs, with a warning: XLA's sums are not exact
 

@@ -20,8 +20,9 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
-from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from optax.contrib import MuonDimensionNumbers
 from optax.contrib import _muon as optax_muon
+from optax.contrib import scale_by_muon
 
 from configurator import Config
 

@@ -28,9 +28,8 @@ import numpy as np
 from flax import nnx
 
 import model
-from kv_cache import init_cache
 import sharding
-
+from layers.kv_cache import init_cache
 
 # ----------------------------------------------------------------------------- one token
 

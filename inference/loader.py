@@ -14,16 +14,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import checkpoint
 import configurator
-import dataset
-import hf
 import sharding
 from configurator import ROLES, Config
-from kv_cache import init_cache
+from data import dataset
+from data.tokenizer import GPT2_VOCAB_SIZE, gpt2_tokenizer, hf_tokenizer, load_tokenizer, tokenizer_from_description
+from layers.kv_cache import init_cache
+from layers.quantization import Int8Weight
 from model import GPT, GPTConfig, cast_for_inference
-from quantization import Int8Weight
-from tokenizer import GPT2_VOCAB_SIZE, gpt2_tokenizer, hf_tokenizer, load_tokenizer, tokenizer_from_description
+from weights import checkpoint, hf
 
 # What rebuilds a checkpoint's model: its model and compute keys, and where an older checkpoint's
 # vocabulary is (newer ones carry it).

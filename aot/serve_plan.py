@@ -21,21 +21,20 @@ import jax
 import jax.numpy as jnp
 
 import configurator
-import engine
-import hardware
-import inference
-from memory import size
 import sharding
 import train
-from hardware import GiB
+from devices import hardware
+from devices.hardware import GiB
+from devices.memory import size
+from inference import engine, loader
+from layers.quantization import Int8Weight
 from model import count_params, flops_per_token
-from quantization import Int8Weight
 
 
 @dataclasses.dataclass
 class ServeResult:
     target_name: str
-    setup: inference.ModelSetup
+    setup: loader.ModelSetup
     slots: int
     context: int
     weight_dtype: str
@@ -99,11 +98,11 @@ def abstract_outputs(compiled, lowered):
                         lowered.out_info, compiled.output_shardings)
 
 
-def serving_params(setup: inference.ModelSetup, weight_dtype: str):
+def serving_params(setup: loader.ModelSetup, weight_dtype: str):
     """The weights as inference.serving_weights holds them, abstract: its shapes, and each parameter's
     sharding (an int8 weight's scales replicated along the input axes they don't have). Not compiled:
     on the target, converting float32 weights may not fit where serving does."""
-    shapes = jax.eval_shape(functools.partial(inference.serving_weights, setup, weight_dtype=weight_dtype),
+    shapes = jax.eval_shape(functools.partial(loader.serving_weights, setup, weight_dtype=weight_dtype),
                             setup.abstract_params)
 
     def place(param, shape):
@@ -119,12 +118,12 @@ def serving_params(setup: inference.ModelSetup, weight_dtype: str):
 
 
 def serving_setup(config: configurator.Config, devices, vocab_size: int, context: int,
-                  kv_cache_dtype: str) -> inference.ModelSetup:
+                  kv_cache_dtype: str) -> loader.ModelSetup:
     """The model on the training mesh keys' mesh, with the engine's context as its block size."""
     mesh = train.make_mesh(config, devices)
     config = dataclasses.replace(config, block_size=context or config.block_size,
                                  batch_size=sharding.batch_shards(mesh))
-    return inference.model_setup(config, mesh, vocab_size, kv_cache_dtype)
+    return loader.model_setup(config, mesh, vocab_size, kv_cache_dtype)
 
 
 def chip_numbers(target, chip: str, hbm_gib: float) -> tuple[str, int | None, float | None]:
@@ -177,8 +176,8 @@ def compile_serving(config: configurator.Config, target, vocab_size: int, slots:
                                "temporaries": int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))}
     chip_name, hbm, bandwidth = chip_numbers(target, chip, hbm_gib)
     return ServeResult(target.name, setup, slots, c.block_size, weight_dtype, chip_name, hbm, bandwidth,
-                       weight_bytes=inference.weight_bytes(params), weight_bytes_per_chip=per_device_bytes(params),
-                       kv_bytes_per_token=inference.kv_bytes_per_token(c),
+                       weight_bytes=loader.weight_bytes(params), weight_bytes_per_chip=per_device_bytes(params),
+                       kv_bytes_per_token=loader.kv_bytes_per_token(c),
                        cache_bytes_per_chip=per_device_bytes(state["cache"]), step_memory=step_memory,
                        prefill_temporaries=prefill_temporaries, oom=oom)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenizer import HF_FILES, command_path
+from data.tokenizer import HF_FILES, command_path
 
 # The extra files a dataset may have (dataset.py reads them): a stale one is removed by name only.
 EXTRA_NAMES = tuple(f"{split}.{kind}.bin" for split in ("train", "val") for kind in ("mask", "starts"))

@@ -32,10 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import generate
-import hardware
-import kv_cache
 import sharding
+from devices import hardware
+from inference import generate
+from layers import kv_cache
 
 
 class EngineError(ValueError):

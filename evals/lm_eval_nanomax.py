@@ -27,6 +27,7 @@ try:
     from lm_eval.__main__ import cli_evaluate
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
+
     # The harness's own models ('hf', 'local-completions', ...): its registry looks them up only
     # while it is empty, so they go in before 'nanomax' does.
     importlib.import_module("lm_eval.models")
@@ -37,9 +38,8 @@ except ImportError as e:
 import numpy as np
 
 import configurator
-import eval as eval_cli
-import evals
-import generate
+from evals import loading, scoring
+from inference import generate
 
 
 @register_model("nanomax")
@@ -54,14 +54,14 @@ class NanomaxLM(TemplateLM):
             raise configurator.ConfigError(f"nanomax model_args: unknown {', '.join(sorted(unused))}; known: "
                                            f"out_dir, init_from, dtype, devices, prefix, max_gen_toks")
         batch_size = 32 if str(batch_size).startswith("auto") else int(batch_size)  # no automatic search
-        self.cfg = eval_cli.EvalConfig(init_from=init_from, out_dir=out_dir, batch_size=batch_size, dtype=dtype,
+        self.cfg = loading.EvalConfig(init_from=init_from, out_dir=out_dir, batch_size=batch_size, dtype=dtype,
                                        devices=int(devices), prefix=prefix)
-        self.setup, params, self.tok, self.what = eval_cli.load_model(self.cfg)
+        self.setup, params, self.tok, self.what = loading.load_model(self.cfg)
         self.params = generate.weights_in_compute_dtype(self.setup.graphdef, params)
-        self.scorer = evals.make_scorer(self.setup)  # one compiled program per batch shape, kept
+        self.scorer = scoring.make_scorer(self.setup)  # one compiled program per batch shape, kept
         self.block_size = self.setup.model_config.block_size
         self.max_gen_toks = int(max_gen_toks)
-        evals.context_prefix(self.tok, prefix)  # a prefix this tokenizer lacks fails now
+        scoring.context_prefix(self.tok, prefix)  # a prefix this tokenizer lacks fails now
 
     # --- what TemplateLM asks for
 
@@ -72,9 +72,9 @@ class NanomaxLM(TemplateLM):
     @property
     def prefix_token_id(self):
         """The token an empty context (and each rolling text) is scored after: the harness needs one."""
-        start = evals.text_start(self.tok, self.cfg.prefix) or evals.text_start(self.tok)
+        start = scoring.text_start(self.tok, self.cfg.prefix) or scoring.text_start(self.tok)
         if not start:
-            raise evals.EvalError("this tokenizer has neither a BOS nor an end-of-text token, which the harness "
+            raise scoring.EvalError("this tokenizer has neither a BOS nor an end-of-text token, which the harness "
                                   "scores a text's first token after (empty contexts, loglikelihood_rolling)")
         return start[0]
 
@@ -88,7 +88,7 @@ class NanomaxLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list:
         """As a Hugging Face tokenizer: the tokenizer's own first token (per prefix) unless asked not to."""
-        start = [] if add_special_tokens is False else evals.context_prefix(self.tok, self.cfg.prefix)
+        start = [] if add_special_tokens is False else scoring.context_prefix(self.tok, self.cfg.prefix)
         return start + self.tok.encode(string)
 
     def tok_decode(self, tokens) -> str:
@@ -98,7 +98,7 @@ class NanomaxLM(TemplateLM):
         """requests: ((context, continuation), context ids, continuation ids) -> (log-probability, greedy)."""
         if not requests:
             return []
-        rows = evals.pair_rows([(context, ending) for _, context, ending in requests], self.block_size)
+        rows = scoring.pair_rows([(context, ending) for _, context, ending in requests], self.block_size)
         sums, _, greedy = self.score(rows)
         answers = [(float(s), bool(g)) for s, g in zip(sums, greedy)]
         for (key, _, _), answer in zip(requests, answers):
@@ -118,7 +118,7 @@ class NanomaxLM(TemplateLM):
             for window in map(lm_utils.make_disjoint_window, windows):
                 pairs.append(window)
                 owner.append(i)
-        sums = self.score(evals.pair_rows(pairs, self.block_size))[0] if pairs else np.zeros(0)
+        sums = self.score(scoring.pair_rows(pairs, self.block_size))[0] if pairs else np.zeros(0)
         totals = np.zeros(len(requests))
         np.add.at(totals, np.array(owner, dtype=int), sums)
         for req, total in zip(requests, totals):
@@ -155,11 +155,11 @@ class NanomaxLM(TemplateLM):
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return out
 
-    def score(self, rows: evals.Rows) -> tuple:
+    def score(self, rows: scoring.Rows) -> tuple:
         """evals.score_rows over rows taken longest first (fewer padded tokens), in their order."""
         order = sorted(range(len(rows.tokens)), key=lambda i: -len(rows.tokens[i]))
-        ordered = evals.Rows([rows.tokens[i] for i in order], [rows.start[i] for i in order], rows.truncated)
-        results = evals.score_rows(self.setup, self.params, ordered, self.cfg.batch_size, scorer=self.scorer)
+        ordered = scoring.Rows([rows.tokens[i] for i in order], [rows.start[i] for i in order], rows.truncated)
+        results = scoring.score_rows(self.setup, self.params, ordered, self.cfg.batch_size, scorer=self.scorer)
         back = np.argsort(order)
         return tuple(r[back] for r in results)
 

@@ -11,9 +11,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-import hardware
 import sharding
 import train
+from devices import hardware
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 

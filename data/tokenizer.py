@@ -460,7 +460,7 @@ def tokenizer_from_description(description: dict, search_dirs=()) -> Tokenizer:
     raise ValueError(f"not a tokenizer description: {description!r}")
 
 
-REPO_ROOT = Path(__file__).resolve().parent  # prepare commands are run from here
+REPO_ROOT = Path(__file__).resolve().parents[1]  # prepare commands are run from here
 
 
 def command_path(path) -> str:

@@ -33,9 +33,9 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from configurator import ROLES, Config, resume_values
-from dataset import dataset_dir
-import hf
-from tokenizer import tokenizer_from_description, vocabulary_identity
+from data.dataset import dataset_dir
+from data.tokenizer import tokenizer_from_description, vocabulary_identity
+from weights import hf
 
 
 class CheckpointError(ValueError):

@@ -37,8 +37,8 @@ import numpy as np
 from flax import nnx
 
 import configurator
-import monitor
 import sharding
+from training import monitor
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 TASKS = configurator.EVAL_TASKS  # choice: {"context", "choices", "label"} per line

@@ -7,8 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-import quantization
-from layers import constrain
+from layers import quantization
+from layers.blocks import constrain
 
 CACHE_AXES = ("layers", "batch", "seq", "heads", "head_dim")
 

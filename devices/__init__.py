@@ -1,0 +1,1 @@
+"""Chips' facts (peak FLOP/s, memory, bandwidth) and the pre-flight memory verdict."""

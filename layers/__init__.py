@@ -1,0 +1,1 @@
+"""model.py's parts: the building blocks (linear, norms, MLPs), attention and its kernels per platform, mixture of experts, the KV cache, int8/fp8 matmuls, the pipeline schedule. Only jax, flax and numpy: copy this folder with model.py."""

@@ -1,0 +1,1 @@
+"""Weights on disk: training checkpoints (Orbax) and Hugging Face models in and out."""
