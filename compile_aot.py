@@ -45,13 +45,13 @@ class Options:
     topology_num_slices: int = 1  # TPU slices joined by the data-center network
     save: str = ""  # write the compiled step here, for train.py --compiled_train_step
     hbm_gib: float = 0.0  # per-device memory to check against (CPU has no limit; what-ifs)
-    # serving (compile_serve.py): engine.py's prefill and decode step instead of the train step
+    # serving (aot/serve_plan.py): inference/engine.py's prefill and decode step instead of the train step
     serve: bool = False
     slots: int = 8  # decode slots: rows of the KV cache, split over the batch mesh axes
     context: int = 0  # tokens per slot; 0 = block_size
     weight_dtype: str = "auto"  # 'auto' (the compute dtype) | 'int8' (weight-only, as sample.py/serve.py)
     kv_cache_dtype: str = "auto"  # 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
-    chip: str = ""  # with a cpu:N topology: take HBM and bandwidth of this chip of hardware.py (H100, ...)
+    chip: str = ""  # with a cpu:N topology: take HBM and bandwidth of this chip of devices/hardware.py (H100, ...)
 
     def __post_init__(self):
         configurator.check_choice("weight_dtype", self.weight_dtype, ("auto", "int8"))
@@ -144,7 +144,7 @@ def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Tar
         topology_name = tpu_topology_name(topology)
         if importlib.util.find_spec("libtpu") is None:
             raise AotError(f'--topology={topology} needs libtpu to describe TPU devices: pip install '
-                           f'"jax[tpu]=={jax.__version__}" (README: "Compile ahead of time")')
+                           f'"jax[tpu]=={jax.__version__}" (docs/compile_aot.md)')
         from jax.experimental import topologies
         chip = hardware.TPU_GENERATIONS[topology_name.partition(":")[0]]
         hbm, chip_flops = chip.hbm_bytes, chip.bf16_flops

@@ -1,5 +1,5 @@
 """Evaluate a checkpoint or a Hugging Face model: HellaSwag (or any multiple-choice jsonl) and
-perplexity. evals.py does the work; this is its command line.
+perplexity. evals/scoring.py does the work; this is its command line.
 
     python eval.py --out_dir=out-gpt2 --task=hellaswag                 # downloads HellaSwag val once
     python eval.py --init_from=gpt2 --task=hellaswag --data=hellaswag_val.jsonl --limit=500
@@ -8,7 +8,7 @@ perplexity. evals.py does the work; this is its command line.
 
 prints one line: `hellaswag: acc A acc_norm B (N examples)`.
 
-Scoring follows lm-evaluation-harness (see evals.py), so the numbers compare with its tables:
+Scoring follows lm-evaluation-harness (see evals/scoring.py), so the numbers compare with its tables:
 no token before a GPT-2 context, the BOS token before a Llama-style one (--prefix=auto);
 acc_norm per character of the choice. --prefix=eot puts <|endoftext|> first; build-nanogpt's
 and llm.c's HellaSwag ("completion style") is --norm=token --hellaswag_text=raw.

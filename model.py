@@ -12,20 +12,20 @@ flattened into one axis.
 GPT-2 is the default. `pos_embedding='rope'`, `norm='rmsnorm'`, `mlp='swiglu'`, `n_kv_head` (grouped-
 query attention), `bias=False` and `tie_embeddings=False` give today's architectures; `qk_norm`,
 `mlp='relu2'`, `zero_init_proj` and `logit_softcap` are the GPT-2 speedruns' (modded-nanogpt). Each
-is a small function or module, here or in layers.py, picked once by name (ROTATIONS, HEAD_NORMS,
+is a small function or module, here or in layers/blocks.py, picked once by name (ROTATIONS, HEAD_NORMS,
 SOFTCAPS; NORMS, MLPS), or a parameter that is there or not (wpe, lm_head_kernel, like the biases);
 the forward pass has no branches on them.
-`n_experts` > 0 turns the MLPs into a mixture of experts (moe.py). Three more switches change how
-the step computes, not the weights: `attention` ('xla', 'einsum': attention.py, or cuDNN's fused kernel),
-`quantization` (int8/fp8 operands for the blocks' matmuls, quantization.py) and
-`pipeline_stages` (the layer stack as a pipeline over the `stage` mesh axis, pipeline.py).
+`n_experts` > 0 turns the MLPs into a mixture of experts (layers/moe.py). Three more switches change how
+the step computes, not the weights: `attention` ('xla', 'einsum': layers/attention.py, or cuDNN's fused kernel),
+`quantization` (int8/fp8 operands for the blocks' matmuls, layers/quantization.py) and
+`pipeline_stages` (the layer stack as a pipeline over the `stage` mesh axis, layers/pipeline.py).
 
 Packed rows (several examples in one row, pretraining's documents or fine-tuning's conversations)
 carry segment ids (B, T): attention never crosses a segment and positions restart at 0 in each,
 in every attention path; without them the program is the one it always was.
 
-For generation, `GPT.decode` runs new tokens against a KV cache (kv_cache.py: keys and values
-of the tokens seen before); the training forward `GPT.__call__` never touches it. hf.py maps Hugging
+For generation, `GPT.decode` runs new tokens against a KV cache (layers/kv_cache.py: keys and values
+of the tokens seen before); the training forward `GPT.__call__` never touches it. weights/hf.py maps Hugging
 Face GPT-2 and Llama-family weights to and from this model's parameter layout.
 """
 
@@ -86,7 +86,7 @@ class GPTConfig:
     # how the step computes, not what it learns: a checkpoint works with any of these
     attention: str = "xla"  # training attention: 'xla' | 'einsum' (written out with its backward:
     #                         fastest on CPUs) | 'cudnn' (fused flash kernel, GPU, bf16)
-    quantization: str = "none"  # the blocks' dense matmuls: 'none' | 'int8' | 'fp8' (quantization.py)
+    quantization: str = "none"  # the blocks' dense matmuls: 'none' | 'int8' | 'fp8' (layers/quantization.py)
     context_attention: str = "gather"  # rows split over the mesh's sequence axis: 'gather' (all-gather the
     #                                    keys and values) | 'ring' (pass them round: attention.ring_attention)
     pipeline_stages: int = 1  # > 1: the layer stack runs as a pipeline over the `stage` mesh axis

@@ -7,7 +7,7 @@
     python sample.py --out_dir=out-sft-tasks --chat=True --temperature=0   # a conversation: type, it answers
     python sample.py --out_dir=out-sft-tasks --chat=True --messages=chat.json   # the user turns of a file
 
-The generation itself (prefill + decode in one compiled loop) is generate.py's.
+The generation itself (prefill + decode in one compiled loop) is inference/generate.py's.
 """
 
 import dataclasses

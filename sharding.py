@@ -1,7 +1,7 @@
 """Device mesh, the logical-to-mesh rules table, and host batches -> global arrays.
 
 Six mesh axes, each a different way to split the work:
-  stage   split the layer stack into pipeline stages (pipeline.py: micro-batches flow through
+  stage   split the layer stack into pipeline stages (layers/pipeline.py: micro-batches flow through
           them; only activations travel, between neighbouring stages)
   data    replicate the parameters, split the batch (gradients are all-reduced)
   expert  split a mixture of experts' experts, and the batch elsewhere (tokens travel to
@@ -40,7 +40,7 @@ RULES = (
     ("heads", "tensor"),
     ("mlp", "tensor"),
     ("experts", "expert"),  # a mixture of experts' expert axis (moe.MoE)
-    ("layers", "stage"),  # a pipeline stage holds its layers (contiguous: GPipe; see pipeline.py)
+    ("layers", "stage"),  # a pipeline stage holds its layers (contiguous: GPipe; see layers/pipeline.py)
     ("stage", "stage"),  # the pipeline's per-stage activations
     ("qkv", None),
     ("head_dim", None),

@@ -1,4 +1,4 @@
-"""compile_aot.py --serve: engine.py's prefill and decode step compiled for a target that is not
+"""compile_aot.py --serve: inference/engine.py's prefill and decode step compiled for a target that is not
 here, and what serving costs there, before anyone pays for it.
 
     python compile_aot.py config/llama3_1b.py --serve --topology=v5e-8 --mesh_tensor=8 --mesh_data=1 \
@@ -9,7 +9,7 @@ for all slots), lowered with abstract sharded weights, nothing allocated. The re
 the weights, the KV cache per token and per slot (next to the arithmetic: 2 x layers x KV heads x
 head size x bytes per token), the most slots that fit next to the weights and the step's
 temporaries, the decode step's FLOPs and the bytes it reads, the memory-bound step time (those
-bytes / the chip's bandwidth, hardware.py) and the tokens/s it allows, and whether it fits.
+bytes / the chip's bandwidth, devices/hardware.py) and the tokens/s it allows, and whether it fits.
 """
 
 import dataclasses
@@ -127,7 +127,7 @@ def serving_setup(config: configurator.Config, devices, vocab_size: int, context
 
 
 def chip_numbers(target, chip: str, hbm_gib: float) -> tuple[str, int | None, float | None]:
-    """(name, HBM, bandwidth) per chip: of `chip` in hardware.py's table if given (a what-if for
+    """(name, HBM, bandwidth) per chip: of `chip` in devices/hardware.py's table if given (a what-if for
     programs compiled on CPU devices), else of the target's devices (a TPU slice by its generation:
     libtpu calls a v5p chip 'TPU v5')."""
     devices = target.devices
@@ -135,7 +135,7 @@ def chip_numbers(target, chip: str, hbm_gib: float) -> tuple[str, int | None, fl
     if not chip:
         found = next((c for gen, c in hardware.TPU_GENERATIONS.items() if f"({gen}:" in target.name), found)
     if chip and found is None:
-        raise configurator.ConfigError(f"--chip={chip} is not in hardware.py's table: use one of "
+        raise configurator.ConfigError(f"--chip={chip} is not in devices/hardware.py's table: use one of "
                                        f"{', '.join(c.kinds[0] for c in hardware.CHIPS)}")
     if found is None:  # this CPU: no HBM; its measured bandwidth, shared by the simulated devices
         return devices[0].device_kind, int(hbm_gib * GiB) or None, hardware.peak_bandwidth(devices)[0] / len(devices)

@@ -1,4 +1,4 @@
-"""How close int8 serving stays to the float model: README's int8 table, measured on a checkpoint.
+"""How close int8 serving stays to the float model: docs/serving.md's int8 table, measured on a checkpoint.
 
     .venv/bin/python bench/int8_agreement.py out-shakespeare-char
     .venv/bin/python bench/int8_agreement.py out-shakespeare-char --prompts=64 --rows=128 --groups=0,64,32
@@ -6,7 +6,7 @@
 For float, int8 weights (inference.int8_weights), an int8 KV cache, and both:
 - perplexity and the greedy token after the same prefix, on --rows rows of block_size validation
   tokens, decoded one token at a time through the KV cache (an int8 cache is written and read back);
-- greedy agreement over 64 tokens generated freely (generate.py) after --prompts prompts of 16
+- greedy agreement over 64 tokens generated freely (inference/generate.py) after --prompts prompts of 16
   validation tokens, spread over the split: the share of new tokens equal to the float model's at
   the same index, so a row counts as lost from its first different token on;
 - for each row that diverges, the float model's margin (top logit minus the next) where it does,

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tokenizer.py, data/
+sys.path.insert(0, str(ROOT))  # data/: the tokenizer and the Shakespeare text
 from data.shakespeare_text import load_shakespeare_text  # noqa: E402
 from data.tokenizer import GPT2_EOT, gpt2_encoding  # noqa: E402
 

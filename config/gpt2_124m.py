@@ -1,7 +1,7 @@
 # GPT-2 small (124M parameters) as the GPT-2 paper and nanoGPT train it: ~0.5M tokens per
 # step (16 sequences x 1024 tokens x 32 accumulation steps), AdamW(0.9, 0.95), weight
 # decay 0.1, lr 6e-4 warmed up over 2000 steps and decayed by cosine to 6e-5.
-# Data: `python data/fineweb/prepare.py` (FineWeb-Edu 10B tokens, see README), or
+# Data: `python data/fineweb/prepare.py` (FineWeb-Edu 10B tokens, see docs/training.md), or
 # --dataset=openwebtext after `python data/openwebtext/prepare.py`.
 out_dir = "out-gpt2-124m"
 dataset = "fineweb_edu_10bt"

@@ -1,7 +1,7 @@
 # The fastest way nanomax knows to the default run's validation loss (config/shakespeare_char.py:
 # 1.716 after 2000 steps): the same data, size and batch, built Llama-style with the GPT-2
 # speedruns' switches and trained with Muon, on a schedule that ends where the target is reached.
-# The README's "Faster convergence" table has each change's share.
+# docs/convergence.md's "What each change gives" table has each change's share.
 out_dir = "out-shakespeare-char-fast"
 dataset = "shakespeare_char"
 

@@ -7,7 +7,7 @@ A dataset directory holds train.bin and val.bin (token ids, uint16 or uint32 as 
     {"kind": "huggingface", "vocab_size": 32000, "sha256": "9a3f...", "tokenizer": "tokenizer.json"}
 A Hugging Face tokenizer's files are copied into the dataset directory, so a dataset never
 depends on a folder elsewhere. load_tokenizer(dataset_dir) reads meta.json and gives a
-Tokenizer; dataset_writer.py writes datasets.
+Tokenizer; data/writer.py writes datasets.
 """
 
 import functools

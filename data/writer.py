@@ -1,7 +1,7 @@
 """The atomic writers the data/*/prepare.py scripts share, and their command-line glue.
 
 A dataset is train.bin and val.bin (token ids: uint16 when the vocabulary fits in 16 bits,
-else uint32; meta.json's "dtype" says which), meta.json (tokenizer.py says what it holds) and, for a Hugging Face tokenizer, that tokenizer's files. Every file goes to
+else uint32; meta.json's "dtype" says which), meta.json (data/tokenizer.py says what it holds) and, for a Hugging Face tokenizer, that tokenizer's files. Every file goes to
 NAME.tmp beside the old one, and all of them are renamed over the old files together
 once everything is written, so a bad input, a crash or Ctrl-C leaves the old dataset
 exactly as it was.
@@ -19,7 +19,7 @@ import numpy as np
 
 from data.tokenizer import HF_FILES, command_path
 
-# The extra files a dataset may have (dataset.py reads them): a stale one is removed by name only.
+# The extra files a dataset may have (data/dataset.py reads them): a stale one is removed by name only.
 EXTRA_NAMES = tuple(f"{split}.{kind}.bin" for split in ("train", "val") for kind in ("mask", "starts"))
 
 

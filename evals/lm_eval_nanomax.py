@@ -1,8 +1,8 @@
 """nanomax models inside lm-evaluation-harness (EleutherAI's `lm_eval`, an optional dependency:
 pip install -r requirements-eval.txt).
 
-    python lm_eval_nanomax.py --model_args out_dir=out-gpt2 --tasks hellaswag
-    python lm_eval_nanomax.py --model_args init_from=/path/to/SmolLM2-135M --tasks arc_easy,piqa --batch_size 64
+    python -m evals.lm_eval_nanomax --model_args out_dir=out-gpt2 --tasks hellaswag
+    python -m evals.lm_eval_nanomax --model_args init_from=/path/to/SmolLM2-135M --tasks arc_easy,piqa --batch_size 64
 
 takes every flag of the `lm_eval` command (--tasks, --limit, --num_fewshot, --output_path,
 --include_path for local task files, --batch_size: rows per forward pass, 32 unless given) and
@@ -15,7 +15,7 @@ default length, 256 as the harness's own models).
 
 The harness tokenizes (TemplateLM): a context starts with what the tokenizer itself puts first
 (prefix=auto: Llama's BOS, nothing for GPT-2), an empty one with BOS else <|endoftext|>; this
-file scores the token rows with evals.py's batched scorer and generates with generate.py, greedy
+file scores the token rows with evals/scoring.py's batched scorer and generates with inference/generate.py, greedy
 unless a task asks to sample.
 """
 
@@ -32,7 +32,7 @@ try:
     # while it is empty, so they go in before 'nanomax' does.
     importlib.import_module("lm_eval.models")
 except ImportError as e:
-    raise ImportError(f"lm_eval_nanomax.py needs lm-evaluation-harness ({e}): "
+    raise ImportError(f"evals/lm_eval_nanomax.py needs lm-evaluation-harness ({e}): "
                       f"pip install -r requirements-eval.txt") from None
 
 import numpy as np
@@ -139,7 +139,7 @@ class NanomaxLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(options.pop("max_gen_toks", self.max_gen_toks))
             temperature = float(options.pop("temperature", 0.0)) if options.pop("do_sample", False) else 0.0
-            # The harness keeps the last max_length - max_gen_toks context tokens; generate.py goes on
+            # The harness keeps the last max_length - max_gen_toks context tokens; inference/generate.py goes on
             # past the context in windows, so keep at least half of it.
             keep = max(self.block_size - max_new, self.block_size // 2)
             for first in range(0, len(group), self.cfg.batch_size):

@@ -11,7 +11,7 @@ batching), in the shape of MaxText's engine (JetStream):
 Every program is compiled ahead of time at start-up (a prefill and an insert per bucket, one
 step), so serving never compiles. Sampling settings (temperature, top_k, top_p) and keys live
 in per-slot arrays, so requests with different settings share one step. A request's i-th token
-is drawn with the key fold_in(fold_in(key(seed), i), 0), as generate.py draws its first row's:
+is drawn with the key fold_in(fold_in(key(seed), i), 0), as inference/generate.py draws its first row's:
 what a request gets does not depend on what runs beside it.
 
 The engine's loop runs in a thread of its own. submit() queues a request from any thread; the
@@ -164,7 +164,7 @@ class Engine:
             if len(self.queue) >= self.max_queue:
                 raise QueueFull(f"{len(self.queue)} requests are waiting already (max_queue); try again later")
             request.id, request.submitted_at = next(self.ids), time.perf_counter()
-            # Seeds are int32 on the device: any integer is taken modulo 2^31 (generate.py's agree below it).
+            # Seeds are int32 on the device: any integer is taken modulo 2^31 (inference/generate.py's agree below it).
             request.seed = random.getrandbits(31) if request.seed is None else request.seed % 2 ** 31
             self.queue.append(request)
             self.wake.notify()
@@ -283,7 +283,7 @@ class Engine:
 
 # ----------------------------------------------------------------------------- device programs
 
-# The jitted programs the engine runs, for whoever lowers them elsewhere (compile_serve.py
+# The jitted programs the engine runs, for whoever lowers them elsewhere (aot/serve_plan.py
 # compiles them for a target that is not here); lower each with the shapes its function takes.
 
 def empty_state_program(config, slots: int, length: int):
@@ -311,7 +311,7 @@ def _empty_state(config, slots: int, length: int) -> dict:
 
 
 def _draw(logits_BxV, seed_B, index_B, temperature_B, top_k_B, top_p_B) -> dict:
-    """Each row's token number index_B[b], with generate.py's key for its row 0, and log-probabilities."""
+    """Each row's token number index_B[b], with inference/generate.py's key for its row 0, and log-probabilities."""
     keys_B = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), 0))(
         seed_B, index_B)
     token_B = generate.sample_logits(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B)

@@ -1,5 +1,5 @@
 """A model for inference: its setup (config, mesh, shardings; no optimizer), parameters and tokenizer,
-from a training checkpoint or a Hugging Face model. sample.py, eval.py, export_hf.py, engine.py
+from a training checkpoint or a Hugging Face model. sample.py, eval.py, export_hf.py, inference/engine.py
 and serve.py load through here; train.py builds its own Setup on top of model_setup().
 
     setup, params, step, tok = load_checkpoint("out-shakespeare-char")

@@ -1,7 +1,7 @@
-"""The building blocks of model.py's GPT, and of moe.py's experts: parameters with logical axis
+"""The building blocks of model.py's GPT, and of layers/moe.py's experts: parameters with logical axis
 names, sharding constraints by those names, dropout, linear layers (int8/fp8 operands through
-quantization.py), the norms and the MLPs. `config` is a model.GPTConfig (its fields are read by
-name; this file does not import model.py, so moe.py can use it too).
+layers/quantization.py), the norms and the MLPs. `config` is a model.GPTConfig (its fields are read by
+name; this file does not import model.py, so layers/moe.py can use it too).
 """
 
 import functools

@@ -1,4 +1,4 @@
-"""auth.py: the bearer key in front of /v1, called as uvicorn calls it (one ASGI request), and the
+"""serving/auth.py: the bearer key in front of /v1, called as uvicorn calls it (one ASGI request), and the
 warning for a server open to the network without one."""
 
 import asyncio

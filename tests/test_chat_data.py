@@ -1,6 +1,6 @@
 """data/chat/prepare.py and chat.tokenize_conversation: conversations to token ids and a loss mask,
 rendered with the tokenizer's chat template as transformers renders it; the batches of a
-fine-tuning set (dataset.py); and the offline chat set (data/chat/make_tasks.py) learned by a
+fine-tuning set (data/dataset.py); and the offline chat set (data/chat/make_tasks.py) learned by a
 tiny model and asked through serve.py's /v1/chat/completions."""
 
 import concurrent.futures
@@ -221,7 +221,7 @@ def tasks_run(tmp_path_factory):
     assert run_prepare(f"--input={root / 'tasks' / 'train.jsonl'}", f"--val_input={root / 'tasks' / 'val.jsonl'}",
                        f"--tokenizer={root / 'tasks' / 'tokenizer'}", "--block_size=128",
                        f"--out_dir={root / 'data' / 'chat_tasks'}") == ""
-    # as the README's commands, but one short eval (and checkpoint) at the end, and no logs to write
+    # as docs/finetuning.md's commands, but one short eval (and checkpoint) at the end, and no logs to write
     config = configurator.load_config([str(ROOT / "config" / "sft_tasks.py"), f"--data_dir={root / 'data'}",
                                        f"--out_dir={root / 'out'}", "--eval_interval=1000", "--eval_iters=2",
                                        "--log_interval=100", "--tensorboard=False"])

@@ -1,4 +1,4 @@
-"""communication.py, and what the compiled train step communicates on 8 simulated devices
+"""aot/communication.py, and what the compiled train step communicates on 8 simulated devices
 (counted by compile_aot.collectives from the program after SPMD partitioning)."""
 
 import dataclasses

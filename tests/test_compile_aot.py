@@ -261,7 +261,7 @@ def test_tpu_without_libtpu_is_one_clear_error(monkeypatch):
 
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="libtpu not installed (README: Compile ahead of time)")
+                                  reason="libtpu not installed (docs/compile_aot.md)")
 
 
 @needs_libtpu

@@ -1,4 +1,4 @@
-"""Tokenizers, dataset_writer.py and the data/*/prepare.py scripts, on small texts made here (no network).
+"""Tokenizers, data/writer.py and the data/*/prepare.py scripts, on small texts made here (no network).
 
 Hugging Face tokenizers, and data/text/prepare.py with one: tests/test_tokenizer.py."""
 

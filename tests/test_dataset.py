@@ -1,4 +1,4 @@
-"""dataset.py: the token files checked at start-up, and the batch of a step as a pure function."""
+"""data/dataset.py: the token files checked at start-up, and the batch of a step as a pure function."""
 
 import dataclasses
 import json

@@ -1,4 +1,4 @@
-"""engine.py on a mesh: the slots' greedy tokens on tensor=4 x data=2 are one device's generate.py tokens."""
+"""inference/engine.py on a mesh: the slots' greedy tokens on tensor=4 x data=2 are one device's inference/generate.py tokens."""
 
 import threading
 

@@ -1,4 +1,4 @@
-"""generate.py: the KV-cache sampler against recomputation, sampling rules, seeds, stop tokens,
+"""inference/generate.py: the KV-cache sampler against recomputation, sampling rules, seeds, stop tokens,
 generation past the context, sharding."""
 
 import functools

@@ -1,4 +1,4 @@
-"""hardware.py: device kinds as JAX names them find their chip, and the peaks scale with the count."""
+"""devices/hardware.py: device kinds as JAX names them find their chip, and the peaks scale with the count."""
 
 import types
 

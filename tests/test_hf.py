@@ -1,7 +1,7 @@
-"""hf.py: Hugging Face directories in (config.json, safetensors, hub names) and out.
+"""weights/hf.py: Hugging Face directories in (config.json, safetensors, hub names) and out.
 
 The directories are written here: GPT-2 tensors by name, as transformers stores them, and
-nanomax models exported by hf.py itself; transformers is not needed (the check against it
+nanomax models exported by weights/hf.py itself; transformers is not needed (the check against it
 is in the closing note of the issue, with a separate venv)."""
 
 import dataclasses

@@ -1,5 +1,5 @@
-"""lm_eval_nanomax.py: nanomax models inside lm-evaluation-harness. The harness tokenizes the
-requests itself (TemplateLM), so equal log-likelihoods here also show that evals.py encodes
+"""evals/lm_eval_nanomax.py: nanomax models inside lm-evaluation-harness. The harness tokenizes the
+requests itself (TemplateLM), so equal log-likelihoods here also show that evals/scoring.py encodes
 contexts and continuations as the harness does, for a GPT-2 tokenizer (no prefix) and a
 Llama-style one (BOS first). Skipped where lm-eval is not installed."""
 

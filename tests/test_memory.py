@@ -1,4 +1,4 @@
-"""The pre-flight memory check (memory.py): a step that cannot fit is refused before it runs."""
+"""The pre-flight memory check (devices/memory.py): a step that cannot fit is refused before it runs."""
 
 import json
 import os
@@ -73,7 +73,7 @@ print(json.dumps({"need": memory.needed([step], "cpu"), "grown": status("VmHWM:"
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
 def test_the_estimate_of_a_small_step_is_within_2x_of_its_measured_peak():
-    """The need memory.py checks (XLA's arguments + outputs + temporaries) against the memory the step
+    """The need devices/memory.py checks (XLA's arguments + outputs + temporaries) against the memory the step
     really holds at its peak: its arguments (the state and batch, resident before it starts) plus
     what the process's peak RSS grows by while it runs. The step's temporaries (~220 MiB: the
     logits of 8 x 256 tokens over 8,192 ids and their gradient) dominate both."""

@@ -591,7 +591,7 @@ def test_llama_style_bfloat16_compute():
     assert 0 < diff < 0.02
 
 
-# --- quantized matmuls (quantization.py) --------------------------------------------------
+# --- quantized matmuls (layers/quantization.py) --------------------------------------------------
 
 @pytest.mark.parametrize("base, mode, tolerance, grad_tolerance", [
     (TINY, "int8", 0.03, 0.03), (LLAMA, "int8", 0.03, 0.03),

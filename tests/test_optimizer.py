@@ -1,4 +1,4 @@
-"""Tests of optimizer.py: Muon's Newton-Schulz step and parameter groups, AdamW unchanged, and their resume."""
+"""Tests of training/optimizer.py: Muon's Newton-Schulz step and parameter groups, AdamW unchanged, and their resume."""
 
 import dataclasses
 
@@ -139,7 +139,7 @@ def test_muon_orthogonalises_each_expert_of_each_layer_on_its_own(tmp_path):
 
 
 def test_adamw_is_the_same_optimizer_as_before_muon(tmp_path):
-    """optimizer='adamw' is built as train.py built it before optimizer.py: same updates, bit for bit."""
+    """optimizer='adamw' is built as train.py built it before training/optimizer.py: same updates, bit for bit."""
     config = small_config(tmp_path)
     params = model_params(config)
     schedule = lambda count: optimizer.learning_rate(config, count)

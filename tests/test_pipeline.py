@@ -1,4 +1,4 @@
-"""Tests of pipeline.py: the pipeline schedule, pipelined training equal to one device, and host offload."""
+"""Tests of layers/pipeline.py: the pipeline schedule, pipelined training equal to one device, and host offload."""
 
 import dataclasses
 import math

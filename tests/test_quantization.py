@@ -1,4 +1,4 @@
-"""Tests of quantization.py: int8 and fp8 matmuls within their rounding bounds, straight-through gradients."""
+"""Tests of layers/quantization.py: int8 and fp8 matmuls within their rounding bounds, straight-through gradients."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""serve.py over engine.py: the real server (uvicorn on 127.0.0.1, a free port) on a tiny model
+"""serve.py over inference/engine.py: the real server (uvicorn on 127.0.0.1, a free port) on a tiny model
 trained here, talked to with the openai client and with raw HTTP."""
 
 import concurrent.futures
@@ -144,7 +144,7 @@ def test_greedy_completion_equals_generate_streamed_or_not(client, loaded):
 
 def test_eight_concurrent_seeded_streams_each_equal_the_request_alone(client, loaded):
     """Continuous batching on 4 slots: 8 streams at once, each with its own seed and settings, give
-    what each gives alone; and a seeded request is what generate.py draws for its first row."""
+    what each gives alone; and a seeded request is what inference/generate.py draws for its first row."""
     setup, params, _, tok = loaded
     settings = [dict(seed=s, temperature=0.5 + s / 8, top_k=(0, 5)[s % 2], top_p=(1.0, 0.9)[s // 4])
                 for s in range(8)]

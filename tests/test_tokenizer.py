@@ -1,4 +1,4 @@
-"""tokenizer.py's interface for every kind, Hugging Face tokenizers in particular (tiny ones
+"""data/tokenizer.py's interface for every kind, Hugging Face tokenizers in particular (tiny ones
 trained here with the `tokenizers` library), and data/text/prepare.py --tokenizer=DIR."""
 
 import functools

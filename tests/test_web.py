@@ -1,4 +1,4 @@
-"""The chat page (web/) in a real browser: headless Chromium driven by selenium, against serve.py on
+"""The chat page (serving/web/) in a real browser: headless Chromium driven by selenium, against serve.py on
 127.0.0.1 with an API key, on a tiny character model trained here to answer "hello" with an HTML
 payload, so that the model's own text tests that nothing it says is run as HTML.
 

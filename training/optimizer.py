@@ -73,7 +73,7 @@ def _muon_dimension_numbers(path, leaf):
     if keys[0] not in STACKS or not name.endswith("kernel") or name in ADAMW_MATRICES:
         return None
     if name not in BLOCK_MATRICES:  # a new weight in model.py: say how it multiplies
-        raise ValueError(f"optimizer.py: {'.'.join(keys)} {tuple(leaf.shape)} is a block weight "
+        raise ValueError(f"training/optimizer.py: {'.'.join(keys)} {tuple(leaf.shape)} is a block weight "
                          f"matrix whose axes Muon does not know: add it to BLOCK_MATRICES")
     dims = BLOCK_MATRICES[name]
     shift = len(leaf.shape) - 1 - len(_axes(dims.reduction_axis)) - len(_axes(dims.output_axis))

@@ -13,8 +13,8 @@ file, or a folder of them; each line or row is one conversation, in one of three
     {"prompt": "...", "completion": "..."}   one user turn and the answer (or two lists of messages)
     {"instruction": "...", "input": "...", "output": "..."}   (Alpaca's; input may be empty or absent)
 
-Each conversation is rendered with the tokenizer's chat template by chat.py, the code serve.py
-renders prompts with (a tokenizer without a template gets chat.py's default), tokenized whole,
+Each conversation is rendered with the tokenizer's chat template by data/chat_template.py, the code serve.py
+renders prompts with (a tokenizer without a template gets data/chat_template.py's default), tokenized whole,
 and masked: 1 on the tokens of every assistant turn and its end-of-turn token, 0 on the rest. A
 row that is not one of the shapes, has a role other than system, user and assistant, or no
 assistant turn stops the script with its file and line (or parquet row). A conversation longer
@@ -192,7 +192,7 @@ def prepare(inputs, out_dir, tokenizer="gpt2", val_inputs=None, val_fraction=0.0
     check_out_dir(out_dir)
     template = tok.chat_template or chat_template.DEFAULT_TEMPLATE
     if tok.chat_template is None:
-        log(f"note: {tok.summary()} has no chat template: using chat.py's default (USER: ... ASSISTANT: ...), "
+        log(f"note: {tok.summary()} has no chat template: using data/chat_template.py's default (USER: ... ASSISTANT: ...), "
             f"which serve.py uses for it too")
     capacity, truncate = block_size + 1, overlong == "truncate"
     hf = tok.kind == "huggingface"

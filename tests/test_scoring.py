@@ -1,4 +1,4 @@
-"""evals.py and eval.py: multiple-choice scores against one forward pass per choice, batching
+"""evals/scoring.py and eval.py: multiple-choice scores against one forward pass per choice, batching
 and devices that change nothing, perplexity windows, the task in training, bad files."""
 
 import json

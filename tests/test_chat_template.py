@@ -1,4 +1,4 @@
-"""chat.py: a Hugging Face chat template rendered as transformers renders it, the default for a
+"""data/chat_template.py: a Hugging Face chat template rendered as transformers renders it, the default for a
 model without one, and bad messages or templates as one ChatError."""
 
 import re

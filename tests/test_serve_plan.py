@@ -1,4 +1,4 @@
-"""compile_serve.py (compile_aot.py --serve): the engine's programs compiled for a mesh of 4 CPU devices, their
+"""aot/serve_plan.py (compile_aot.py --serve): the engine's programs compiled for a mesh of 4 CPU devices, their
 weight and KV cache sizes against the arithmetic, and the report."""
 
 import pytest
