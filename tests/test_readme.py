@@ -1,7 +1,8 @@
-"""The README's commands work as written (issue 42), checked without running them: every
-```bash block is read, and each `python SCRIPT ...` in it must name files that exist and flags
-that its script takes; no two training examples may write into one out_dir (each would stop
-with "out_dir ... holds checkpoints of an earlier run" after the quickstart)."""
+"""The commands of the README and of docs/*.md work as written (issue 42), checked without running
+them: every ```bash block is read, and each `python SCRIPT ...` (or `python -m MODULE ...`) in it
+must name files that exist and flags that its script takes; no two training examples may write
+into one out_dir (each would stop with "out_dir ... holds checkpoints of an earlier run" after the
+quickstart)."""
 
 import ast
 import dataclasses
@@ -42,31 +43,48 @@ def commands(block: str) -> list[list[str]]:
 
 
 def python_scripts(block: str) -> list[tuple[str, list[str]]]:
-    """(script, its arguments) of each `python SCRIPT.py ...` (also .venv/bin/python, after srun)."""
+    """(script, its arguments) of each `python SCRIPT.py ...` (also .venv/bin/python, after srun);
+    `python -m a.b ...` is the script a/b.py."""
     runs = []
     for words in commands(block):
         for i, word in enumerate(words[:-1]):
             if re.fullmatch(r"(\S*/)?python3?", word) and words[i + 1].endswith(".py"):
                 runs.append((words[i + 1], words[i + 2:]))
                 break
+            if re.fullmatch(r"(\S*/)?python3?", word) and words[i + 1] == "-m" and i + 2 < len(words) \
+                    and words[i + 2] not in ("venv", "pip", "pytest"):  # the repo's modules, not Python's tools
+                runs.append((words[i + 2].replace(".", "/") + ".py", words[i + 3:]))
+                break
     return runs
 
 
+def dataclass_fields(tree: ast.AST, names=None) -> set[str]:
+    """The fields of the dataclasses defined in a module (of those named `names`, if given)."""
+    return {item.target.id for node in ast.walk(tree)
+            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list)
+            and (names is None or node.name in names)
+            for item in node.body if isinstance(item, ast.AnnAssign)}
+
+
 def own_options(script: str) -> set[str]:
-    """The flags a script defines itself: the fields of its dataclasses, argparse's options, and the
-    keys of an OWN_FLAGS dict (bench/compare_cpu.py's)."""
+    """The flags a script defines: the fields of its dataclasses and of those it imports from the
+    repo (eval.py's EvalConfig lives in evals/loading.py), argparse's options, and the keys of an
+    OWN_FLAGS dict (bench/compare_cpu.py's)."""
     source = (ROOT / script).read_text()
-    keys = set(re.findall(r"add_argument\(\s*\"--(\w+)\"", source))
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
-            keys |= {item.target.id for item in node.body if isinstance(item, ast.AnnAssign)}
+    tree = ast.parse(source)
+    keys = set(re.findall(r"add_argument\(\s*\"--(\w+)\"", source)) | dataclass_fields(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "OWN_FLAGS":
             keys |= {key.value for key in node.value.keys}
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            module = ROOT / (node.module.replace(".", "/") + ".py")
+            if module.is_file():
+                keys |= dataclass_fields(ast.parse(module.read_text()), {alias.name for alias in node.names})
     return keys
 
 
 def harness_options() -> set[str]:
-    """lm_eval's command-line flags, which lm_eval_nanomax.py passes on (its own come from lm-eval)."""
+    """lm_eval's command-line flags, which evals/lm_eval_nanomax.py passes on (its own come from lm-eval)."""
     spec = importlib.util.find_spec("lm_eval")
     if spec is None:
         pytest.skip("lm-eval is not installed (pip install -r requirements-eval.txt): its flags are unknown")
@@ -86,23 +104,34 @@ def config_file_value(path: str, key: str):
     return namespace.get(key)
 
 
-README = (ROOT / "README.md").read_text()
-RUNS = [run for block in bash_blocks(README) for run in python_scripts(block)]
+PAGES = {path.relative_to(ROOT).as_posix(): path.read_text()
+         for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+RUNS_BY_PAGE = {page: [run for block in bash_blocks(text) for run in python_scripts(block)]
+                for page, text in PAGES.items()}
+RUNS = [run for runs in RUNS_BY_PAGE.values() for run in runs]
+IDS = [f"{page}: {' '.join([s, *a])}"[:90] for page, runs in RUNS_BY_PAGE.items() for s, a in runs]
 
 
-def test_the_readme_has_the_commands_this_test_reads():
+def test_the_readme_and_the_docs_have_the_commands_this_test_reads():
+    readme = {script for script, _ in RUNS_BY_PAGE["README.md"]}
+    assert {"train.py", "sample.py"} <= readme and any(script.startswith("data/") for script in readme)
     scripts = {script for script, _ in RUNS}
-    assert {"train.py", "sample.py", "export_hf.py", "eval.py", "bench.py", "compile_aot.py"} <= scripts
-    assert any(script.startswith("data/") for script in scripts)
+    assert {"train.py", "sample.py", "export_hf.py", "eval.py", "bench.py", "compile_aot.py",
+            "serve.py", "evals/lm_eval_nanomax.py"} <= scripts
 
 
-@pytest.mark.parametrize("script, args", RUNS, ids=[" ".join([s, *a])[:70] for s, a in RUNS])
+def test_every_docs_page_is_linked_from_the_readme():
+    unlinked = [page for page in PAGES if page.startswith("docs/") and f"]({page})" not in PAGES["README.md"]]
+    assert unlinked == [], f"docs pages the README does not link: {unlinked}"
+
+
+@pytest.mark.parametrize("script, args", RUNS, ids=IDS)
 def test_every_command_names_files_that_exist_and_flags_its_script_takes(script, args):
     if script.startswith(("/", "..")):  # a checkout elsewhere (nanoGPT's model.py)
         return
     assert (ROOT / script).is_file(), f"{script} does not exist"
     keys = own_options(script) | (CONFIG_KEYS if takes_config(script) else set())
-    if script == "lm_eval_nanomax.py":
+    if script == "evals/lm_eval_nanomax.py":
         keys |= harness_options()
     for arg in args:
         if arg.startswith("--"):
