@@ -31,8 +31,8 @@ def repo_modules(root: pathlib.Path = REPO) -> dict[str, pathlib.Path]:
     modules = {}
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).with_suffix("").parts
-        if parts[0] in SKIPPED_FOLDERS or parts[0].startswith("."):
-            continue
+        if (len(parts) > 1 and parts[0] in SKIPPED_FOLDERS) or parts[0].startswith("."):
+            continue  # bench/'s scripts are skipped, bench.py (a command) is not
         parts = parts[:-1] if parts[-1] == "__init__" else parts
         modules[".".join(parts)] = path
     return modules
