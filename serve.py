@@ -299,7 +299,7 @@ class Server:
         self.token_scorer = None  # echo with logprobs: made on first use
         self.stopping = False
         print(f"loaded {source} as '{self.name}' ({self.tok.summary()}, {setup.model_config.dtype}, "
-              f"context {self.context}); {inference.memory_summary(setup, self.params)}", flush=True)
+              f"context {self.context}); {loader.memory_summary(setup, self.params)}", flush=True)
 
     def start_engine(self, on_failure=None) -> None:
         """Compile the engine's programs (in a thread: /health answers 503 meanwhile) and check that they
