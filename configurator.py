@@ -389,10 +389,18 @@ HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
-def check_init_from(value: str) -> None:
-    if value not in ("scratch", "resume") and not os.path.isdir(value) and not HUB_NAME.fullmatch(value):
-        raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume', a Hugging Face model "
-                          f"directory or a hub name like 'gpt2' or 'org/name'; {value!r} is neither a "
+def check_init_from(value: str, choices=("scratch", "resume")) -> None:
+    """init_from: one of `choices`, a Hugging Face model directory, or a hub name. A name without a
+    '/' close to a choice ('scrach') is a typo, said before anything looks for it on the hub."""
+    if value in choices or os.path.isdir(value):
+        return
+    close = [] if "/" in value else difflib.get_close_matches(value.lower(), choices, n=1, cutoff=0.75)
+    if close:
+        raise ConfigError(f"config key 'init_from' is {value!r}: did you mean {close[0]!r}? (no directory has "
+                          f"that name here, and a Hugging Face hub name looks like 'gpt2' or 'org/name')")
+    if not HUB_NAME.fullmatch(value):
+        raise ConfigError(f"config key 'init_from' must be {', '.join(map(repr, choices))}, a Hugging Face "
+                          f"model directory or a hub name like 'gpt2' or 'org/name'; {value!r} is neither a "
                           f"directory nor a hub name")
 
 

@@ -71,6 +71,7 @@ class ServeConfig:
     memory_limit_gib: float = 0.0  # check against this many GiB per device; 0 = the device's own limit
 
     def __post_init__(self):
+        configurator.check_init_from(self.init_from, choices=("resume",))
         for key in ("slots", "max_queue", "mesh_data", "mesh_tensor"):
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
