@@ -28,6 +28,8 @@ import contextlib
 import dataclasses
 import os
 import signal
+import socket
+import stat
 import sys
 import threading
 import time
@@ -45,6 +47,9 @@ from layers.quantization import MODES as QUANTIZATION_MODES
 from serving import app, auth
 
 
+MAX_SOCKET_PATH = 107  # bytes: Linux's sun_path holds 108, with the closing NUL
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     init_from: str = "resume"  # 'resume' (the newest intact checkpoint in out_dir), or a Hugging Face
@@ -52,6 +57,8 @@ class ServeConfig:
     out_dir: str = "out"
     host: str = "127.0.0.1"  # '0.0.0.0' serves other machines too
     port: int = 8000
+    uds: str = ""  # listen on this unix socket instead of host:port (behind a proxy on the same machine, or
+    #                where no TCP port may be opened); '' = host:port
     slots: int = 8  # requests decoding at once: rows of one KV cache
     max_queue: int = 64  # requests waiting for a slot; past that, 429
     model_name: str = ""  # the id clients send as "model"; '' = out_dir's or init_from's last part
@@ -75,6 +82,9 @@ class ServeConfig:
         for key in ("slots", "max_queue", "mesh_data", "mesh_tensor"):
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if len(os.fsencode(self.uds)) > MAX_SOCKET_PATH:
+            raise configurator.ConfigError(f"--uds={self.uds} is {len(os.fsencode(self.uds))} bytes long; a unix "
+                                           f"socket's path takes at most {MAX_SOCKET_PATH}: choose a shorter one")
         if not 0 < self.port < 65536:
             raise configurator.ConfigError(f"port must be in 1..65535, got {self.port}")
         configurator.check_choice("quantization", self.quantization, ("auto", *QUANTIZATION_MODES))
@@ -222,36 +232,69 @@ def summaries(server: Server, stop: threading.Event) -> None:
         last_tokens, last_time = s["tokens"], now
 
 
+def check_socket_path(path: str) -> None:
+    """--uds=PATH can become this server's socket: its folder exists and takes new files, and PATH is
+    neither something else's file nor the socket of a server still listening (a socket left by one
+    that stopped is replaced, as uvicorn does)."""
+    configurator.check_writable(path, "uds")
+    if not os.path.lexists(path):
+        return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise configurator.ConfigError(f"--uds={path} exists and is not a socket: serve.py won't replace it; "
+                                       f"choose another path")
+    with socket.socket(socket.AF_UNIX) as probe:
+        listening = probe.connect_ex(path) == 0
+    if listening:
+        raise configurator.ConfigError(f"--uds={path}: another server is listening on it; stop that one, or "
+                                       f"choose another path")
+
+
 def main(argv) -> None:
     cfg = configurator.load_config_or_exit(argv, ServeConfig)
     cfg = dataclasses.replace(cfg, api_key=cfg.api_key or os.environ.get("NANOMAX_API_KEY", ""))
-    if warning := auth.exposure_warning(cfg.host, cfg.port, cfg.api_key):
+    if cfg.uds:
+        try:
+            check_socket_path(cfg.uds)  # before the model loads: a typo costs nothing
+        except configurator.ConfigError as e:
+            sys.exit(f"config error: {e}")
+    elif warning := auth.exposure_warning(cfg.host, cfg.port, cfg.api_key):
         print(warning, flush=True)
     try:
         server = Server(cfg)
     except (OSError, ValueError) as e:  # CheckpointError, HFError, MeshError, ConfigError
         sys.exit(f"error: {e}")
-    uv = UvicornServer(uvicorn.Config(app.make_app(server), host=cfg.host, port=cfg.port, log_level="warning",
+    where = {"uds": cfg.uds} if cfg.uds else {"host": cfg.host, "port": cfg.port}
+    uv = UvicornServer(uvicorn.Config(app.make_app(server), **where, log_level="warning",
                                       timeout_graceful_shutdown=30), server)
     def stop_serving():
         uv.should_exit = True
 
-    threading.Thread(target=server.start_engine, args=(stop_serving,), name="compile", daemon=True).start()
+    compiling = threading.Thread(target=server.start_engine, args=(stop_serving,), name="compile", daemon=True)
+    compiling.start()
     stop_summaries = threading.Event()
     if cfg.log_interval > 0:
         threading.Thread(target=summaries, args=(server, stop_summaries), daemon=True).start()
-    print(f"serving on http://{cfg.host}:{cfg.port}: the chat page at /, the API at /v1"
+    address = f"unix socket {cfg.uds}" if cfg.uds else f"http://{cfg.host}:{cfg.port}"
+    print(f"serving on {address}: the chat page at /, the API at /v1"
           f"{' (API key required)' if cfg.api_key else ''} (GET /health is 200 once compiled)", flush=True)
+    reason = "in use, or not an address here"
     try:
         uv.run()
+    except (OSError, SystemExit) as e:  # the socket could not be made (uvicorn exits on a port in use)
+        if uv.started:
+            raise
+        reason = e.strerror if isinstance(e, OSError) else reason
+        compiling.join()  # exiting while XLA compiles aborts the process
     finally:
         stop_summaries.set()
         if server.engine is not None:
             server.engine.shutdown()
+        if cfg.uds and uv.started and os.path.exists(cfg.uds):
+            os.remove(cfg.uds)  # ours: nobody else listens on it now
     if server.failure:
         sys.exit(f"error: {server.failure}")
     if not uv.started:
-        sys.exit(f"error: could not listen on {cfg.host}:{cfg.port} (in use, or not an address here)")
+        sys.exit(f"error: could not listen on {address} ({reason})")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 
+import httpx2
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +22,7 @@ import pytest
 from flax import nnx
 from test_train import small_config
 
+import bench_serve
 import serve
 import train
 from data import chat_template
@@ -276,6 +278,70 @@ def test_models_and_a_disconnect_mid_stream_frees_its_slot(server, client):
     assert now["busy"] == now["queued"] == 0 and now["aborted"] > aborted
     assert client.completions.create(model="out", prompt="ab", max_tokens=3).usage.completion_tokens == 3
     assert health()["compiles_while_serving"] == compiles  # no program compiled for these requests
+
+
+def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run, loaded, tmp_path_factory):
+    """--uds=PATH: uvicorn listens on the socket (no TCP port); the openai client over a unix-socket
+    transport gets generate.py's greedy tokens, bench_serve.py --uds measures it, a second server on the
+    same path is refused in one line, and SIGTERM ends it with the socket file removed."""
+    setup, params, _, tok = loaded
+    path = str(tmp_path_factory.mktemp("uds") / "serve.sock")
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}", "--slots=2",
+                                "--log_interval=0", f"--uds={path}"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    http = httpx2.Client(transport=httpx2.HTTPTransport(uds=path), timeout=60)
+    try:
+        deadline, status = time.time() + 180, None
+        while status != 200 and time.time() < deadline and process.poll() is None:
+            try:
+                status = http.get("http://localhost/health").status_code
+            except httpx2.TransportError:  # the socket is not there yet
+                time.sleep(0.3)
+        assert status == 200, process.stdout.read() if process.poll() is not None else "no 200 from /health"
+        client = openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http, max_retries=0)
+        expected = generate.generate(setup, params, [generate.encode_prompt(tok, "hello world")], 12,
+                                     temperature=0).tokens[0]
+        reply = client.completions.create(model="out", prompt="hello world", max_tokens=12, temperature=0)
+        assert reply.choices[0].text == tok.decode(expected)
+        record = bench_serve.run([f"--uds={path}", "--url=http://localhost/v1", "--concurrency=1,2", "--requests=3",
+                                  "--max_tokens=4", "--prompt=ab"])
+        assert [(level["ok"], level["failed"]) for level in record["levels"]] == [(3, 0), (3, 0)]
+        assert record["health"]["context"] == 32 and record["levels"][1]["output_tokens"] == 3 * 4
+        with pytest.raises(SystemExit) as refused:
+            serve.main([f"--out_dir={run}", f"--uds={path}"])
+        assert str(refused.value) == f"config error: --uds={path}: another server is listening on it; stop that " \
+                                     f"one, or choose another path"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert f"serving on unix socket {path}" in process.stdout.read() and not os.path.exists(path)
+    finally:
+        http.close()
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.parametrize("name, words", [
+    ("missing/serve.sock", "the folder {tmp}/missing does not exist"),
+    ("a_file", "--uds={tmp}/a_file exists and is not a socket: serve.py won't replace it"),
+    (".", "is a directory"),
+    ("x" * 100 + ".sock", "a unix socket's path takes at most 107"),
+])
+def test_a_bad_socket_path_is_one_line_before_the_model_loads(tmp_path, name, words):
+    (tmp_path / "a_file").write_text("not mine to replace")
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--out_dir=/no/such/run", f"--uds={tmp_path / name}"])  # the run would fail to load next
+    message = str(e.value)
+    assert message.startswith("config error: ") and words.format(tmp=tmp_path) in message and "\n" not in message
+    assert (tmp_path / "a_file").read_text() == "not mine to replace"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in any folder whatever its permissions")
+def test_a_socket_folder_this_user_cannot_write_in_is_one_line(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--out_dir=/no/such/run", f"--uds={locked / 'serve.sock'}"])
+    assert str(e.value) == f"config error: --uds={locked / 'serve.sock'}: this user can't write in {locked}"
 
 
 def teacher_forced(setup, params, tokens_BxT) -> tuple[float, np.ndarray]:
