@@ -17,11 +17,13 @@ GET /v1/models, GET /health (503 until the engine's programs are compiled, then 
 engine's numbers), and vLLM's GET /tokenizer_info, POST /tokenize and POST /detokenize, so that
 lm-evaluation-harness's local-completions model runs against the server with nothing else.
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
-request, 404 for another model's name, 429 when the queue is full, 503 while starting or
-stopping. The model loads before the server listens (a bad out_dir is one line, no server); the
-programs compile in a thread while /health already answers; device work runs in the engine's
-thread, never on the event loop. SIGTERM (or Ctrl-C) stops taking requests, ends those in flight
-with their text so far (finish_reason "abort"), and exits 0.
+request, 404 for another model's name, 413 for a body over --max_body_bytes (8 MiB; said before
+the body is read), 429 when the queue is full, 503 while starting or stopping. The model loads
+before the server listens (a bad out_dir is one line, no server); the programs compile in a
+thread while /health already answers; device work runs in the engine's thread, never on the
+event loop. SIGTERM (or Ctrl-C) stops taking requests, ends those in flight with their text so
+far (finish_reason "abort"), and exits 0. --uds=PATH listens on a unix socket instead of
+host:port.
 """
 
 import contextlib
@@ -61,6 +63,8 @@ class ServeConfig:
     #                where no TCP port may be opened); '' = host:port
     slots: int = 8  # requests decoding at once: rows of one KV cache
     max_queue: int = 64  # requests waiting for a slot; past that, 429
+    max_body_bytes: int = 8 * 2**20  # a request body past this gets a 413 before it is read whole (8 MiB: a
+    #                                  prompt of about 2M tokens of text, or 1M as a JSON list of ids)
     model_name: str = ""  # the id clients send as "model"; '' = out_dir's or init_from's last part
     dtype: str = "auto"  # a Hugging Face model's compute dtype: 'auto' = bfloat16 on GPUs and TPUs,
     #                      float32 on CPUs; a checkpoint keeps the one it trained in
@@ -79,7 +83,7 @@ class ServeConfig:
 
     def __post_init__(self):
         configurator.check_init_from(self.init_from, choices=("resume",))
-        for key in ("slots", "max_queue", "mesh_data", "mesh_tensor"):
+        for key in ("slots", "max_queue", "mesh_data", "mesh_tensor", "max_body_bytes"):
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if len(os.fsencode(self.uds)) > MAX_SOCKET_PATH:

@@ -4,7 +4,8 @@ handlers over the server object that serve.py puts in the Starlette app's state
 (request.app.state.server: the model, its tokenizer, the engine and the request log).
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad request,
-404 for another model's name, 429 when the queue is full, 503 while starting or stopping.
+404 for another model's name, 413 for a body over the limit (LimitBody, before it is read whole), 429
+when the queue is full, 503 while starting or stopping.
 """
 
 import asyncio
@@ -37,8 +38,8 @@ class APIError(Exception):
 
     @property
     def kind(self) -> str:
-        return {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable"}.get(self.status, "server_error")
+        return {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable"}.get(self.status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -368,9 +369,58 @@ def encode(server, text: str, with_bos: bool) -> list:
         raise APIError(400, f"the prompt can't be encoded with this model's vocabulary ({e})", "prompt") from None
 
 
+class BodyTooLarge(Exception):
+    """Raised from LimitBody's receive, through the app, back to LimitBody."""
+
+
+class LimitBody:
+    """ASGI middleware: a request whose body is over max_bytes gets a 413 in OpenAI's shape without
+    being read whole: at once when its Content-Length says so, else (a chunked body) as soon as the
+    bytes read pass the limit. Outside every route, so the chat page's files too."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self.refuse(scope, receive, send)
+        received, responded = 0, False
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge
+            return message
+
+        async def watching_send(message):
+            nonlocal responded
+            responded = responded or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, watching_send)
+        except BodyTooLarge:
+            if responded:  # cannot happen with these routes (each reads its body before answering)
+                raise
+            await self.refuse(scope, receive, send)
+
+    async def refuse(self, scope, receive, send):
+        too_large = APIError(413, f"the request body is larger than this server's limit of {self.max_bytes:,} "
+                                  f"bytes (serve.py --max_body_bytes)", code="request_too_large")
+        await error_response(too_large)(scope, receive, send)
+
+
 def make_app(server) -> Starlette:
-    """The app over serve.Server `server`, kept in app.state for the handlers. With an API key,
-    /v1 and the tokenizer's routes need it (auth.RequireKey); GET / is web/index.html."""
+    """The app over serve.Server `server`, kept in app.state for the handlers. Bodies over
+    --max_body_bytes get a 413 (LimitBody); with an API key, /v1 and the tokenizer's routes need it
+    (auth.RequireKey); GET / is web/index.html."""
+    limit = [Middleware(LimitBody, max_bytes=server.cfg.max_body_bytes)]
     keyed = [Middleware(auth.RequireKey, key=server.cfg.api_key)] if server.cfg.api_key else []
     app = Starlette(routes=[
         Route("/health", health), Route("/v1/models", models),
@@ -378,7 +428,7 @@ def make_app(server) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info), Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
-        Mount("/", StaticFiles(directory=WEB_DIR, html=True))], middleware=keyed)
+        Mount("/", StaticFiles(directory=WEB_DIR, html=True))], middleware=limit + keyed)
     app.state.server = server
     return app
 

@@ -5,6 +5,7 @@ import concurrent.futures
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -261,6 +262,52 @@ def test_bad_requests_get_openai_errors(server, body, status, param, words):
     assert got == status
     assert set(reply["error"]) == {"message", "type", "param", "code"}
     assert reply["error"]["param"] == param and words in reply["error"]["message"]
+
+
+def response_of(connection: socket.socket) -> tuple[int, dict]:
+    """(status, JSON body) of one HTTP response read off a raw connection."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+            re.search(rb"content-length: (\d+)", data, re.I).group(1)):
+        data += connection.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_bodies_over_the_limit_get_413_before_they_are_read(server, client):
+    """--max_body_bytes (8 MiB by default): a Content-Length past it is refused before a byte of the
+    body is sent, on every route and the chat page's files; a chunked body as soon as the bytes read pass
+    it; the openai client, sending all of its body, gets the 413 in OpenAI's shape; a body of exactly
+    the limit is served; the server stays healthy."""
+    url, limit = server[0], serve.ServeConfig.max_body_bytes
+    host, port = url.removeprefix("http://").split(":")
+    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+                         ("GET", "/index.html"), ("GET", "/health")):
+        with socket.create_connection((host, int(port)), timeout=30) as connection:
+            connection.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {limit + 1}\r\n\r\n".encode())
+            status, reply = response_of(connection)  # no body was sent: the answer came from the header alone
+        assert status == 413 and reply == {"error": {
+            "message": f"the request body is larger than this server's limit of {limit:,} bytes (serve.py "
+                       f"--max_body_bytes)", "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+    with socket.create_connection((host, int(port)), timeout=30) as connection:  # chunked: no length said
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        sent, piece = 0, b"7" * 65536
+        while sent < 8 * limit and not select.select([connection], [], [], 0)[0]:  # until an answer comes
+            connection.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            sent += len(piece)
+        # The body never ended (no last, empty chunk was sent): the 413 came once the bytes read passed the limit.
+        assert response_of(connection)[0] == 413 and limit < sent < 8 * limit
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="out", prompt="a" * limit, max_tokens=2)
+    assert refused.value.status_code == 413 and refused.value.body["code"] == "request_too_large"
+    body = {"prompt": "ab", "max_tokens": 2, "user": ""}
+    body["user"] = "u" * (limit - len(json.dumps(body)))  # "user" is accepted and ignored: the body is exactly limit
+    at_limit = json.dumps(body).encode()
+    assert len(at_limit) == limit
+    with httpx2.Client(timeout=60) as http:
+        assert http.post(url + "/v1/completions", content=at_limit).json()["usage"]["completion_tokens"] == 2
+        assert http.post(url + "/v1/completions", content=at_limit[:-2] + b'u"}').status_code == 413  # limit + 1
+        assert http.get(url + "/health").status_code == 200
 
 
 def test_models_and_a_disconnect_mid_stream_frees_its_slot(server, client):
