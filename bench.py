@@ -16,7 +16,9 @@ per token step with the memory-bandwidth roofline: every step must read the weig
 compute dtype) and each row's KV cache up to its position.
 
 Every run appends one JSON record to --json (default bench.jsonl), so runs can be compared.
-Other flags are train.py config keys.
+Other flags are train.py config keys. With no config file and no config key (`python bench.py`,
+or only bench.py's own flags), it measures the largest of DEFAULT_MODELS that fits the machine
+(GPT-2 124M on an accelerator with the memory; on a CPU the quickstart's model) and says which.
 """
 
 import dataclasses
@@ -318,15 +320,58 @@ def git_revision() -> str:
     return (rev + ("+dirty" if dirty else "")) if rev else "unknown"
 
 
-CPU_DEFAULT = "config/shakespeare_char.py"  # what `python bench.py` measures on a CPU
+QUICKSTART = ["config/shakespeare_char.py"]
+# What bench.py measures when no config file or config key is given: the first of these whose
+# programs the memory check lets run on this machine. On a CPU only the quickstart's model:
+# GPT-2 124M may fit a large host's memory, but one of its steps takes minutes there.
+DEFAULT_MODELS = {
+    "cpu": [QUICKSTART],
+    "accelerator": [["config/gpt2_124m.py", "--gradient_accumulation_steps=1"],  # 16 x 1024 tokens a step
+                    ["config/gpt2_124m.py", "--batch_size=4", "--gradient_accumulation_steps=1"],
+                    QUICKSTART],
+}
+
+
+def default_models(platform: str) -> list[list[str]]:
+    return DEFAULT_MODELS["cpu" if platform == "cpu" else "accelerator"]
+
+
+def names_a_model(argv: list[str]) -> bool:
+    """Whether argv has a config file or a config key; bench.py's own flags (--steps, --mode, ...) alone
+    leave the model to bench.py."""
+    own = {f.name for f in dataclasses.fields(Options)}
+    return any(not arg.startswith("--") or arg[2:].partition("=")[0] not in own for arg in argv)
 
 
 def run(argv: list[str]) -> dict:
+    """Benchmark what argv names, or with no config given the largest default model that fits here."""
+    if names_a_model(argv):
+        return measure(argv)
+    device = jax.devices()[0]
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def measure_default(model: list[str]) -> dict:
+        if device.platform == "cpu":
+            print(f"bench: no config given on a CPU: benchmarking {' '.join(model)}, the quickstart's model "
+                  f"(GPT-2 124M takes minutes a step on a CPU; pass a config, e.g. config/gpt2_124m.py, to "
+                  f"benchmark it)")
+        else:
+            print(f"bench: no config given on {device.device_kind}: benchmarking {' '.join(model)}, the "
+                  f"largest of bench.py's default models not yet refused (a smaller one follows if it does "
+                  f"not fit; pass a config to benchmark another)")
+        return measure([os.path.join(here, model[0]), *model[1:], *argv])
+
+    *larger, smallest = default_models(device.platform)
+    for model, next_model in zip(larger, [*larger[1:], smallest]):
+        try:
+            return measure_default(model)
+        except memory.DoesNotFit as e:
+            print(f"bench: {' '.join(model)} does not fit this machine ({e}); trying {' '.join(next_model)}")
+    return measure_default(smallest)
+
+
+def measure(argv: list[str]) -> dict:
     """Parse flags, benchmark, print the table, append the JSON record."""
-    if not argv and jax.devices()[0].platform == "cpu":  # GPT-2 124M's defaults need ~20 GB of host memory
-        argv = [os.path.join(os.path.dirname(os.path.abspath(__file__)), CPU_DEFAULT)]
-        print(f"bench: no flags on a CPU: benchmarking {CPU_DEFAULT}, the CPU's default model "
-              f"(pass a config, e.g. config/gpt2_124m.py, to benchmark another)")
     options, config = configurator.load_with_options_or_exit(argv, Options, complete=hf.with_model_keys)
     if options.json:
         configurator.check_writable(options.json, "json")

@@ -4,6 +4,7 @@
     python bench_serve.py                                   # levels of 1, 4 and 16 requests in flight
     python bench_serve.py --concurrency=1,8 --requests=64 --max_tokens=128 --json=serve.json
     python bench_serve.py --url=http://127.0.0.1:8000/v1 --rate=4   # also Poisson arrivals, 4 per second
+    python bench_serve.py --uds=/tmp/nanomax.sock            # a server on a unix socket (serve.py --uds)
 
 At each --concurrency level, --requests streamed POST /v1/completions go out with at most that
 many in flight; with --rate > 0 one more level starts them at Poisson arrival times (exponential
@@ -25,10 +26,9 @@ import math
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx2
 import numpy as np
 import openai
 
@@ -41,6 +41,8 @@ ROOFLINE_SLOTS = (1, 8, 16)
 class Options:
     """bench_serve.py's flags."""
     url: str = "http://127.0.0.1:8000/v1"  # the server's OpenAI base URL
+    uds: str = ""  # the server's unix socket (serve.py --uds=PATH): requests go there, and --url gives only
+    #                their path (/v1) and Host header; '' = connect to --url's host and port
     model: str = ""  # '' = the first id that GET /v1/models lists
     concurrency: str = "1,4,16"  # comma-separated: the most requests in flight at each level
     rate: float = 0.0  # > 0: one more level, its requests starting at Poisson arrivals of this many
@@ -153,27 +155,27 @@ def health_url(base_url: str) -> str:
     return (base[:-len("/v1")] if base.endswith("/v1") else base) + "/health"
 
 
-def server_health(base_url: str, timeout: float) -> dict | None:
+def server_health(http: httpx2.Client, base_url: str, timeout: float) -> dict | None:
     """GET /health's JSON once the server is ready; None if it has no such route or no JSON there.
     A 503 (serve.py: the programs are still compiling) is waited out, up to timeout seconds."""
     url, deadline, said = health_url(base_url), time.monotonic() + timeout, False
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as response:
-                body = json.loads(response.read() or b"null")
-            return body if isinstance(body, dict) else None
-        except urllib.error.HTTPError as e:  # before OSError: it is one
-            e.close()
-            if e.code != 503:
-                return None
-            if time.monotonic() > deadline:
-                raise BenchError(f"{url} still answers 503 (not ready) after {timeout:g} s") from None
-            if not said:
-                print(f"waiting for {url} to answer 200 (503: the server is starting)", file=sys.stderr)
-                said = True
-            time.sleep(1.0)
-        except (OSError, ValueError):  # no route, or not JSON (vLLM's is empty): no roofline
+            response = http.get(url, timeout=timeout)
+        except httpx2.HTTPError:  # no route there
             return None
+        if response.status_code != 503:
+            try:
+                body = response.json() if response.status_code == 200 else None
+            except ValueError:  # not JSON (vLLM's is empty): no roofline
+                return None
+            return body if isinstance(body, dict) else None
+        if time.monotonic() > deadline:
+            raise BenchError(f"{url} still answers 503 (not ready) after {timeout:g} s")
+        if not said:
+            print(f"waiting for {url} to answer 200 (503: the server is starting)", file=sys.stderr)
+            said = True
+        time.sleep(1.0)
 
 
 def root_cause(e: BaseException) -> str:
@@ -183,9 +185,21 @@ def root_cause(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-def make_client(options: Options):
+def http_client(options: Options) -> httpx2.Client:
+    """The connections: to --url's host and port, or to the unix socket --uds, pooled as the openai
+    client's own (up to 1,000 at once, so that a level's requests never wait for a connection)."""
+    transport = httpx2.HTTPTransport(uds=options.uds or None, limits=openai.DEFAULT_CONNECTION_LIMITS)
+    return openai.DefaultHttpxClient(transport=transport, timeout=options.timeout)
+
+
+def make_client(options: Options, http: httpx2.Client):
     # No retries: a retried request would hide its failure.
-    return openai.OpenAI(base_url=options.url, api_key="bench_serve", max_retries=0, timeout=options.timeout)
+    return openai.OpenAI(base_url=options.url, api_key="bench_serve", max_retries=0, timeout=options.timeout,
+                         http_client=http)
+
+
+def where(options: Options) -> str:
+    return f"{options.url} on the unix socket {options.uds}" if options.uds else options.url
 
 
 def resolve_model(client, options: Options) -> str:
@@ -193,7 +207,7 @@ def resolve_model(client, options: Options) -> str:
     try:
         ids = [m.id for m in client.models.list().data]
     except openai.APIConnectionError as e:
-        raise BenchError(f"no server at {options.url} ({root_cause(e)})") from None
+        raise BenchError(f"no server at {where(options)} ({root_cause(e)})") from None
     except openai.APIStatusError as e:
         raise BenchError(f"GET {options.url.rstrip('/')}/models answered {e.status_code}: is --url an "
                          f"OpenAI-compatible base URL (ending in /v1)?") from None
@@ -311,15 +325,16 @@ def run(argv: list[str]) -> dict:
     options = configurator.load_config_or_exit(argv, Options)
     if options.json:
         check_writable(options.json)
-    client = make_client(options)
+    http = http_client(options)
+    client = make_client(options, http)
     model = resolve_model(client, options)
-    health = server_health(options.url, options.timeout)
+    health = server_health(http, options.url, options.timeout)
     roofline = decode_roofline(health)
     try:  # untimed: a wrong model or parameter is one error here, not a table of failures
         stream_completion(client, options, model, options.seed, min(2, options.max_tokens))
     except (openai.OpenAIError, ValueError) as e:
         raise BenchError(f"the first request failed: {type(e).__name__}: {e}") from None
-    print(f"bench_serve: {model} at {options.url}; {options.requests} requests per level, prompt "
+    print(f"bench_serve: {model} at {where(options)}; {options.requests} requests per level, prompt "
           f"{options.prompt!r}, max_tokens {options.max_tokens}, temperature {options.temperature:g}")
     if roofline:
         print(format_roofline(health, roofline))

@@ -174,18 +174,31 @@ class Config:
         return self.batch_size * self.gradient_accumulation_steps * self.block_size
 
     def __post_init__(self):
+        """The checks, by group; each raises ConfigError naming the key and the fix."""
         for f in dataclasses.fields(self):  # nan and inf would slip through every check below
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"config key '{f.name}' must be a finite number, got {value}")
+        self._check_model()
+        self._check_optimizer()
+        self._check_mesh()
+        self._check_data()
+        self._check_run()
+
+    def _at_least(self, minimum: int, keys) -> None:
+        for key in keys:
+            if getattr(self, key) < minimum:
+                raise ConfigError(f"config key '{key}' must be >= {minimum}, got {getattr(self, key)}")
+
+    def _check_model(self) -> None:
+        """What the weights compute, and the compute keys that say how."""
+        self._at_least(1, ("n_layer", "n_head", "n_embd", "block_size", "pad_vocab_to_multiple"))
+        self._at_least(0, ("vocab_size", "n_experts", "n_shared_experts", "moe_hidden", "moe_dense_layers",
+                           "capacity_factor"))
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
         check_choice("attention", self.attention, ("auto", "xla", "einsum", "cudnn"))
         check_choice("quantization", self.quantization, ("none", "int8", "fp8"))
-        check_choice("context_attention", self.context_attention, ("gather", "ring"))
-        if self.context_attention == "ring" and (self.dropout > 0 or self.mesh_stage * self.dcn_stage > 1):
-            raise ConfigError("context_attention='ring' has no attention dropout and no pipeline stages: "
-                              "use dropout=0 and mesh_stage=1, or context_attention='gather'")
         if self.attention == "cudnn" and self.dtype != "bfloat16":
             raise ConfigError(f"attention='cudnn' needs dtype='bfloat16' (cuDNN's flash attention has no "
                               f"float32 kernel); got dtype={self.dtype!r}. Use attention='auto' or 'xla'")
@@ -197,10 +210,6 @@ class Config:
         if self.logit_softcap < 0:
             raise ConfigError(f"logit_softcap must be >= 0 (0 = off; modded-nanogpt uses 30 or 15), "
                               f"got {self.logit_softcap}")
-        if self.overwrite_out_dir and self.init_from == "resume":
-            raise ConfigError("overwrite_out_dir=True would delete the checkpoints that init_from='resume' "
-                              "continues: drop one of the two")
-        check_init_from(self.init_from)
         check_choice("rope_scaling", self.rope_scaling, ("none", "llama3"))
         if self.rope_scaling != "none" and not (
                 0 < self.rope_low_freq_factor < self.rope_high_freq_factor and self.rope_scaling_factor > 0
@@ -209,34 +218,8 @@ class Config:
                               f"and rope_scaling_factor, rope_original_context > 0; got "
                               f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
                               f"{self.rope_scaling_factor}, {self.rope_original_context}")
-        check_choice("nan_policy", self.nan_policy, ("stop", "skip_step"))
-        check_choice("offload", self.offload, ("none", "optimizer", "params_and_optimizer"))
-        if self.fsdp_reduce_once and self.mesh_context * self.dcn_context != 1:
-            raise ConfigError("fsdp_reduce_once keeps a whole partial gradient sum per fsdp shard, which the "
-                              "context axis's devices would have to reduce every micro-step: use it with "
-                              "mesh_context=1 dcn_context=1, or leave it False")
-        if self.mesh_stage * self.dcn_stage > 1 and self.n_experts and self.moe_dense_layers:
-            raise ConfigError(f"a pipeline (mesh_stage={self.mesh_stage}) runs one stack of equal layers, but "
-                              f"moe_dense_layers={self.moe_dense_layers} makes two: use moe_dense_layers=0 "
-                              f"or mesh_stage=1")
-        for item in filter(None, (part.strip() for part in self.eval_tasks.split(","))):
-            kind, _, path = item.partition(":")
-            check_choice("eval_tasks", kind, EVAL_TASKS)
-            if kind != "hellaswag" and not path:
-                raise ConfigError(f"eval_tasks: {kind!r} needs a file, e.g. {kind}:PATH")
-        for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size",
-                    "gradient_accumulation_steps", "eval_interval", "eval_iters",
-                    "log_interval", "max_to_keep", "pad_vocab_to_multiple",
-                    "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context",
-                    "num_processes", "mesh_stage", "mesh_context", "pipeline_microbatches"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key '{key}' must be >= 1, got {getattr(self, key)}")
-        if self.profile_steps and not re.fullmatch(r"\d+:\d+", self.profile_steps):
-            raise ConfigError(f"profile_steps must look like START:STOP (e.g. 10:13), got {self.profile_steps!r}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.n_kv_head < 0 or self.mlp_hidden < 0:
             raise ConfigError(f"n_kv_head ({self.n_kv_head}) and mlp_hidden ({self.mlp_hidden}) must be "
                               f">= 0 (0 = the default)")
@@ -248,12 +231,22 @@ class Config:
                               f"{self.n_embd // self.n_head}: RoPE turns pairs of dimensions")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError(f"rope_theta ({self.rope_theta}) and norm_eps ({self.norm_eps}) must be > 0")
-        for key in ("vocab_size", "seed", "max_iters", "warmup_iters", "lr_decay_iters", "learning_rate",
-                    "weight_decay", "grad_clip", "keep_best", "sample_tokens", "stack_dump_interval", "eval_tasks_limit",
-                    "n_experts", "n_shared_experts", "moe_hidden", "moe_dense_layers", "capacity_factor",
-                    "router_aux_loss_coef", "router_z_loss_coef", "layers_per_stage"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(self, key)}")
+
+    def _check_experts(self) -> None:
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            raise ConfigError(f"experts_per_token must be between 1 and n_experts ({self.n_experts}), "
+                              f"got {self.experts_per_token}")
+        if not 0 <= self.moe_dense_layers < self.n_layer:
+            raise ConfigError(f"moe_dense_layers ({self.moe_dense_layers}) must be below n_layer "
+                              f"({self.n_layer}): at least one layer has the experts")
+
+    def _check_optimizer(self) -> None:
+        """How training updates the weights: the optimizer, its schedule, dropout, the router's losses."""
+        self._at_least(1, ("batch_size", "gradient_accumulation_steps"))
+        self._at_least(0, ("warmup_iters", "lr_decay_iters", "learning_rate", "weight_decay", "grad_clip",
+                           "router_aux_loss_coef", "router_z_loss_coef"))
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         check_choice("optimizer", self.optimizer, ("adamw", "muon"))
         if self.muon_learning_rate <= 0:
             raise ConfigError(f"config key 'muon_learning_rate' must be > 0 (e.g. 0.02), "
@@ -275,6 +268,57 @@ class Config:
             raise ConfigError(f"min_lr ({self.min_lr}) must be in [0, learning_rate = {self.learning_rate}]: "
                               f"the schedule decays from learning_rate down to min_lr (set min_lr, often "
                               f"learning_rate / 10, or decay_lr=False)")
+
+    def _check_mesh(self) -> None:
+        """How the devices split the work: the mesh and slice axes, the pipeline, offloading, the processes."""
+        self._at_least(1, ("mesh_stage", "mesh_context", "pipeline_microbatches", "dcn_data", "dcn_fsdp",
+                           "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context", "num_processes"))
+        self._at_least(0, ("layers_per_stage",))
+        check_choice("context_attention", self.context_attention, ("gather", "ring"))
+        if self.context_attention == "ring" and (self.dropout > 0 or self.mesh_stage * self.dcn_stage > 1):
+            raise ConfigError("context_attention='ring' has no attention dropout and no pipeline stages: "
+                              "use dropout=0 and mesh_stage=1, or context_attention='gather'")
+        check_choice("offload", self.offload, ("none", "optimizer", "params_and_optimizer"))
+        if self.fsdp_reduce_once and self.mesh_context * self.dcn_context != 1:
+            raise ConfigError("fsdp_reduce_once keeps a whole partial gradient sum per fsdp shard, which the "
+                              "context axis's devices would have to reduce every micro-step: use it with "
+                              "mesh_context=1 dcn_context=1, or leave it False")
+        if self.mesh_stage * self.dcn_stage > 1 and self.n_experts and self.moe_dense_layers:
+            raise ConfigError(f"a pipeline (mesh_stage={self.mesh_stage}) runs one stack of equal layers, but "
+                              f"moe_dense_layers={self.moe_dense_layers} makes two: use moe_dense_layers=0 "
+                              f"or mesh_stage=1")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ConfigError(f"process_id ({self.process_id}) must be in 0 .. num_processes - 1 "
+                              f"({self.num_processes - 1}): processes count from 0")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ConfigError(f"num_processes={self.num_processes} needs coordinator_address (host:port "
+                              f"of process 0); under SLURM or on a TPU pod leave both unset")
+
+    def _check_data(self) -> None:
+        """Which tokens the run reads."""
+        self._at_least(0, ("seed",))
+        for key, example in (("data_dir", "data"), ("dataset", "shakespeare_char")):
+            if not getattr(self, key).strip():
+                raise ConfigError(f"{key} must name a directory, e.g. --{key}={example}")
+
+    def _check_run(self) -> None:
+        """Where the run starts from and writes, how long it runs, how it evaluates, logs and saves."""
+        self._at_least(1, ("eval_interval", "eval_iters", "log_interval", "max_to_keep"))
+        self._at_least(0, ("max_iters", "keep_best", "sample_tokens", "stack_dump_interval", "eval_tasks_limit"))
+        if not self.out_dir.strip():
+            raise ConfigError("out_dir must name a directory, e.g. --out_dir=out")
+        if self.overwrite_out_dir and self.init_from == "resume":
+            raise ConfigError("overwrite_out_dir=True would delete the checkpoints that init_from='resume' "
+                              "continues: drop one of the two")
+        check_init_from(self.init_from)
+        check_choice("nan_policy", self.nan_policy, ("stop", "skip_step"))
+        for item in filter(None, (part.strip() for part in self.eval_tasks.split(","))):
+            kind, _, path = item.partition(":")
+            check_choice("eval_tasks", kind, EVAL_TASKS)
+            if kind != "hellaswag" and not path:
+                raise ConfigError(f"eval_tasks: {kind!r} needs a file, e.g. {kind}:PATH")
+        if self.profile_steps and not re.fullmatch(r"\d+:\d+", self.profile_steps):
+            raise ConfigError(f"profile_steps must look like START:STOP (e.g. 10:13), got {self.profile_steps!r}")
         if self.profile_steps:
             start, stop = map(int, self.profile_steps.split(":"))
             if stop <= start:
@@ -284,24 +328,6 @@ class Config:
                 raise ConfigError(f"profile_steps={self.profile_steps!r} runs past the last step "
                                   f"({self.max_iters - 1}, as max_iters={self.max_iters}): the trace "
                                   f"would never be written; choose STOP <= max_iters")
-        for key, example in (("out_dir", "out"), ("data_dir", "data"), ("dataset", "shakespeare_char")):
-            if not getattr(self, key).strip():
-                raise ConfigError(f"{key} must name a directory, e.g. --{key}={example}")
-        if not 0 <= self.process_id < self.num_processes:
-            raise ConfigError(f"process_id ({self.process_id}) must be in 0 .. num_processes - 1 "
-                              f"({self.num_processes - 1}): processes count from 0")
-        if self.num_processes > 1 and not self.coordinator_address:
-            raise ConfigError(f"num_processes={self.num_processes} needs coordinator_address (host:port "
-                              f"of process 0); under SLURM or on a TPU pod leave both unset")
-
-    def _check_experts(self) -> None:
-        if not 1 <= self.experts_per_token <= self.n_experts:
-            raise ConfigError(f"experts_per_token must be between 1 and n_experts ({self.n_experts}), "
-                              f"got {self.experts_per_token}")
-        if not 0 <= self.moe_dense_layers < self.n_layer:
-            raise ConfigError(f"moe_dense_layers ({self.moe_dense_layers}) must be below n_layer "
-                              f"({self.n_layer}): at least one layer has the experts")
-
 
 EVAL_TASKS = ("hellaswag", "choice", "perplexity")  # evals.py's
 
@@ -363,10 +389,18 @@ HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
-def check_init_from(value: str) -> None:
-    if value not in ("scratch", "resume") and not os.path.isdir(value) and not HUB_NAME.fullmatch(value):
-        raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume', a Hugging Face model "
-                          f"directory or a hub name like 'gpt2' or 'org/name'; {value!r} is neither a "
+def check_init_from(value: str, choices=("scratch", "resume")) -> None:
+    """init_from: one of `choices`, a Hugging Face model directory, or a hub name. A name without a
+    '/' close to a choice ('scrach') is a typo, said before anything looks for it on the hub."""
+    if value in choices or os.path.isdir(value):
+        return
+    close = [] if "/" in value else difflib.get_close_matches(value.lower(), choices, n=1, cutoff=0.75)
+    if close:
+        raise ConfigError(f"config key 'init_from' is {value!r}: did you mean {close[0]!r}? (no directory has "
+                          f"that name here, and a Hugging Face hub name looks like 'gpt2' or 'org/name')")
+    if not HUB_NAME.fullmatch(value):
+        raise ConfigError(f"config key 'init_from' must be {', '.join(map(repr, choices))}, a Hugging Face "
+                          f"model directory or a hub name like 'gpt2' or 'org/name'; {value!r} is neither a "
                           f"directory nor a hub name")
 
 

@@ -55,6 +55,7 @@ class SampleConfig:
     #                     conversation and whose user messages are sent in turn, instead of typed ones
 
     def __post_init__(self):
+        configurator.check_init_from(self.init_from, choices=("resume",))
         for key in ("num_samples", "max_new_tokens", "mesh_data", "mesh_tensor"):
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")

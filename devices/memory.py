@@ -65,6 +65,11 @@ def available(devices, limit_gib: float = 0.0) -> tuple[int | None, str]:
     return None, "unknown"
 
 
+class DoesNotFit(configurator.ConfigError):
+    """The refusal: what the programs need is more than the devices have (the message says both and
+    the remedies); bench.py with no config catches it to try a smaller default model."""
+
+
 def needed(programs, platform: str) -> int:
     """Per-device bytes of the largest program (they run one at a time on the same arguments)."""
     return max(m.get("peak") or m["total"] for m in (compiler_memory(p, platform) for p in programs))
@@ -108,7 +113,7 @@ def check(what: str, need: int, devices, limit_gib: float, remedies: list[str], 
     if limit is None:
         result["line"] = f"memory: {what} needs {need_text}; available: unknown, not checked"
     elif need > limit:
-        raise configurator.ConfigError(
+        raise DoesNotFit(
             f"memory: {what} needs {need_text}, more than the {have_text} available ({source}); "
             f"try {', or '.join(remedies) or 'a bigger machine'} (or --memory_check=False to run anyway)")
     elif need > WARN_FRACTION * limit:

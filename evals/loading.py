@@ -26,6 +26,7 @@ class EvalConfig:
     devices: int = 0  # split the rows over the first N devices (0 = all)
 
     def __post_init__(self):
+        configurator.check_init_from(self.init_from, choices=("resume",))
         configurator.check_choice("task", self.task, scoring.TASKS)
         if self.task == "perplexity" and self.limit:
             raise configurator.ConfigError("--limit counts the examples of hellaswag and choice; perplexity "

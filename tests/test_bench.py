@@ -2,11 +2,13 @@
 
 import json
 import math
+import os
 
 import pytest
 from test_hf import LLAMA_JSON, write_config
 
 import bench
+import configurator
 from model import GPTConfig, flops_per_token
 from weights import hf
 
@@ -123,3 +125,50 @@ def test_shapes_come_from_a_hugging_face_directory(tmp_path):
     llama = GPTConfig(**hf.read_config(directory).keys, block_size=32)
     assert llama.n_kv_head == 2 and llama.mlp == "swiglu" and llama.rope_scaling == "none"
     assert record["flops_per_token"] == flops_per_token(llama)
+
+
+def test_no_config_on_a_cpu_measures_the_quickstart_model_and_says_so(tmp_path, capsys):
+    """bench.py's own flags alone leave the model to bench.py: on a CPU the quickstart's."""
+    record = bench.run(["--steps=1", "--warmup=0", "--devices=1", f"--json={tmp_path / 'b.jsonl'}"])
+    assert record["argv"][0].endswith("config/shakespeare_char.py")
+    assert {k: record["config"][k] for k in ("n_layer", "n_embd", "block_size", "batch_size")} == {
+        "n_layer": 4, "n_embd": 128, "block_size": 128, "batch_size": 16}  # the quickstart's, not GPT-2's
+    printed = capsys.readouterr().out
+    assert "bench: no config given on a CPU: benchmarking config/shakespeare_char.py" in printed
+    assert record["memory_check"]["line"] in printed
+
+
+def write_model(tmp_path, name, batch_size) -> str:
+    path = tmp_path / name
+    path.write_text(f"n_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\nvocab_size = 65\n"
+                    f"batch_size = {batch_size}\nmemory_limit_gib = 0.01\n")  # batch 64 needs ~23 MiB, 4 ~2 MiB
+    return str(path)
+
+
+def test_a_default_model_that_does_not_fit_gives_way_to_the_next(tmp_path, monkeypatch, capsys):
+    big, small = write_model(tmp_path, "big.py", 64), write_model(tmp_path, "small.py", 4)
+    monkeypatch.setitem(bench.DEFAULT_MODELS, "cpu", [[big], [small]])
+    record = bench.run(["--steps=1", "--warmup=0", "--devices=1", "--json="])
+    assert record["argv"][0] == small and record["config"]["batch_size"] == 4
+    printed = capsys.readouterr().out
+    assert f"bench: {big} does not fit this machine (memory: the train step needs" in printed
+    assert f"trying {small}" in printed and "ms/step" in printed
+    # The last default refused too: its refusal is the one-line error, with its remedies.
+    monkeypatch.setitem(bench.DEFAULT_MODELS, "cpu", [[big], [big]])
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--steps=1", "--warmup=0", "--devices=1", "--json="])
+    assert str(e.value).startswith("config error: memory: the train step needs") and "--batch_size=32" in str(e.value)
+
+
+def test_accelerator_defaults_go_from_gpt2_124m_down_to_the_quickstart():
+    """Every default parses, and each is smaller than the one before (fewer tokens x parameters a step)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    models = bench.default_models("tpu")
+    assert models[0][0] == "config/gpt2_124m.py" and models[-1] == bench.default_models("cpu")[-1]
+    work = []
+    for model in models:
+        config = configurator.load_config([os.path.join(root, model[0]), *model[1:]])
+        work.append(config.tokens_per_step * config.n_layer * config.n_embd ** 2)
+    assert work == sorted(work, reverse=True) and len(set(work)) == len(work)
+    assert not bench.names_a_model(["--steps=1", "--mode=decode", "--json="])
+    assert all(bench.names_a_model(argv) for argv in (["config/gpt2_124m.py"], ["--batch_size=4"], ["-h"]))

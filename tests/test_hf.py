@@ -5,6 +5,7 @@ nanomax models exported by weights/hf.py itself; transformers is not needed (the
 is in the closing note of the issue, with a separate venv)."""
 
 import dataclasses
+import importlib
 import json
 import os
 from pathlib import Path
@@ -323,6 +324,31 @@ def test_architectures_transformers_lacks_are_refused_before_writing(tmp_path):
 
 
 # --- hub names -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command, typo, choice", [("train", "scrach", "scratch"), ("train", "resum", "resume"),
+                                                   ("sample", "resme", "resume"), ("serve", "Resume", "resume"),
+                                                   ("eval", "resum", "resume")])
+def test_a_near_miss_of_scratch_or_resume_is_answered_before_the_hub_is_asked(command, typo, choice, monkeypatch):
+    """--init_from=scrach is a typo, not a hub model: one line naming the choice, and neither the cache
+    nor the hub is looked at (snapshot_download would raise here)."""
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"the hub was asked for {args}")
+
+    monkeypatch.setattr(hf, "snapshot_download", no_hub)
+    main = importlib.import_module(command).main
+    with pytest.raises(SystemExit) as excinfo:
+        main([f"--init_from={typo}"])
+    message = str(excinfo.value)
+    assert message.startswith("config error: ") and f"did you mean {choice!r}?" in message and "\n" not in message
+
+
+def test_hub_names_without_a_slash_are_not_taken_for_typos():
+    for name in ("gpt2", "gpt2-medium", "gpt2-xl", "distilgpt2", "resnet", "scratch", "resume"):
+        configurator.check_init_from(name)  # no error: these go to the cache or the hub as before
+    configurator.check_init_from("org/resum")  # a hub name with its organisation is never a typo of ours
+    with pytest.raises(configurator.ConfigError, match="did you mean 'resume'"):
+        configurator.check_init_from("resumes", choices=("resume",))  # serve.py, sample.py, eval.py: no 'scratch'
+
 
 def test_hub_names_resolve_from_the_cache_and_a_missing_one_says_what_to_download(tmp_path):
     commit = "0123456789abcdef0123456789abcdef01234567"

@@ -5,6 +5,7 @@ import concurrent.futures
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
+import httpx2
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ import pytest
 from flax import nnx
 from test_train import small_config
 
+import bench_serve
 import serve
 import train
 from data import chat_template
@@ -261,6 +264,52 @@ def test_bad_requests_get_openai_errors(server, body, status, param, words):
     assert reply["error"]["param"] == param and words in reply["error"]["message"]
 
 
+def response_of(connection: socket.socket) -> tuple[int, dict]:
+    """(status, JSON body) of one HTTP response read off a raw connection."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+            re.search(rb"content-length: (\d+)", data, re.I).group(1)):
+        data += connection.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_bodies_over_the_limit_get_413_before_they_are_read(server, client):
+    """--max_body_bytes (8 MiB by default): a Content-Length past it is refused before a byte of the
+    body is sent, on every route and the chat page's files; a chunked body as soon as the bytes read pass
+    it; the openai client, sending all of its body, gets the 413 in OpenAI's shape; a body of exactly
+    the limit is served; the server stays healthy."""
+    url, limit = server[0], serve.ServeConfig.max_body_bytes
+    host, port = url.removeprefix("http://").split(":")
+    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+                         ("GET", "/index.html"), ("GET", "/health")):
+        with socket.create_connection((host, int(port)), timeout=30) as connection:
+            connection.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {limit + 1}\r\n\r\n".encode())
+            status, reply = response_of(connection)  # no body was sent: the answer came from the header alone
+        assert status == 413 and reply == {"error": {
+            "message": f"the request body is larger than this server's limit of {limit:,} bytes (serve.py "
+                       f"--max_body_bytes)", "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+    with socket.create_connection((host, int(port)), timeout=30) as connection:  # chunked: no length said
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        sent, piece = 0, b"7" * 65536
+        while sent < 8 * limit and not select.select([connection], [], [], 0)[0]:  # until an answer comes
+            connection.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            sent += len(piece)
+        # The body never ended (no last, empty chunk was sent): the 413 came once the bytes read passed the limit.
+        assert response_of(connection)[0] == 413 and limit < sent < 8 * limit
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="out", prompt="a" * limit, max_tokens=2)
+    assert refused.value.status_code == 413 and refused.value.body["code"] == "request_too_large"
+    body = {"prompt": "ab", "max_tokens": 2, "user": ""}
+    body["user"] = "u" * (limit - len(json.dumps(body)))  # "user" is accepted and ignored: the body is exactly limit
+    at_limit = json.dumps(body).encode()
+    assert len(at_limit) == limit
+    with httpx2.Client(timeout=60) as http:
+        assert http.post(url + "/v1/completions", content=at_limit).json()["usage"]["completion_tokens"] == 2
+        assert http.post(url + "/v1/completions", content=at_limit[:-2] + b'u"}').status_code == 413  # limit + 1
+        assert http.get(url + "/health").status_code == 200
+
+
 def test_models_and_a_disconnect_mid_stream_frees_its_slot(server, client):
     url = server[0]
     assert [m.id for m in client.models.list().data] == ["out"]
@@ -276,6 +325,70 @@ def test_models_and_a_disconnect_mid_stream_frees_its_slot(server, client):
     assert now["busy"] == now["queued"] == 0 and now["aborted"] > aborted
     assert client.completions.create(model="out", prompt="ab", max_tokens=3).usage.completion_tokens == 3
     assert health()["compiles_while_serving"] == compiles  # no program compiled for these requests
+
+
+def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run, loaded, tmp_path_factory):
+    """--uds=PATH: uvicorn listens on the socket (no TCP port); the openai client over a unix-socket
+    transport gets generate.py's greedy tokens, bench_serve.py --uds measures it, a second server on the
+    same path is refused in one line, and SIGTERM ends it with the socket file removed."""
+    setup, params, _, tok = loaded
+    path = str(tmp_path_factory.mktemp("uds") / "serve.sock")
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}", "--slots=2",
+                                "--log_interval=0", f"--uds={path}"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    http = httpx2.Client(transport=httpx2.HTTPTransport(uds=path), timeout=60)
+    try:
+        deadline, status = time.time() + 180, None
+        while status != 200 and time.time() < deadline and process.poll() is None:
+            try:
+                status = http.get("http://localhost/health").status_code
+            except httpx2.TransportError:  # the socket is not there yet
+                time.sleep(0.3)
+        assert status == 200, process.stdout.read() if process.poll() is not None else "no 200 from /health"
+        client = openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http, max_retries=0)
+        expected = generate.generate(setup, params, [generate.encode_prompt(tok, "hello world")], 12,
+                                     temperature=0).tokens[0]
+        reply = client.completions.create(model="out", prompt="hello world", max_tokens=12, temperature=0)
+        assert reply.choices[0].text == tok.decode(expected)
+        record = bench_serve.run([f"--uds={path}", "--url=http://localhost/v1", "--concurrency=1,2", "--requests=3",
+                                  "--max_tokens=4", "--prompt=ab"])
+        assert [(level["ok"], level["failed"]) for level in record["levels"]] == [(3, 0), (3, 0)]
+        assert record["health"]["context"] == 32 and record["levels"][1]["output_tokens"] == 3 * 4
+        with pytest.raises(SystemExit) as refused:
+            serve.main([f"--out_dir={run}", f"--uds={path}"])
+        assert str(refused.value) == f"config error: --uds={path}: another server is listening on it; stop that " \
+                                     f"one, or choose another path"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert f"serving on unix socket {path}" in process.stdout.read() and not os.path.exists(path)
+    finally:
+        http.close()
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.parametrize("name, words", [
+    ("missing/serve.sock", "the folder {tmp}/missing does not exist"),
+    ("a_file", "--uds={tmp}/a_file exists and is not a socket: serve.py won't replace it"),
+    (".", "is a directory"),
+    ("x" * 100 + ".sock", "a unix socket's path takes at most 107"),
+])
+def test_a_bad_socket_path_is_one_line_before_the_model_loads(tmp_path, name, words):
+    (tmp_path / "a_file").write_text("not mine to replace")
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--out_dir=/no/such/run", f"--uds={tmp_path / name}"])  # the run would fail to load next
+    message = str(e.value)
+    assert message.startswith("config error: ") and words.format(tmp=tmp_path) in message and "\n" not in message
+    assert (tmp_path / "a_file").read_text() == "not mine to replace"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in any folder whatever its permissions")
+def test_a_socket_folder_this_user_cannot_write_in_is_one_line(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--out_dir=/no/such/run", f"--uds={locked / 'serve.sock'}"])
+    assert str(e.value) == f"config error: --uds={locked / 'serve.sock'}: this user can't write in {locked}"
 
 
 def teacher_forced(setup, params, tokens_BxT) -> tuple[float, np.ndarray]:
