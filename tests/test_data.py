@@ -276,7 +276,7 @@ def test_failed_write_dataset_leaves_the_old_dataset_intact(tmp_path, monkeypatc
     def ctrl_c(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dataset_writer, "_write_json_synced", ctrl_c)  # the bins are written by then
+    monkeypatch.setattr(writer, "_write_json_synced", ctrl_c)  # the bins are written by then
     with pytest.raises(KeyboardInterrupt):
         writer.write_dataset(tmp_path, [1, 2], [3], meta)
     assert dataset_bytes(tmp_path) == before
