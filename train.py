@@ -437,7 +437,8 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
                                 f"tokens than the model's vocab_size {vocab_size}: prepare the data with "
                                 f"the model's tokenizer, or raise vocab_size")
     chat = dataset.chat_meta(config) is not None  # a fine-tuning set: conversations and a loss mask
-    if config.packing and not chat:
+    # Packing text is a mistake; with no dataset yet, opening train.bin below says to run data/chat/prepare.py.
+    if config.packing and not chat and os.path.isfile(os.path.join(dataset.dataset_dir(config), "train.bin")):
         raise dataset.DataError(f"packing=True packs the conversations of a fine-tuning set, and "
                                 f"{dataset.dataset_dir(config)} holds text: prepare one with data/chat/prepare.py "
                                 f"(for text, document_masking=True keeps documents apart)")

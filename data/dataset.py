@@ -31,8 +31,14 @@ def dataset_dir(config: Config) -> str:
     return os.path.abspath(os.path.join(config.data_dir, config.dataset))
 
 
+def expects_chat(config: Config) -> bool:
+    """Whether the run is for a fine-tuning set even before one exists: packing only packs
+    conversations, so messages about a missing dataset name data/chat/prepare.py."""
+    return config.packing
+
+
 def _prepare_hint(config: Config) -> str:
-    return f"run `{tokenizer.prepare_command(dataset_dir(config))}`"
+    return f"run `{tokenizer.prepare_command(dataset_dir(config), expects_chat(config))}`"
 
 
 def dataset_tokenizer(config: Config) -> tokenizer.Tokenizer | None:
@@ -41,7 +47,7 @@ def dataset_tokenizer(config: Config) -> tokenizer.Tokenizer | None:
     if config.vocab_size and not os.path.exists(os.path.join(dataset_dir(config), "meta.json")):
         return None
     try:
-        return tokenizer.load_tokenizer(dataset_dir(config))
+        return tokenizer.load_tokenizer(dataset_dir(config), expects_chat(config))
     except (OSError, ValueError) as e:
         raise DataError(str(e)) from None
 

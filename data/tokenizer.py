@@ -472,23 +472,26 @@ def command_path(path) -> str:
         return str(absolute)
 
 
-def prepare_command(dataset_dir) -> str:
+def prepare_command(dataset_dir, chat: bool = False) -> str:
     """The command that (re)makes dataset_dir, for "rerun ..." hints; never raises.
 
-    The one its meta.json recorded, else data/<name>/prepare.py if the repo has that
-    script, else the data/text/prepare.py form with the input left for the user."""
+    The one its meta.json recorded, else for a fine-tuning set (`chat`: the run expects
+    conversations) the data/chat/prepare.py form, else data/<name>/prepare.py if the repo has
+    that script, else the data/text/prepare.py form; the input is left for the user."""
     try:
         recorded = _recorded_prepare_command(dataset_dir)
         if recorded:
             return recorded
         name = Path(dataset_dir).name
-        if name != "text" and (REPO_ROOT / "data" / name / "prepare.py").is_file():
+        if not chat and name != "text" and (REPO_ROOT / "data" / name / "prepare.py").is_file():
             return f"python data/{name}/prepare.py"
-        if name.startswith("fineweb_edu_"):  # data/fineweb/prepare.py's out_dir for --sample
+        if not chat and name.startswith("fineweb_edu_"):  # data/fineweb/prepare.py's out_dir for --sample
             return f"python data/fineweb/prepare.py --sample={name.removeprefix('fineweb_edu_').upper()}"
         out_dir = command_path(dataset_dir)
     except (OSError, ValueError, TypeError):  # a hint must not hide the error it explains
         out_dir = dataset_dir
+    if chat:
+        return f"python data/chat/prepare.py --input=YOUR_CONVERSATIONS.jsonl --out_dir={out_dir}"
     return f"python data/text/prepare.py --input_dir=YOUR_TEXT --out_dir={out_dir}"
 
 
@@ -546,10 +549,11 @@ def _check_meta(path, meta, hint):
             raise bad(f"'tokenizer' must be the dataset's own tokenizer.json, got {name!r}")
 
 
-def load_tokenizer(dataset_dir) -> Tokenizer:
-    """The Tokenizer described by dataset_dir/meta.json."""
+def load_tokenizer(dataset_dir, chat: bool = False) -> Tokenizer:
+    """The Tokenizer described by dataset_dir/meta.json; `chat`: hints name data/chat/prepare.py
+    (see prepare_command)."""
     path = Path(dataset_dir) / "meta.json"
-    hint = prepare_command(dataset_dir)
+    hint = prepare_command(dataset_dir, chat)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: prepare the dataset first with `{hint}`")
     try:

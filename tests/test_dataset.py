@@ -65,6 +65,20 @@ def test_bad_data_is_one_clear_error(toy, problem, message):
         train.train(small_config(toy), ONE_DEVICE)
 
 
+def test_a_fine_tuning_set_not_yet_prepared_names_the_chat_prepare_script(tmp_path):
+    """packing=True runs on conversations: the dataset it lacks is made by data/chat/prepare.py, not
+    data/text/prepare.py, whether meta.json (the tokenizer) or, with vocab_size given, train.bin is missed."""
+    out_dir = f"--out_dir={tmp_path / 'data' / 'my_chats'}`"
+    chat = "`python data/chat/prepare.py --input=YOUR_CONVERSATIONS.jsonl " + out_dir
+    text = "`python data/text/prepare.py --input_dir=YOUR_TEXT " + out_dir
+    for keys, missing, command in (({"packing": True}, "meta.json", chat),
+                                   ({"packing": True, "vocab_size": 65}, "train.bin", chat),
+                                   ({}, "meta.json", text)):  # without packing, a text dataset
+        with pytest.raises(dataset.DataError) as e:
+            train.train(small_config(tmp_path, dataset="my_chats", **keys), ONE_DEVICE)
+        assert f"my_chats/{missing} not found" in str(e.value) and str(e.value).endswith(command), str(e.value)
+
+
 def test_a_val_split_shorter_than_a_row_names_the_val_fraction_to_prepare_with(toy):
     """Issue 42: val.bin of a few tokens; the message names the prepare command with a --val_fraction
     that gives val one row (block_size 16 + 1 tokens) with room to spare."""

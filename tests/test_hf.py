@@ -1,6 +1,8 @@
 """weights/hf.py: Hugging Face directories in (config.json, safetensors, hub names) and out.
 
-The directories are written here: GPT-2 tensors by name, as transformers stores them, and
+The directories are written here: GPT-2 and Llama / Mistral / Qwen2 tensors by name, as
+transformers stores them (each checked against a float64 NumPy forward written from those names,
+so that weights/hf.py's layout table is not only checked against itself by the round trips), and
 nanomax models exported by weights/hf.py itself; transformers is not needed (the check against it
 is in the closing note of the issue, with a separate venv)."""
 
@@ -200,6 +202,130 @@ def test_hf_gpt2_logits_match_a_float64_numpy_forward(tmp_path, prefix, dtype):
     gpt = nnx.merge(train.make_setup(config, sharding.make_mesh(1, 1, 1, jax.devices()[:1]), 65).graphdef, params)
     logits = np.asarray(gpt(idx))
     np.testing.assert_allclose(logits[..., :65], expected, rtol=0, atol=1e-5)
+
+
+# --- Llama, Mistral and Qwen2 files as transformers writes them ---------------------------------
+
+def random_hf_llama(n_layer=2, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab_size=65, tied=False,
+                    qkv_bias=False, seed=0):
+    """Llama-family tensors under Hugging Face's names; nn.Linear weights are stored (out, in)."""
+    rng = np.random.default_rng(seed)
+    D, F, KH = hidden, intermediate, kv_heads * (hidden // heads)
+    normal = lambda *shape, std=0.15: (std * rng.standard_normal(shape)).astype(np.float32)
+    t = {"model.embed_tokens.weight": normal(vocab_size, D, std=0.25), "model.norm.weight": 1 + normal(D, std=0.2)}
+    if not tied:
+        t["lm_head.weight"] = normal(vocab_size, D, std=0.25)
+    for i in range(n_layer):
+        p = f"model.layers.{i}."
+        t |= {p + "input_layernorm.weight": 1 + normal(D, std=0.2),
+              p + "self_attn.q_proj.weight": normal(D, D), p + "self_attn.k_proj.weight": normal(KH, D),
+              p + "self_attn.v_proj.weight": normal(KH, D), p + "self_attn.o_proj.weight": normal(D, D),
+              p + "post_attention_layernorm.weight": 1 + normal(D, std=0.2),
+              p + "mlp.gate_proj.weight": normal(F, D), p + "mlp.up_proj.weight": normal(F, D),
+              p + "mlp.down_proj.weight": normal(D, F)}
+        if qkv_bias:
+            t |= {p + "self_attn.q_proj.bias": normal(D), p + "self_attn.k_proj.bias": normal(KH),
+                  p + "self_attn.v_proj.bias": normal(KH)}
+    return t
+
+
+def write_hf_llama(directory, tensors, config: dict) -> str:
+    """A directory as `LlamaForCausalLM.save_pretrained` (or Mistral's, Qwen2's) writes it."""
+    directory = Path(write_config(directory, config))
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return str(directory)
+
+
+def llama_inverse_frequencies(head_dim, config: dict) -> np.ndarray:
+    """transformers' inv_freq: theta^(-2i/H), and for rope_type 'llama3' its rescaling by wavelength."""
+    inv_freq = 1.0 / config.get("rope_theta", 10000.0) ** (np.arange(0, head_dim, 2) / head_dim)
+    scaling = config.get("rope_scaling")
+    if scaling:
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        wavelength = 2 * np.pi / inv_freq
+        scaled = np.where(wavelength > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelength - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelength >= old_context / high) & (wavelength <= old_context / low)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def hf_llama_reference_forward(t, config: dict, idx):
+    """Llama / Mistral / Qwen2 in float64 NumPy from the Hugging Face tensors and config.json, as
+    transformers' modeling_llama computes it: RMSNorm, RoPE on (x[:H/2], x[H/2:]) with rotate_half,
+    key/value heads repeated for their query heads (repeat_kv), SwiGLU, logits from lm_head."""
+    t = {name: np.asarray(a, np.float64) for name, a in t.items()}
+    idx = np.asarray(idx)
+    B, T = idx.shape
+    D, N = config["hidden_size"], config["num_attention_heads"]
+    K, H, eps = config["num_key_value_heads"], D // N, config["rms_norm_eps"]
+    rms_norm = lambda x, w: w * (x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps))
+    angles = np.arange(T)[:, None] * llama_inverse_frequencies(H, config)[None]  # (T, H/2)
+    cos, sin = np.cos(np.concatenate([angles, angles], -1)), np.sin(np.concatenate([angles, angles], -1))
+    rotate_half = lambda x: np.concatenate([-x[..., H // 2:], x[..., :H // 2]], -1)
+    rope = lambda x: x * cos + rotate_half(x) * sin  # x: (B, heads, T, H)
+
+    def linear(x, name):
+        y = x @ t[name + ".weight"].T
+        return y + t[name + ".bias"] if name + ".bias" in t else y
+
+    heads = lambda x, n: x.reshape(B, T, n, H).transpose(0, 2, 1, 3)  # (B, n, T, H)
+    x = t["model.embed_tokens.weight"][idx]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms_norm(x, t[p + "input_layernorm.weight"])
+        q = rope(heads(linear(h, p + "self_attn.q_proj"), N))
+        k = rope(heads(linear(h, p + "self_attn.k_proj"), K))
+        v = heads(linear(h, p + "self_attn.v_proj"), K)
+        k, v = np.repeat(k, N // K, axis=1), np.repeat(v, N // K, axis=1)  # query head j reads kv head j // (N/K)
+        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(H)
+        scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        y = (weights @ v).transpose(0, 2, 1, 3).reshape(B, T, D)
+        x = x + linear(y, p + "self_attn.o_proj")
+        h = rms_norm(x, t[p + "post_attention_layernorm.weight"])
+        gate = linear(h, p + "mlp.gate_proj")
+        x = x + linear(gate / (1 + np.exp(-gate)) * linear(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+    x = rms_norm(x, t["model.norm.weight"])
+    return x @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
+
+
+LLAMA_FAMILY = {  # name: (config.json beyond the shape, random_hf_llama's switches)
+    "llama gqa tied": ({"model_type": "llama", "rope_theta": 10000.0, "tie_word_embeddings": True},
+                       dict(tied=True)),
+    "llama3.1 rope scaling": ({"model_type": "llama", "rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256}}, {}),
+    "mistral without gqa": ({"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                             "rope_theta": 1000000.0, "sliding_window": None}, dict(kv_heads=4)),
+    "qwen2 qkv biases": ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1000000.0,
+                          "use_sliding_window": False}, dict(kv_heads=1, qkv_bias=True)),
+}
+
+
+@pytest.mark.parametrize("name", LLAMA_FAMILY)
+def test_hf_llama_family_logits_match_a_float64_numpy_forward(tmp_path, name):
+    """The Llama layout table (q/k/v head order, (out, in) transposes, RoPE's half-split pairing)
+    against transformers' computation written from the tensor names, not from model.py's layout."""
+    extra, switches = LLAMA_FAMILY[name]
+    kv_heads = switches.get("kv_heads", 2)
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
+              "vocab_size": 65, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+              "tie_word_embeddings": False} | extra
+    tensors = random_hf_llama(**switches)
+    directory = write_hf_llama(tmp_path / "model", tensors, config)
+    idx = tokens((2, 16))
+    expected = hf_llama_reference_forward(tensors, config, idx)
+    assert np.abs(expected).max() > 1.0  # the weights are big enough for mistakes to show
+    loaded_config, params = load(directory, block_size=16)
+    gpt = nnx.merge(train.make_setup(loaded_config, sharding.make_mesh(1, 1, 1, jax.devices()[:1]), 65).graphdef,
+                    params)
+    logits = np.asarray(gpt(idx))
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5)
 
 
 # --- config.json ---------------------------------------------------------------------------------

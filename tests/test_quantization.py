@@ -1,4 +1,5 @@
-"""Tests of layers/quantization.py: int8 and fp8 matmuls within their rounding bounds, straight-through gradients."""
+"""Tests of layers/quantization.py: int8 and fp8 matmuls and int8 weights within their rounding bounds,
+straight-through gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -125,3 +126,27 @@ def test_int8_weight_in_bfloat16_rounds_once():
     expected = (x.astype(jnp.float32) @ (weight.q.astype(jnp.float32) * weight.scale)).astype(jnp.bfloat16)
     y = weight.matmul(x)
     assert y.dtype == jnp.bfloat16 and np.array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
+
+
+@pytest.mark.parametrize("shape, input_axes", [((96, 64), (0,)), ((4, 24, 64), (0, 1))])
+def test_int8_weight_errs_by_at_most_half_a_step_of_its_channels_grid(shape, input_axes):
+    """A served int8 weight: every element within half a step of its output channel's grid, the
+    step max|w| / 127 over the input axes computed here from w (not Int8Weight's scale), and so
+    x @ w within |x| @ (step / 2). Axes as model.py's kernels have them: (in, out), and an attention
+    output (heads, head_dim, out) whose two leading axes are both inputs. One channel holds an
+    outlier: a grid per channel keeps it from coarsening the others."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(shape).astype(np.float32)
+    w[(1,) * (len(shape) - 1) + (5,)] = 40.0
+    step = np.abs(w.astype(np.float64)).max(axis=input_axes, keepdims=True) / 127
+    weight = quantization.Int8Weight.of(jnp.asarray(w), input_axes)
+    error = np.abs(np.asarray(weight.q, np.float64) * np.asarray(weight.scale, np.float64) - w)
+    assert np.all(error <= step / 2 * (1 + 1e-6)), (error / step).max()
+    assert (error / step).max() > 0.4  # it really rounded: some element near the middle of a step
+    fan_in = int(np.prod([shape[a] for a in input_axes]))
+    x = rng.standard_normal((16, fan_in)).astype(np.float32)
+    w_IxO, half_step_IxO = w.reshape(fan_in, 64), np.broadcast_to(step / 2, shape).reshape(fan_in, 64)
+    got = np.asarray(weight.reshape(fan_in, 64).matmul(jnp.asarray(x)), np.float64)
+    exact = x.astype(np.float64) @ w_IxO
+    float32_rounding = 1e-5 * (np.abs(x) @ np.abs(w_IxO))
+    assert np.all(np.abs(got - exact) <= np.abs(x) @ half_step_IxO + float32_rounding)

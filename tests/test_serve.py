@@ -21,12 +21,13 @@ import numpy as np
 import openai
 import pytest
 from flax import nnx
+from test_hf import random_hf_llama, write_hf_llama
 from test_train import small_config
 
 import bench_serve
 import serve
 import train
-from data import chat_template
+from data import chat_template, tokenizer
 from inference import engine, generate, loader
 from layers import kv_cache
 
@@ -79,8 +80,29 @@ def start_server(*flags) -> tuple:
 
 @pytest.fixture(scope="module")
 def server(run):
-    """The server on the trained run; the last test of this file stops it with SIGTERM."""
+    """The server on the trained run."""
     url, process = start_server(f"--out_dir={run}", "--slots=4", "--max_queue=16", "--log_interval=0")
+    yield url, process
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory):
+    """serve.py on a random model in the Llama layout, wide enough that every token takes a while
+    (67 MB of float32 weights read per step), with a 256-token context and the character vocabulary:
+    a greedy stream of 254 tokens lasts seconds, so a signal sent after its first tokens lands
+    mid-stream. Its last test stops it with SIGTERM."""
+    directory = tmp_path_factory.mktemp("slow") / "model"
+    shape = dict(n_layer=1, hidden=1024, heads=8, kv_heads=8, intermediate=4096, vocab_size=len(CHARS), tied=True)
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
+              "intermediate_size": 4096, "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
+              "vocab_size": len(CHARS), "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": True}
+    write_hf_llama(directory, random_hf_llama(**shape), config)
+    tokenizer.char_tokenizer(CHARS).save_files(directory)
+    url, process = start_server(f"--init_from={directory}", "--slots=1", "--log_interval=0")
     yield url, process
     if process.poll() is None:
         process.kill()
@@ -468,15 +490,22 @@ def test_programs_too_big_for_the_memory_end_the_server_with_one_line(run):
                         r"\(memory_limit_gib\); try --slots=2, or --kv_cache_dtype=int8, or .*", error), error
 
 
-def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(server):
-    """Last in this file: it stops the module's server."""
-    url, process = server
-    with stream_lines(url, {"prompt": "ab", "max_tokens": 29, "temperature": 0}) as response:
+def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(slow_server):
+    """SIGTERM after a stream's first tokens: the stream ends early with finish_reason 'abort', its
+    text is every token generated so far (one character each), and the server exits 0."""
+    url, process = slow_server
+    max_tokens = 254  # the whole context after the prompt: seconds of decoding on this model
+    body = {"prompt": "ab", "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True}}
+    with stream_lines(url, body) as response:
         lines = lines_of(response)
-        first = next(lines)
+        first = [next(lines) for _ in range(3)]  # tokens are flowing
         process.send_signal(signal.SIGTERM)
         rest = list(lines)
-    events = [json.loads(line[6:]) for line in [first, *rest] if line != "data: [DONE]"]
-    assert rest[-1] == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] in ("abort", "length")
+    assert rest[-1] == "data: [DONE]"
+    *chunks, usage = [json.loads(line[6:]) for line in [*first, *rest[:-1]]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+    generated = usage["usage"]["completion_tokens"]
+    assert 3 <= generated < max_tokens, generated
+    assert len("".join(c["choices"][0]["text"] for c in chunks)) == generated
     assert process.wait(timeout=60) == 0
     assert "request" in process.stdout.read()  # the per-request log line

@@ -467,9 +467,11 @@ def test_a_full_disk_keeps_the_previous_checkpoint(toy, tmp_path):
     disk = tmp_path / "small-disk"
     disk.mkdir()
     # 1.6 MB: room for the first checkpoint (~0.5 MB with Adam state), not for three.
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(disk)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("needs permission to mount a small tmpfs")
+    # Mounting needs root (in a container, CAP_SYS_ADMIN too); elsewhere the skip says what mount said.
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(disk)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"needs to mount a small tmpfs: {(mount.stderr.strip().splitlines() or ['mount failed'])[0]}")
     try:
         config = small_config(toy, out_dir=str(disk / "out"), n_embd=64, max_iters=12,
                               eval_interval=4, max_to_keep=5, keep_best=0)

@@ -94,7 +94,7 @@ def conversation(row) -> list:
         role = message.get("role") if isinstance(message, dict) else None
         if role not in chat_template.ROLES:
             what = f"has role {role!r}" if isinstance(message, dict) else "is not a {role, content} object"
-            raise ValueError(f"messages[{i}] {what}: the roles are {', '.join(chat.ROLES)}")
+            raise ValueError(f"messages[{i}] {what}: the roles are {', '.join(chat_template.ROLES)}")
     return messages
 
 
