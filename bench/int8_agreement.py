@@ -104,7 +104,7 @@ class Reference:
                 flips.append(f"row {b} at token {i}: margin {top[0] - top[1]:.4f}, "
                              f"largest logit change {np.abs(got - want).max():.4f}")
         change = np.sqrt(np.mean((logits - self.logits) ** 2))
-        row = (f"| {name} | {inference.weight_bytes(params):,} B | {inference.kv_bytes_per_token(setup.model_config):,} B "
+        row = (f"| {name} | {loader.weight_bytes(params):,} B | {loader.kv_bytes_per_token(setup.model_config):,} B "
                f"| {ppl:.4f} ({(ppl / self.perplexity - 1) * 100:+.3f}%) | {same.mean() * 100:.1f}% "
                f"({(~same).sum()} of {same.size}) | {agree * 100:.1f}% ({len(flips)} of {len(tokens)} rows diverge) "
                f"| {change:.4f} |")
@@ -138,8 +138,8 @@ def main(argv):
     print("| | weights | KV cache per token | perplexity | greedy token after the same prefix "
           f"| {NEW_TOKENS} tokens generated freely | rms logit change |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| {setup.model_config.dtype} | {inference.weight_bytes(params):,} B "
-          f"| {inference.kv_bytes_per_token(setup.model_config):,} B | {reference.perplexity:.4f} | - | - | - |")
+    print(f"| {setup.model_config.dtype} | {loader.weight_bytes(params):,} B "
+          f"| {loader.kv_bytes_per_token(setup.model_config):,} B | {reference.perplexity:.4f} | - | - | - |")
     int8_params = loader.int8_weights(params)
     for name, s, p in (("int8 weights", setup, int8_params), ("int8 KV cache", int8_kv, params),
                        ("both", int8_kv, int8_params)):
