@@ -8,7 +8,10 @@ Train mode builds the state and the step with train.py's own functions (make_set
 init_state, jit_train_step), compiles it apart (timed), warms up, then times each step to
 `block_until_ready` of the new state and metrics. Random tokens: no dataset needed. MFU is
 model FLOPs (model.flops_per_token: 6N + 12·L·T·d) x tokens/s over hardware.peak_flops: the
-datasheet dense bf16 peak of the GPU/TPU in use, or on CPU a float32 matmul measured now.
+datasheet dense bf16 peak of the GPU/TPU in use, or on CPU a float32 matmul measured now; on a
+GPU/TPU also over a bf16 8192³ matmul measured on the chip in the same run (what it really does).
+Peak memory is the step's real peak per device, said where it comes from (step_peak_memory),
+beside the compiled program's need that the pre-flight check uses.
 
 Decode mode runs generate.generate (prefill, then the compiled lax.while_loop over tokens)
 with greedy sampling and random weights, at each --decode_batch, and compares the time
@@ -96,11 +99,27 @@ def bench_vocab_size(config) -> int:
     return 50257
 
 
-def peak_memory(devices) -> tuple[int | None, str]:
-    """The largest peak bytes in use of `devices`, where the backend keeps count (GPU, TPU)."""
+def step_peak_memory(devices, step) -> tuple[int | None, str]:
+    """The train step's real peak bytes per device (read after the steps ran), and where the figure
+    comes from. XLA:TPU keeps a program's temporaries in memory it reserves for the program, outside
+    the allocator whose peak_bytes_in_use the backend reports (that peak is the state, the batch and
+    the outputs: 1,446 MiB for GPT-2 124M's step at batch 16, whose temporaries are GiBs): on a TPU
+    the two add up. Other backends' peak is taken as it is (a GPU's allocator hands out the
+    temporaries too; not measured here). CPU backends report none: the compiler's plan stands in."""
+    m = step.memory_analysis()
     stats = [d.memory_stats() or {} for d in devices]
     peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
-    return (max(peaks), "backend peak_bytes_in_use") if peaks else (None, "not reported by this backend")
+    if not peaks:
+        if m is None:
+            return None, "not reported by this backend"
+        return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes,
+                "compiler's plan: arguments + outputs + temporaries; backend reports none")
+    if devices[0].platform == "tpu" and m is not None:
+        return (max(peaks) + m.temp_size_in_bytes,
+                f"backend peak_bytes_in_use after the steps, {max(peaks) / 2**20:,.1f} MiB (state, batch, outputs), "
+                f"+ the step's temporaries, {m.temp_size_in_bytes / 2**20:,.1f} MiB (compiled memory_analysis), "
+                f"which XLA:TPU reserves outside that count")
+    return max(peaks), "backend peak_bytes_in_use after the steps"
 
 
 def random_batch(setup: train.Setup, vocab_size: int, seed: int = 0) -> tuple:
@@ -123,14 +142,17 @@ class TrainBench:
         self.mesh = train.make_mesh(config, devices)
         self.setup = train.make_setup(config, self.mesh, self.vocab_size, dataset.config_document_start(config))
         self.peak, self.peak_source = hardware.peak_flops(devices)  # before anything else runs on a CPU
+        self.measured_peak, self.measured_source = hardware.measured_peak_flops(devices, self.peak)
         self.batch = random_batch(self.setup, self.vocab_size)
-        with sharding.activate(self.mesh):  # compiled for the abstract state: checked before it exists
+        remedies = memory.training_remedies(config, len(devices))
+        # compiled for the abstract state: checked before it exists; XLA:TPU refuses what cannot fit here
+        with sharding.activate(self.mesh), memory.refusing_out_of_memory(
+                "the train step", devices, remedies, (self.setup.abstract_state, self.batch)):
             start = time.perf_counter()
             self.step = train.jit_train_step(self.setup).lower(self.setup.abstract_state, self.batch).compile()
             self.compile_s = time.perf_counter() - start
         self.memory_check = memory.preflight(
-            "the train step", [self.step], devices, config.memory_limit_gib,
-            memory.training_remedies(config, len(devices))) if config.memory_check else None
+            "the train step", [self.step], devices, config.memory_limit_gib, remedies) if config.memory_check else None
         self.state = train.init_state(self.setup)
 
     def run(self, n: int) -> list[float]:
@@ -150,13 +172,8 @@ class TrainBench:
         peak, peak_source = hardware.best_peak_flops(self.devices, self.peak, flops * tokens_per_s), self.peak_source
         if self.devices[0].platform == "cpu":
             peak_source += ", the best of before and after the timed steps (and of the step itself)"
-        memory, memory_source = peak_memory(self.devices)
-        if memory is None:  # CPU: what the compiler planned (arguments + temporaries) instead
-            m = self.step.memory_analysis()
-            if m is not None:
-                memory = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                          + m.temp_size_in_bytes)
-                memory_source = "compiler's plan: arguments + outputs + temporaries; backend reports none"
+        memory_bytes, memory_source = step_peak_memory(self.devices, self.step)
+        measured_peak = peak if self.devices[0].platform == "cpu" else self.measured_peak  # CPU: the same
         # Muon's Newton-Schulz matmuls: real work, but not the model's; MFU leaves them out
         optimizer_flops = optimizer.flops_per_step(self.setup.abstract_state["params"], self.config)
         return {
@@ -168,9 +185,13 @@ class TrainBench:
             "flops_per_token": flops, "achieved_flops": flops * tokens_per_s,
             "peak_flops": peak, "peak_source": peak_source,
             "mfu": flops * tokens_per_s / peak if peak else None,
+            "measured_peak_flops": measured_peak, "measured_peak_source": self.measured_source,
+            "mfu_measured": flops * tokens_per_s / measured_peak,
             "optimizer": self.config.optimizer, "optimizer_flops_per_step": optimizer_flops,
             "optimizer_flops_share": optimizer_flops / (optimizer_flops + flops * tokens),
-            "peak_memory_bytes": memory, "memory_source": memory_source,
+            "peak_memory_bytes": memory_bytes, "memory_source": memory_source,
+            "compiled_memory": memory.compiler_memory(self.step, self.devices[0].platform),
+            "backend_memory_stats": [d.memory_stats() for d in self.devices[:1]],
             "compile_s": self.compile_s, "final_loss": float(self.metrics["loss"]),
             "memory_check": self.memory_check,
             "quantization_note": quantization_note(self.config.quantization, self.devices[0]),
@@ -204,11 +225,15 @@ def format_train(r: dict) -> str:
         ("achieved", f"{r['achieved_flops'] / 1e12:,.3f} TFLOP/s"),
         ("peak", peak),
         ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "unknown (no peak for this device)"),
+        ("MFU vs a matmul measured now", f"{r['mfu_measured']:.1%} of {r['measured_peak_flops'] / 1e12:,.3f} "
+         f"TFLOP/s ({r['measured_peak_source']})"),
         ("optimizer FLOPs per step", f"{r['optimizer_flops_per_step'] / 1e9:,.3f} G = "
          f"{r['optimizer_flops_share']:.1%} of the step's, not in MFU (Newton-Schulz: {optimizer.NS_STEPS} "
          f"x (4·m²·n + 2·m³) per m x n matrix, m <= n)" if r["optimizer"] == "muon"
          else f"not counted ({r['optimizer']}: elementwise only)"),
         ("peak memory per device", memory),
+        ("compiled step's need", f"{r['compiled_memory']['total'] / 2**20:,.1f} MiB per device (memory_analysis: "
+         f"arguments + outputs not donated + temporaries + code)"),
         ("compile", f"{r['compile_s']:.1f} s"),
         ("quantized matmuls", r["quantization_note"]),
     ]
@@ -245,12 +270,14 @@ def bench_decode(config, options: Options, devices) -> dict:
     batches = []
     for batch_size in (int(s) for s in options.decode_batch.split(",")):
         prompts = rng.integers(0, vocab_size, (batch_size, P)).tolist()
+        what = f"decoding a batch of {batch_size}"
+        remedies = memory.decoding_remedies(batch_size, new_tokens, options.weight_dtype, mc.kv_cache_dtype)
         start = time.perf_counter()
-        programs = generate.first_programs(setup, params, prompts, new_tokens, temperature=0.0)
+        with memory.refusing_out_of_memory(what, devices, remedies, params):
+            programs = generate.first_programs(setup, params, prompts, new_tokens, temperature=0.0)
         compile_s = time.perf_counter() - start
-        check = memory.preflight(f"decoding a batch of {batch_size}", programs, devices, config.memory_limit_gib,
-                                 memory.decoding_remedies(batch_size, new_tokens, options.weight_dtype,
-                                                          mc.kv_cache_dtype)) if config.memory_check else None
+        check = memory.preflight(what, programs, devices, config.memory_limit_gib,
+                                 remedies) if config.memory_check else None
         batches.append((batch_size, prompts, compile_s, check))
     runs = []
     for batch_size, prompts, compile_s, check in batches:

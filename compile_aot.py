@@ -30,7 +30,7 @@ from aot import communication, serve_plan
 from data import dataset
 from devices import hardware
 from devices.hardware import GiB
-from devices.memory import compiler_memory, size
+from devices.memory import compiler_memory, parse_out_of_memory, size
 from layers import pipeline
 from model import describe_params, flops_per_token
 from training import compiled_step
@@ -189,15 +189,14 @@ def compile_step(config: configurator.Config, target: Target, vocab_size: int) -
 
 
 def oom_memory(message: str, arguments: int) -> dict:
-    """XLA:TPU's out-of-memory message, e.g. '... the total memory required for HLO temporaries
-    (58.64G) exceeds available HBM (15.75G)' (older: 'Used 17.2G of 15.75G hbm')."""
-    def bytes_after(prefix):
-        found = re.search(prefix + r"([\d.]+)([KMGT]?)", message)
-        return found and int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))
-    if used := bytes_after(r"Used "):
-        return {"total": used}
-    if temporaries := bytes_after(r"temporaries \("):
-        return {"arguments": arguments, "temporaries": temporaries, "total": arguments + temporaries}
+    """XLA:TPU's out-of-memory message as memory terms (memory.parse_out_of_memory reads it): its
+    total where it counts one ('Used 17.2G of 15.75G hbm'), else the temporaries it names ('... the
+    total memory required for HLO temporaries (58.64G) exceeds available HBM (15.75G)') + `arguments`."""
+    sizes = parse_out_of_memory(message)
+    if total := sizes.get("total") or sizes.get("used"):
+        return {"total": total}
+    if "temporaries" in sizes:
+        return {"arguments": arguments, "temporaries": sizes["temporaries"], "total": arguments + sizes["temporaries"]}
     return {}
 
 
@@ -378,8 +377,9 @@ class Result:
 
     @property
     def needed(self) -> int:
-        """Per-device bytes: XLA's peak where it simulates one (TPU, GPU), else the sum."""
-        return self.memory.get("peak") or self.memory.get("total")
+        """Per-device bytes: arguments + outputs not donated + temporaries + code, as XLA allocates
+        them (its simulated peak is reported, not used: on a TPU it did not move with the remat policy)."""
+        return self.memory.get("total")
 
     @property
     def fits(self) -> bool | None:  # None: the device's memory is unknown

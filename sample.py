@@ -17,6 +17,7 @@ import sys
 
 import configurator
 from data import chat_template
+from devices import memory
 from inference.generate import decode_sample, encode_prompt, generate, stop_token_ids
 from inference.loader import (KV_CACHE_DTYPES, WEIGHT_DTYPES, decode_mesh, default_dtype, load_checkpoint, load_hf,
                               memory_summary, serving_weights)
@@ -175,15 +176,21 @@ def main(argv):
             print(f"loaded {cfg.init_from} ({tok.summary()})", file=sys.stderr)
         params = serving_weights(setup, params, cfg.weight_dtype)  # once: bfloat16 halves the memory, int8 again
         print(memory_summary(setup, params), file=sys.stderr)
+        # XLA:TPU refuses, while compiling, what cannot fit: one line with the remedies, not its traceback
+        rows = 1 if cfg.chat else len(texts) * cfg.num_samples
+        refusing = memory.refusing_out_of_memory(f"sampling {rows} rows", list(mesh.devices.flat),
+                                                 memory.sampling_remedies(cfg, len(texts)), params)
         if cfg.chat:
-            converse(cfg, setup, params, tok, given)
+            with refusing:
+                converse(cfg, setup, params, tok, given)
             return
         prompts = [encode_prompt(tok, text) for text in texts for _ in range(cfg.num_samples)]
         stop_ids = stop_token_ids(tok, cfg.stop)
         stream = StreamPrinter(tok, prompts[0], stop_ids) if cfg.stream else None
-        out = generate(setup, params, prompts, cfg.max_new_tokens, seed=cfg.seed,
-                       temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=stop_ids,
-                       kv_cache=cfg.kv_cache, on_token=stream, vocab=tok.vocab_size)
+        with refusing:
+            out = generate(setup, params, prompts, cfg.max_new_tokens, seed=cfg.seed,
+                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=stop_ids,
+                           kv_cache=cfg.kv_cache, on_token=stream, vocab=tok.vocab_size)
     except (OSError, ValueError) as e:  # also CheckpointError, sharding.MeshError
         sys.exit(f"error: {e}")
     for i, (ids, new) in enumerate(zip(prompts, out.tokens)):

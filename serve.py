@@ -132,16 +132,24 @@ class Server:
     def start_engine(self, on_failure=None) -> None:
         """Compile the engine's programs (in a thread: /health answers 503 meanwhile) and check that they
         fit the devices; if they cannot, keep the reason in self.failure and call on_failure."""
-        e = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue, vocab=self.tok.vocab_size)
+        def fail(error):
+            self.failure = str(error)
+            if on_failure is not None:
+                on_failure()
+
+        try:  # XLA:TPU refuses, while compiling, programs that cannot fit: the same one line as the check's
+            with memory.refusing_out_of_memory("serving", list(self.setup.mesh.devices.flat),
+                                               memory.serving_remedies(self.cfg, len(jax.devices())), self.params):
+                e = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue,
+                                  vocab=self.tok.vocab_size)
+        except configurator.ConfigError as error:
+            return fail(error)
         if self.cfg.memory_check:
             try:
                 self.memory = self.check_memory(e)
             except configurator.ConfigError as error:
                 e.shutdown()
-                self.failure = str(error)
-                if on_failure is not None:
-                    on_failure()
-                return
+                return fail(error)
         self.engine = e
         print(f"ready: {e.slots} slots x {self.context} tokens, KV cache {e.kv_bytes / 2**20:,.1f} MiB "
               f"({e.kv_bytes_per_token:,} bytes per token), weights {e.weight_bytes / 2**20:,.1f} MiB; "

@@ -457,11 +457,13 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
         train_step = compiled_step.load(config.compiled_train_step, setup, lambda: lower(setup))
     memory_line = ""
     if config.memory_check:  # compile now (the step runs this program) and refuse what cannot fit
-        if not config.compiled_train_step:
-            train_step = lower(setup).compile()
-        memory_line = memory.preflight("the train step", [train_step], list(mesh.devices.flat),
-                                       config.memory_limit_gib, memory.training_remedies(config, mesh.size),
-                                       say=lambda line: None)["line"]
+        devices, remedies = list(mesh.devices.flat), memory.training_remedies(config, mesh.size)
+        if not config.compiled_train_step:  # XLA:TPU refuses what cannot fit here: the same one line
+            with memory.refusing_out_of_memory("the train step", devices, remedies,
+                                               (setup.abstract_state, batch_struct(setup))):
+                train_step = lower(setup).compile()
+        memory_line = memory.preflight("the train step", [train_step], devices, config.memory_limit_gib,
+                                       remedies, say=lambda line: None)["line"]
     if config.init_from == "resume" and not os.path.isdir(checkpoint.checkpoint_dir(config.out_dir)):
         raise CheckpointError(checkpoint.no_checkpoint_message(config.out_dir))
     lock = checkpoint.OutDirLock(config.out_dir)  # the one run writing to out_dir, or an error

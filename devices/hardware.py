@@ -2,7 +2,8 @@
 CPU's rates measured here, and the host allocator setting the command lines start with.
 
 train.py (MFU in the log), compile_aot.py (memory verdicts and step-time estimates) and
-bench.py (MFU and the decode roofline) all read these numbers from here.
+bench.py (MFU against the datasheet and against a matmul measured in the same run, and the decode
+roofline) all read these numbers from here.
 """
 
 import ctypes
@@ -58,6 +59,29 @@ def peak_flops(devices) -> tuple[float | None, str]:
     if chip is None:
         return None, f"unknown peak for '{devices[0].device_kind}'"
     return chip.bf16_flops * len(devices), f"{chip.kinds[0]} datasheet bf16 x {len(devices)}"
+
+
+def measured_peak_flops(devices, peak: float | None = None) -> tuple[float, str]:
+    """Peak FLOP/s of all `devices` together as measured here and now, and how: on CPUs `peak` when
+    given (peak_flops measures it), on accelerators a bf16 8192³ matmul on the first device."""
+    if devices[0].platform == "cpu":
+        return peak or measure_cpu_peak_flops(), "measured f32 matmul on this host"
+    n = 8192
+    return (measure_matmul_flops(devices[0], n, jnp.bfloat16) * len(devices),
+            f"bf16 {n}³ matmul measured on this {devices[0].device_kind} now x {len(devices)}")
+
+
+def measure_matmul_flops(device, n: int, dtype, repeats: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul on `device`: the best of `repeats` (after one to compile)."""
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
 
 
 def best_peak_flops(devices, peak: float | None, achieved: float = 0.0) -> float | None:

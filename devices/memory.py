@@ -5,8 +5,18 @@ of the machine they run on, before the first step (`preflight`), so that a run t
 with one line saying what it needs, what there is and what to change, not with the kernel's OOM
 killer. `--memory_check=False` skips it; `--memory_limit_gib=N` checks against N GiB per device
 instead of the device's own limit (tests set one; so can a user sharing a device).
+
+The need is XLA's own count for the device the program was compiled for: arguments + outputs not
+donated + temporaries (+ code). Where XLA refuses to compile (XLA:TPU checks its buffers against the
+chip's HBM), `refusing_out_of_memory` turns its RESOURCE_EXHAUSTED into the same one-line refusal,
+with the bytes its message names (`parse_out_of_memory`).
 """
 
+import contextlib
+import math
+import re
+
+import jax
 
 import configurator
 from devices.hardware import GiB
@@ -30,12 +40,12 @@ def compiler_memory(compiled, platform: str) -> dict:
               "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,  # donated state is reused
               "temporaries": m.temp_size_in_bytes,
               "code": m.generated_code_size_in_bytes}
-    memory["total"] = sum(memory.values())
+    memory["total"] = sum(memory.values())  # what the preflight checks, on every backend
     host = m.host_argument_size_in_bytes + m.host_temp_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes
     if host:  # offload: the state kept in host memory (and its traffic), outside the device's total
         memory["host"] = host
-    if platform != "cpu" and m.peak_memory_in_bytes:  # XLA:CPU's peak is not reliable
-        memory["peak"] = m.peak_memory_in_bytes
+    if platform != "cpu" and m.peak_memory_in_bytes:  # reported, not checked (issue 51: on a TPU it said
+        memory["peak"] = m.peak_memory_in_bytes   # 7.92 GiB for every remat policy); XLA:CPU's is not reliable
     return memory
 
 
@@ -71,8 +81,97 @@ class DoesNotFit(configurator.ConfigError):
 
 
 def needed(programs, platform: str) -> int:
-    """Per-device bytes of the largest program (they run one at a time on the same arguments)."""
-    return max(m.get("peak") or m["total"] for m in (compiler_memory(p, platform) for p in programs))
+    """Per-device bytes of the largest program (they run one at a time on the same arguments): its
+    arguments + outputs not donated + temporaries + code, as XLA allocates them for the device."""
+    return max(compiler_memory(p, platform)["total"] for p in programs)
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of arrays or ShapeDtypeStructs (unsharded ones whole)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
+# ----------------------------------------------------------------------------- when XLA refuses
+
+# A size as XLA writes it: '26.52G', '530.00M', '4.0K', '0B', '1.25GiB', '1318976384B' (binary units).
+_SIZE = r"(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:i?B)?"
+
+
+def _bytes(number: str, prefix: str) -> int:
+    return int(float(number) * 1024 ** " KMGTP".index(prefix.upper() or " "))
+
+
+def parse_out_of_memory(message: str) -> dict:
+    """The sizes XLA's RESOURCE_EXHAUSTED message names, in bytes, under the keys it has of:
+    'total' (XLA:TPU's 'Total hbm usage >= 27.02G': program + arguments + reserved), 'used' and
+    'capacity' ('Used 26.52G of 15.75G hbm'), 'temporaries' and 'capacity' ('the total memory
+    required for HLO temporaries (26.52G) exceeds available HBM (15.75G)'), 'allocation' (XLA:GPU's
+    'Out of memory while trying to allocate 28472983552 bytes'), and 'space' ('hbm', 'vmem')."""
+    found = {}
+
+    def search(pattern):
+        return re.search(pattern.replace("SIZE", _SIZE), message, flags=re.IGNORECASE)
+
+    if m := search(r"memory space (\w+)"):
+        found["space"] = m.group(1).lower()
+    if m := search(r"Total (\w+) usage\s*>=\s*SIZE"):
+        found["total"] = _bytes(*m.group(2, 3))
+        found.setdefault("space", m.group(1).lower())
+    if m := search(r"Used SIZE of SIZE"):
+        found["used"], found["capacity"] = _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
+    if m := search(r"temporaries\s*\(SIZE\)"):
+        found["temporaries"] = _bytes(*m.group(1, 2))
+    if m := search(r"exceeds available (\w+)\s*\(SIZE\)"):
+        found["capacity"] = _bytes(*m.group(2, 3))
+        found.setdefault("space", m.group(1).lower())
+    if m := search(r"allocat\w* (\d+) bytes") or search(r"allocat\w* .*?\((\d+)B\)"):
+        found["allocation"] = int(m.group(1))
+    return found
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """XLA's out-of-memory error, raised by a compile (XLA:TPU) or an allocation (XLA:GPU)."""
+    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+
+def refusal(what: str, message: str, devices, remedies: list[str], arguments: int = 0) -> DoesNotFit:
+    """The one-line refusal for a program XLA could not fit: what it needs as XLA's message says
+    (plus the program's `arguments` per device where the message counts only temporaries), what
+    the device has, and the remedies."""
+    sizes = parse_out_of_memory(message)
+    compiler = f"XLA:{devices[0].platform.upper()}"
+    need = sizes.get("total") or sizes.get("used") or (
+        sizes["temporaries"] + arguments if "temporaries" in sizes else None)
+    at_least = ""
+    if need is None and "allocation" in sizes:  # one allocation that failed: the need is more than this
+        need, at_least = sizes["allocation"] + arguments, "at least "
+    capacity = sizes.get("capacity") or available(devices)[0]
+    space = sizes.get("space", "memory")
+    try_ = f"try {', or '.join(remedies) or 'a bigger machine'}"
+    if need is None:
+        first_line = message.strip().splitlines()[0][:200] if message.strip() else "RESOURCE_EXHAUSTED"
+        return DoesNotFit(f"memory: {what} does not fit the device ({compiler}: {first_line}); {try_}")
+    have = f"the {size(capacity)} of {space}" if capacity else f"the device's {space}"
+    return DoesNotFit(
+        f"memory: {what} needs {at_least}{size(need)} per device, more than {have} available "
+        f"({compiler} refused it: RESOURCE_EXHAUSTED); {try_}")
+
+
+@contextlib.contextmanager
+def refusing_out_of_memory(what: str, devices, remedies: list[str], arguments=()):
+    """Compile (or run) inside: XLA's out-of-memory error leaves as refusal()'s one-line
+    DoesNotFit (a ConfigError); `arguments`: the program's inputs (arrays or ShapeDtypeStructs with shardings)."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        if not is_out_of_memory(error):
+            raise
+        raise refusal(what, str(error), devices, remedies, per_device_bytes(arguments)) from None
 
 
 def training_remedies(config: configurator.Config, n_devices: int) -> list[str]:
@@ -133,6 +232,20 @@ def decoding_remedies(batch_size: int, new_tokens: int, weight_dtype: str, kv_ca
     if kv_cache_dtype != "int8":
         tips.append("--kv_cache_dtype=int8")
     if weight_dtype != "int8":
+        tips.append("--weight_dtype=int8")
+    return tips
+
+
+def sampling_remedies(cfg, n_prompts: int) -> list[str]:
+    """sample.py's ways down (cfg: its SampleConfig): fewer rows at once, fewer new tokens, int8."""
+    tips = [f"--num_samples={cfg.num_samples // 2}"] if cfg.num_samples > 1 else []
+    if n_prompts > 1:
+        tips.append("fewer prompts in --start=FILE:...")
+    if cfg.max_new_tokens > 1:
+        tips.append(f"--max_new_tokens={cfg.max_new_tokens // 2}")
+    if cfg.kv_cache_dtype != "int8":
+        tips.append("--kv_cache_dtype=int8")
+    if cfg.weight_dtype != "int8":
         tips.append("--weight_dtype=int8")
     return tips
 

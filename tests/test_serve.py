@@ -490,6 +490,22 @@ def test_programs_too_big_for_the_memory_end_the_server_with_one_line(run):
                         r"\(memory_limit_gib\); try --slots=2, or --kv_cache_dtype=int8, or .*", error), error
 
 
+def test_programs_xla_cannot_compile_end_the_server_with_one_line(run, monkeypatch):
+    """XLA:TPU refuses, while compiling, programs too big for the chip: the server stops with the
+    start-up check's one line, the bytes from XLA's message, and its remedies (the compile faked)."""
+    server = serve.Server(serve.ServeConfig(out_dir=run, slots=4, log_interval=0))
+    def compile_(self, *args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
+                                         "memory space hbm. Used 18.50G of 15.75G hbm. Exceeded hbm capacity by 2.75G.")
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_)
+    stopped = []
+    server.start_engine(on_failure=lambda: stopped.append(True))
+    assert stopped and server.engine is None
+    assert re.fullmatch(r"memory: serving needs 18.50 GiB per device, more than the 15.75 GiB of hbm available "
+                        r"\(XLA:CPU refused it: RESOURCE_EXHAUSTED\); try --slots=2, or --kv_cache_dtype=int8, .*",
+                        server.failure), server.failure
+
+
 def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(slow_server):
     """SIGTERM after a stream's first tokens: the stream ends early with finish_reason 'abort', its
     text is every token generated so far (one character each), and the server exits 0."""
