@@ -33,14 +33,20 @@ def test_train_record_is_consistent(tmp_path, capsys):
     assert record["peak_source"].startswith("measured") and record["peak_flops"] > 0
     assert math.isclose(record["mfu"], record["achieved_flops"] / record["peak_flops"])
     assert record["compile_s"] > 0 and math.isfinite(record["final_loss"])
+    assert record["mfu_measured"] == record["mfu"]  # on a CPU the peak is the matmul measured in the run
+    assert "measured" in record["measured_peak_source"]
     assert record["peak_memory_bytes"] > 0  # CPU: the compiler's plan, said so
     assert "compiler" in record["memory_source"]
+    compiled = record["compiled_memory"]  # the need the pre-flight check uses, its terms beside it
+    assert compiled["total"] == record["memory_check"]["needed_bytes"] == sum(
+        compiled[k] for k in ("arguments", "outputs", "temporaries", "code"))
     # the pre-flight check's numbers, kept in the record and printed before the step ran
     assert record["memory_check"]["needed_bytes"] >= record["peak_memory_bytes"] > 0
     assert record["memory_check"]["available_bytes"] > 0
     table = capsys.readouterr().out
     assert record["memory_check"]["line"] in table
-    for label in ("ms/step (min / median)", "tokens/s", "MFU", "compile"):
+    for label in ("ms/step (min / median)", "tokens/s", "MFU", "MFU vs a matmul measured now", "compile",
+                  "compiled step's need"):
         assert label in table
 
     bench.run(TINY + ["--steps=2", f"--json={out}"])

@@ -100,6 +100,7 @@ TPU_USED_AND_TOTAL = (
     "    program          26.52G\n    arguments       505.43M\n\nOutput size 505.43M; shares 505.43M with "
     "arguments.\n\nProgram hbm requirement 26.52G:\n    global            3.65M\n    scoped            4.50M\n"
     "    HLO temp         26.51G (100.0% utilization: Unpadded (25.21G) Padded (25.21G), 0.0% fragmentation (0B))\n")
+# as XLA:TPU (jax 0.10.2, a v5e) refused GPT-2 124M at batch 16 without remat, 2026-12-05
 TPU_TEMPORARIES = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
                    "(26.52G) exceeds available HBM (15.75G).")
 GPU_ALLOCATION = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 28472983552 bytes."
