@@ -169,7 +169,7 @@ def toy_run_in_progress(tmp_path):
 
 def test_a_killed_run_leaves_no_lock_behind(tmp_path):
     out_dir = str(tmp_path / "out")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time, checkpoint; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from weights import checkpoint; "
                                "checkpoint.OutDirLock(sys.argv[1]).claim(); print('locked', flush=True); "
                                "time.sleep(600)", out_dir], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "locked\n"
