@@ -60,8 +60,9 @@ class Config:
     dtype: str = "float32"  # compute dtype: 'float32' | 'bfloat16'; params stay float32
     scan_layers: bool = True  # run the stacked layers with lax.scan: compile time flat in depth
     remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
-    attention: str = "auto"  # 'auto' (cuDNN's flash kernel on GPUs in bfloat16, 'einsum' on CPUs, else
-    #                          XLA's) | 'xla' | 'einsum' (written out, with its own backward) | 'cudnn'
+    attention: str = "auto"  # 'auto' (cuDNN's flash kernel on GPUs in bfloat16, the Pallas splash kernel on
+    #                          TPUs, 'einsum' on CPUs, else XLA's) | 'xla' | 'einsum' (written out, with its
+    #                          own backward) | 'cudnn' | 'splash'
     quantization: str = "none"  # the blocks' matmuls: 'none' | 'int8' | 'fp8' (e4m3/e5m2; Hopper);
     #                             a property of the step: a run may switch it at resume
     # architecture: the defaults are GPT-2; config/llama_style_small.py shows a Llama-style mix
@@ -197,7 +198,7 @@ class Config:
                            "capacity_factor"))
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
-        check_choice("attention", self.attention, ("auto", "xla", "einsum", "cudnn"))
+        check_choice("attention", self.attention, ("auto", "xla", "einsum", "cudnn", "splash"))
         check_choice("quantization", self.quantization, ("none", "int8", "fp8"))
         if self.attention == "cudnn" and self.dtype != "bfloat16":
             raise ConfigError(f"attention='cudnn' needs dtype='bfloat16' (cuDNN's flash attention has no "

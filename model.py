@@ -16,7 +16,7 @@ is a small function or module, here or in layers/blocks.py, picked once by name 
 SOFTCAPS; NORMS, MLPS), or a parameter that is there or not (wpe, lm_head_kernel, like the biases);
 the forward pass has no branches on them.
 `n_experts` > 0 turns the MLPs into a mixture of experts (layers/moe.py). Three more switches change how
-the step computes, not the weights: `attention` ('xla', 'einsum': layers/attention.py, or cuDNN's fused kernel),
+the step computes, not the weights: `attention` ('xla', 'einsum' or 'splash': layers/attention.py, or cuDNN's fused kernel),
 `quantization` (int8/fp8 operands for the blocks' matmuls, layers/quantization.py) and
 `pipeline_stages` (the layer stack as a pipeline over the `stage` mesh axis, layers/pipeline.py).
 
@@ -39,7 +39,7 @@ from flax import nnx
 
 from layers import pipeline, quantization
 from layers.attention import (Segments, causal_attention, causal_mask, permuted_segments, position_mask, ring_attention,
-                              same_segment)
+                              same_segment, splash_attention, splash_fits)
 from layers.blocks import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis
 from layers.kv_cache import KVCache
 from layers.moe import MoE
@@ -85,7 +85,8 @@ class GPTConfig:
     capacity_factor: float = 1.25  # > 0: an expert takes at most factor·T·k/E tokens of a row; 0 = all
     # how the step computes, not what it learns: a checkpoint works with any of these
     attention: str = "xla"  # training attention: 'xla' | 'einsum' (written out with its backward:
-    #                         fastest on CPUs) | 'cudnn' (fused flash kernel, GPU, bf16)
+    #                         fastest on CPUs) | 'cudnn' (fused flash kernel, GPU, bf16) | 'splash'
+    #                         (Pallas flash kernel, TPU; rows of a multiple of 128 tokens, else 'einsum')
     quantization: str = "none"  # the blocks' dense matmuls: 'none' | 'int8' | 'fp8' (layers/quantization.py)
     context_attention: str = "gather"  # rows split over the mesh's sequence axis: 'gather' (all-gather the
     #                                    keys and values) | 'ring' (pass them round: attention.ring_attention)
@@ -223,19 +224,28 @@ class Attention(nnx.Module):
         dropping = k_probs is not None and config.dropout > 0  # only the written-out attention drops probabilities
         segment_ids_BxT = None if segments is None else segments.ids_BxT
         out_of_order = segments is not None and not segments.in_order
+        # splash takes whole rows of a multiple of 128 tokens: else the written-out attention, or with
+        # rows split over `context`, XLA's over the gathered keys and values
+        kind = config.attention
+        if kind == "splash" and not splash_fits(T):
+            kind = "einsum"
+        elif kind == "splash" and seq_splits > 1:
+            kind = "xla"
         if ring:
             ids_BxT = jnp.zeros_like(position_BxT) if segment_ids_BxT is None else segment_ids_BxT
             y_BxTxNxH = ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, ids_BxT, seq_axis)
-        elif cache is None and (config.attention == "einsum" or dropping):
+        elif cache is None and (kind == "einsum" or dropping):
             y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, config.dropout, k_probs, segment_ids_BxT,
                                          segments.position_BxT if out_of_order else None)
+        elif cache is None and kind == "splash":
+            y_BxTxNxH = splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
         elif cache is None and out_of_order:  # is_causal would compare array indices
-            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, implementation=config.attention,
+            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, implementation=kind,
                                                      mask=position_mask(segments.position_BxT, segment_ids_BxT))
         elif cache is None:  # cuDNN takes the segments' mask as an additive bias
             mask = None if segments is None else same_segment(segment_ids_BxT, 0, T, T)
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True,
-                                                     implementation=config.attention)
+                                                     implementation=kind)
         else:
             cache = cache.write(k_BxTxKxH, v_BxTxKxH, start_B)
             # is_causal aligns top-left, which is wrong once queries start past 0: explicit mask.
