@@ -300,6 +300,30 @@ REMAT_POLICIES = {
 
 
 @jax.custom_vjp
+def logits_matmul(x_NxD, w_DxV):
+    """x @ w accumulated and returned in float32: the loss reads unrounded logits (a bfloat16 result
+    cast after would round them; on a TPU v5e the float32 result also made the faster loss: GPT-2's
+    output layer and loss over 16 x 1024 tokens, forward and backward, 26.7 ms against 32.5,
+    bench/NOTES.md). Its backward rounds the incoming float32 gradient to x's dtype once, so both
+    backward matmuls, about a fifth of GPT-2's matmul work, run in the compute dtype (autodiff would
+    run them in float32: slow on GPUs)."""
+    return jnp.dot(x_NxD, w_DxV, preferred_element_type=jnp.float32)
+
+
+def _logits_forward(x_NxD, w_DxV):
+    return logits_matmul(x_NxD, w_DxV), (x_NxD, w_DxV)
+
+
+def _logits_backward(saved, dlogits_NxV):
+    x_NxD, w_DxV = saved
+    dlogits_NxV = dlogits_NxV.astype(x_NxD.dtype)
+    return dlogits_NxV @ w_DxV.T, x_NxD.T @ dlogits_NxV
+
+
+logits_matmul.defvjp(_logits_forward, _logits_backward)
+
+
+@jax.custom_vjp
 def embedding_lookup(table_VxD, idx_BxT):
     """table[idx]; its backward adds up the gradients of repeated tokens in float32 and rounds
     each row's sum to the table's dtype once (a bfloat16 scatter-add would round at every add)."""
@@ -355,6 +379,14 @@ class GPT(nnx.Module):
         permutation of range(T)): the rows' tokens (and segment ids) come permuted, array index i
         holding the row's token order_T[i] (context parallelism's balanced_order); logits come in
         the same order."""
+        B, T = idx_BxT.shape
+        x_BTxD, stats, w_DxV = self.features(idx_BxT, dropout_key, segment_ids_BxT, order_T)
+        return self.head(x_BTxD, w_DxV).reshape(B, T, -1), stats
+
+    def features(self, idx_BxT, dropout_key=None, segment_ids_BxT=None, order_T=None):
+        """forward() up to the output layer: (the final norm's output (B*T, D), router stats, the output
+        layer's matrix (D, padded vocab) in the compute dtype). head() turns any rows of the first into
+        logits, so a loss can take them a slice of tokens at a time (train.py's loss_chunks)."""
         config = self.config
         B, T = idx_BxT.shape
         if T > config.block_size:
@@ -374,8 +406,11 @@ class GPT(nnx.Module):
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         x_BTxD = dropout(x_BTxD, config.dropout, k_emb)
         x_BTxD, _, stats = self._run_blocks(x_BTxD, B, jnp.zeros(B, jnp.int32), k_layers, segments=segments)
-        logits_BxTxV = self._unembed(self.ln_f(x_BTxD), table_VxD).reshape(B, T, -1)
-        return self._mask_padding(logits_BxTxV), stats
+        return self.ln_f(x_BTxD), stats, self._output_matrix(table_VxD)
+
+    def head(self, x_NxD, w_DxV):
+        """Float32 logits (N, padded vocab) of final-norm outputs, by the matrix features() gave."""
+        return self._mask_padding(self._unembed(x_NxD, w_DxV))
 
     def decode(self, idx_BxT, cache: KVCache, start_B, last_B=None):
         """Run T new tokens per row, at positions start_B[b] + [0, T), against the cache.
@@ -395,7 +430,7 @@ class GPT(nnx.Module):
         x_BTxD, cache, _ = self._run_blocks(x_BTxD, B, start_B, None, cache)
         last_B = jnp.full((B,), T - 1) if last_B is None else last_B
         x_BxD = x_BTxD.reshape(B, T, -1)[jnp.arange(B), last_B]  # the vocab matmul for B rows only
-        return self._mask_padding(self._unembed(self.ln_f(x_BxD), table_VxD)), cache
+        return self.head(self.ln_f(x_BxD), self._output_matrix(table_VxD)), cache
 
     def _table(self):
         """wte in the compute dtype, gathered over `fsdp` (it stays split over `tensor` by vocabulary):
@@ -410,14 +445,16 @@ class GPT(nnx.Module):
         weights cast for inference (cast_for_inference) hold them."""
         return embedding_lookup(table_VxD, idx_BxT)
 
-    def _unembed(self, x_NxD, table_VxD):
-        """Float32 logits (N, padded vocab), through the tied embedding or lm_head_kernel, soft-capped
-        if logit_softcap says so (training and decoding alike: both come through here).
-        The matmul runs in the compute dtype and its result is cast to float32 after (MaxText's
-        way): asking the dot for float32 output would make the incoming gradient float32 and run
-        both backward matmuls, about a fifth of GPT-2's matmul work, in float32."""
+    def _output_matrix(self, table_VxD):
+        """The output layer's (D, padded vocab) matrix in the compute dtype: the tied embedding, or
+        lm_head_kernel."""
         w_DxV = table_VxD.T if self.lm_head_kernel is None else self.lm_head_kernel[...]
-        logits_NxV = (x_NxD @ w_DxV.astype(x_NxD.dtype)).astype(jnp.float32)
+        return w_DxV.astype(table_VxD.dtype)
+
+    def _unembed(self, x_NxD, w_DxV):
+        """Float32 logits (N, padded vocab), soft-capped if logit_softcap says so (training and
+        decoding alike: both come through here), from operands in the compute dtype (logits_matmul)."""
+        logits_NxV = logits_matmul(x_NxD, w_DxV.astype(x_NxD.dtype))
         cap = self.config.logit_softcap
         return SOFTCAPS[cap > 0](logits_NxV, cap)
 

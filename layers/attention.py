@@ -234,12 +234,15 @@ def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_Bx
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT)
 
 
-# Splash's tiles by head size: (query block, key block) of the forward pass and of the backward's
-# dq and dk/dv kernels, measured on a TPU v5e (fwd + bwd of one layer, bench/NOTES.md). A block is
-# cut to the largest power-of-two share of it that divides T (T a multiple of 128: SPLASH_MULTIPLE).
+# Splash's tiles by head size, measured on a TPU v5e (one layer's forward + backward; .tpu probe of
+# 2026-12-05, ../shared/TPU.md): (query block, key block, key block per compute step) of the forward
+# and of the fused backward kernel (dq, dk and dv in one pass: ~1 ms a layer faster than the two
+# kernels at GPT-2's shape). GPT-2's heads (64) at T=1024: 4.0 ms, where 512 everywhere took 5.0,
+# 256 6.5, 128 15.7 and XLA's attention 8.6; Llama-style heads (128, GQA 16/8) at T=2048: 6.2 ms,
+# XLA's 24.3. A block longer than T is cut to T; one that does not divide T is halved until it does.
 SPLASH_BLOCKS = {
-    64: dict(fwd=(512, 512), dq=(512, 512), dkv=(512, 512)),
-    128: dict(fwd=(512, 512), dq=(512, 512), dkv=(512, 512)),
+    64: dict(forward=(512, 512, 512), backward=(1024, 1024, 1024)),
+    128: dict(forward=(1024, 1024, 512), backward=(1024, 1024, 512)),
 }
 SPLASH_MULTIPLE = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
 
@@ -259,9 +262,10 @@ def splash_block_sizes(T: int, head_size: int):
             block //= 2
         return block
 
-    (q, kv), (q_dq, kv_dq), (q_dkv, kv_dkv) = ((fit(a), fit(b)) for a, b in (table["fwd"], table["dq"], table["dkv"]))
-    return splash.BlockSizes(block_q=q, block_kv=kv, block_kv_compute=kv, block_q_dq=q_dq, block_kv_dq=kv_dq,
-                             block_q_dkv=q_dkv, block_kv_dkv=kv_dkv, block_kv_dkv_compute=kv_dkv)
+    (q, kv, kv_step), (q_bwd, kv_bwd, kv_step_bwd) = ((fit(a), fit(b), fit(c)) for a, b, c in
+                                                       (table["forward"], table["backward"]))
+    return splash.BlockSizes(block_q=q, block_kv=kv, block_kv_compute=kv_step, block_q_dkv=q_bwd,
+                             block_kv_dkv=kv_bwd, block_kv_dkv_compute=kv_step_bwd, use_fused_bwd_kernel=True)
 
 
 def splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT=None, block_sizes=None):

@@ -31,9 +31,9 @@ def two_documents_a_row(B, T):
 
 
 def small_blocks(T):
-    return dataclasses.replace(attention.splash_block_sizes(T, 64), block_q=128, block_kv=128, block_kv_compute=128,
-                               block_q_dq=128, block_kv_dq=128, block_q_dkv=128, block_kv_dkv=128,
-                               block_kv_dkv_compute=128)
+    """128-token tiles everywhere: several per row, some skipped above the diagonal."""
+    return attention.splash.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128,
+                                       block_kv_dkv=128, block_kv_dkv_compute=128, use_fused_bwd_kernel=True)
 
 
 @pytest.mark.parametrize("N, K", [(4, 4), (4, 2), (4, 1)], ids=["multi-head", "grouped-query", "multi-query"])
@@ -54,9 +54,9 @@ def test_splash_and_its_gradients_equal_the_written_out_attention(N, K, segmente
 
 
 def test_splash_head_size_128_with_the_tables_blocks():
-    """Llama-style heads (H = 128) in rows of 384 tokens: the table's 512-token tiles cut to 384."""
+    """Llama-style heads (H = 128) in rows of 384 tokens: the table's 1024- and 512-token tiles cut to 384."""
     blocks = attention.splash_block_sizes(384, 128)
-    assert (blocks.block_q, blocks.block_kv, blocks.block_q_dkv) == (384, 384, 384)
+    assert (blocks.block_q, blocks.block_kv, blocks.block_kv_compute, blocks.block_q_dkv) == (384, 384, 384, 384)
     q, k, v = qkv(1, 384, 2, 1, 128, seed=3)
     loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
     ours = jax.value_and_grad(loss(attention.splash_attention), argnums=(0, 1, 2))(q, k, v)
@@ -67,11 +67,13 @@ def test_splash_head_size_128_with_the_tables_blocks():
 
 
 def test_block_sizes_divide_the_row_and_rows_the_kernel_cannot_take_are_said():
+    assert attention.splash_block_sizes(640, 64).block_q == 128  # 512 halved until it divides 640
     for T in (128, 256, 384, 640, 1024, 2048, 8192):
         blocks = attention.splash_block_sizes(T, 64)
-        sizes = (blocks.block_q, blocks.block_kv, blocks.block_q_dq, blocks.block_kv_dq, blocks.block_q_dkv,
-                 blocks.block_kv_dkv)
+        sizes = (blocks.block_q, blocks.block_kv, blocks.block_kv_compute, blocks.block_q_dkv, blocks.block_kv_dkv,
+                 blocks.block_kv_dkv_compute)
         assert all(T % b == 0 and b % 128 == 0 and b <= T for b in sizes), (T, sizes)
+        assert blocks.block_kv % blocks.block_kv_compute == 0 and blocks.block_kv_dkv % blocks.block_kv_dkv_compute == 0
     assert attention.splash_fits(1024) and not attention.splash_fits(64) and not attention.splash_fits(1000)
 
 
