@@ -259,6 +259,12 @@ def self_times(events) -> list[tuple[object, float]]:
     return [(event, ns) for event, ns in out]
 
 
+def operation_name(event_name: str) -> str:
+    """The HLO instruction's name: a CPU's trace calls the event by it ('fusion.3'), a TPU's by the
+    instruction's whole text ('%fusion.3 = bf16[...] fusion(...), ...')."""
+    return event_name.split(" = ", 1)[0].removeprefix("%") if " = " in event_name else event_name
+
+
 def hlo_operations(hlo_text: str) -> dict[str, str]:
     """{instruction name: 'shape kind (the JAX operation it came from)'} of a compiled program's HLO text,
     which names the operations as the trace does."""
@@ -280,8 +286,9 @@ def top_operations(trace: str, steps: int, hlo_text: str = "", n: int = 10) -> l
     profile = jax.profiler.ProfileData.from_file(trace)
     for line in operation_lines(profile):
         for event, ns in self_times(line):
-            totals[event.name] = totals.get(event.name, 0.0) + ns
-            counts[event.name] = counts.get(event.name, 0) + 1
+            name = operation_name(event.name)
+            totals[name] = totals.get(name, 0.0) + ns
+            counts[name] = counts.get(name, 0) + 1
     busy, described = sum(totals.values()) or 1.0, hlo_operations(hlo_text)
     top = sorted(totals, key=totals.get, reverse=True)[:n]
     return [{"name": name, "ms_per_step": totals[name] / steps / 1e6, "share": totals[name] / busy,

@@ -39,7 +39,7 @@ from flax import nnx
 
 from layers import pipeline, quantization
 from layers.attention import (Segments, causal_attention, causal_mask, permuted_segments, position_mask, ring_attention,
-                              same_segment, splash_attention, splash_fits)
+                              same_segment, SPLASH_RESIDUALS, splash_attention, splash_fits)
 from layers.blocks import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis
 from layers.kv_cache import KVCache
 from layers.moe import MoE
@@ -292,10 +292,17 @@ class Block(nnx.Module):
         return constrain(x_BTxD + y_BTxD, ("tokens", "embed_act")), cache, stats
 
 
+def keeping_attention(policy):
+    """`policy`, and the attention kernel's output and log-sum-exp kept as well (splash's residuals:
+    small, and a whole forward kernel to recompute)."""
+    return jax.checkpoint_policies.save_from_both_policies(
+        policy, jax.checkpoint_policies.save_only_these_names(SPLASH_RESIDUALS))
+
+
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_saveable": keeping_attention(jax.checkpoint_policies.dots_saveable),
+    "dots_with_no_batch_dims_saveable": keeping_attention(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
 }
 
 

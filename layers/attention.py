@@ -245,6 +245,10 @@ SPLASH_BLOCKS = {
     128: dict(forward=(1024, 1024, 512), backward=(1024, 1024, 512)),
 }
 SPLASH_MULTIPLE = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
+# The name of splash's residuals (its output and log-sum-exp: B·T·N·(H + 1) values a layer), which
+# model.py's remat policies keep: recomputing them would run the forward kernel again in the backward
+# pass (a GPT-2 124M step's profile on a TPU v5e showed it twice a layer, ~10 ms of a 179 ms step).
+SPLASH_RESIDUALS = "splash_residuals"
 
 
 def splash_fits(T: int) -> bool:
@@ -307,7 +311,8 @@ def _splash_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ids_BxT, blocks, interpret: b
     map is numpy, made once per trace) and mapped over the rows."""
     _, T, N, H = q_BxTxNxH.shape
     mask = splash.MultiHeadMask([splash.CausalMask((T, T))] * N)
-    kernel = splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
+    kernel = splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret,
+                                    residual_checkpoint_name=SPLASH_RESIDUALS)
     # the kernel's layout is (heads, T, H): one transpose each way (XLA fuses the scale into q's)
     q_BxNxTxH = (q_BxTxNxH * jnp.asarray(H ** -0.5, q_BxTxNxH.dtype)).transpose(0, 2, 1, 3)
     k_BxKxTxH, v_BxKxTxH = (a.transpose(0, 2, 1, 3) for a in (k_BxTxKxH, v_BxTxKxH))

@@ -2,13 +2,17 @@
 attention: forward and gradients, causal, packed rows, grouped- and multi-query; per shard under a
 mesh, inside a train step; and what attention='auto' picks on each platform."""
 
+import contextlib
 import dataclasses
+import io
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import model
 import sharding
 import train
 from configurator import Config, ConfigError
@@ -75,6 +79,27 @@ def test_block_sizes_divide_the_row_and_rows_the_kernel_cannot_take_are_said():
         assert all(T % b == 0 and b % 128 == 0 and b <= T for b in sizes), (T, sizes)
         assert blocks.block_kv % blocks.block_kv_compute == 0 and blocks.block_kv_dkv % blocks.block_kv_dkv_compute == 0
     assert attention.splash_fits(1024) and not attention.splash_fits(64) and not attention.splash_fits(1000)
+
+
+@pytest.mark.parametrize("policy", ["dots_saveable", "dots_with_no_batch_dims_saveable"])
+def test_remat_keeps_the_kernels_output_and_log_sum_exp(policy):
+    """Under remat the backward pass needs splash's output and log-sum-exp: the policies keep them
+    (else the forward kernel runs again in the backward pass: on a TPU, ~10 ms of GPT-2's step)."""
+    q, k, v = qkv(2, 128, 4, 2, 64)
+
+    def kept_shapes(policy):
+        """The shapes of what the backward pass keeps (JAX prints them, one a line: 'f32[2,4,128] output of ...')."""
+        attend = jax.checkpoint(lambda q, k, v: jnp.sum(jnp.sin(attention.splash_attention(q, k, v))), policy=policy)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            jax.ad_checkpoint.print_saved_residuals(attend, q, k, v)
+        return re.findall(r"^\w+\[([\d,]*)\]", printed.getvalue(), re.MULTILINE)
+
+    output, log_sum_exp = "2,4,128,64", "2,4,128"  # the kernel's (B, N, T, H) and (B, N, T)
+    kept = kept_shapes(model.REMAT_POLICIES[policy])
+    assert output in kept and log_sum_exp in kept
+    assert log_sum_exp not in kept_shapes(getattr(jax.checkpoint_policies, policy))  # JAX's own policy alone
+    assert log_sum_exp not in kept_shapes(model.REMAT_POLICIES["full"])  # 'full' keeps nothing
 
 
 def step_config(**overrides) -> Config:

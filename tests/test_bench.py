@@ -199,3 +199,7 @@ def test_an_operations_own_time_leaves_out_the_operations_inside_it():
     loop, first, second, after = event("while", 0, 100), event("a", 10, 30), event("b", 50, 20), event("c", 100, 5)
     own = {e.name: ns for e, ns in bench.self_times([after, second, loop, first])}
     assert own == {"while": 50, "a": 30, "b": 20, "c": 5}
+    # a TPU's trace names an event by the instruction's whole text, a CPU's by its name
+    assert bench.operation_name("%fusion.156 = (f32[], bf16[50304,768]{1,0:T(8,128)(2,1)}) fusion(f32[50304,768] "
+                                "%scatter), kind=kOutput") == "fusion.156"
+    assert bench.operation_name("ynn_fusion.1") == "ynn_fusion.1"
