@@ -436,4 +436,3 @@ def test_help_works_in_a_copy_of_configurator_alone(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and not run.stderr
     assert "  --compiled_train_step (str, default '')\n        it is used only if" in run.stdout
-
