@@ -26,8 +26,10 @@ or only bench.py's own flags), it measures the largest of DEFAULT_MODELS that fi
 
 import dataclasses
 import datetime
+import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -60,7 +62,8 @@ class Options:
     new_tokens: int = 0  # decode: tokens generated per row; 0 = 128, or what fits in block_size
     weight_dtype: str = "auto"  # decode: the weights as sample.py/serve.py hold them: 'auto' | 'int8'
     kv_cache_dtype: str = "auto"  # decode: 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
-    profile: str = ""  # train: also trace 3 more steps into this directory (jax.profiler, Perfetto)
+    profile: str = ""  # train: also trace PROFILE_STEPS more steps into this directory (jax.profiler, Perfetto)
+    #                    and print the operations that took the most device time in them
 
     def __post_init__(self):
         if self.mode not in ("train", "decode"):
@@ -206,7 +209,10 @@ def bench_train(config, options: Options, devices) -> dict:
     result = bench.result(bench.run(options.steps))
     if options.profile:  # after the timed steps, so tracing costs them nothing
         with jax.profiler.trace(options.profile, create_perfetto_trace=True):
-            bench.run(3)
+            bench.run(PROFILE_STEPS)
+        result["profile"] = {"dir": options.profile,
+                             "top_operations": top_operations(newest_trace(options.profile), PROFILE_STEPS,
+                                                             bench.step.as_text())}
     if config.quantization != "none":  # the speed-up is measured, not assumed: time the float step too
         del bench  # one train state on the devices at a time
         unquantized = TrainBench(dataclasses.replace(config, quantization="none"), devices)
@@ -214,6 +220,90 @@ def bench_train(config, options: Options, devices) -> dict:
         result["unquantized_median_s"] = statistics.median(unquantized.run(options.steps))
         result["speedup_vs_unquantized"] = result["unquantized_median_s"] / result["median_s"]
     return result
+
+
+PROFILE_STEPS = 3
+
+
+def newest_trace(directory: str) -> str:
+    """The xplane file jax.profiler.trace just wrote under directory (one folder per trace)."""
+    traces = sorted(glob.glob(os.path.join(directory, "plugins", "profile", "*", "*.xplane.pb")), key=os.path.getmtime)
+    if not traces:
+        raise ValueError(f"--profile={directory}: the profiler wrote no trace there")
+    return traces[-1]
+
+
+def operation_lines(profile) -> list[list]:
+    """The compiled program's operations in a jax.profiler.ProfileData (which must outlive them), as its
+    events, line by line (a line's events run one after another or nested): a GPU's or TPU's 'XLA Ops'
+    lines, or on a CPU each host thread's events that name an HLO operation."""
+    lines = [(plane.name, line.name, list(line.events)) for plane in profile.planes for line in plane.lines]  # one pass each
+    device_lines = [events for plane, line, events in lines if plane.startswith("/device:") and line == "XLA Ops"]
+    if device_lines:
+        return device_lines
+    return [[event for event in events if any(key == "hlo_op" for key, _ in event.stats)] for _, _, events in lines]
+
+
+def self_times(events) -> list[tuple[object, float]]:
+    """(event, ns) of each event of one line without the time of the events inside it (a loop's body
+    ops count once, as themselves, not again in the loop)."""
+    out, stack = [], []  # stack: (end, index in out) of the open enclosing events
+    for event in sorted(events, key=lambda e: (e.start_ns, -e.duration_ns)):
+        start, end = event.start_ns, event.start_ns + event.duration_ns
+        while stack and stack[-1][0] <= start:
+            stack.pop()
+        if stack:  # inside the innermost open event: its own time shrinks by this one's
+            out[stack[-1][1]][1] -= end - start
+        out.append([event, end - start])
+        stack.append((end, len(out) - 1))
+    return [(event, ns) for event, ns in out]
+
+
+def operation_name(event_name: str) -> str:
+    """The HLO instruction's name: a CPU's trace calls the event by it ('fusion.3'), a TPU's by the
+    instruction's whole text ('%fusion.3 = bf16[...] fusion(...), ...')."""
+    return event_name.split(" = ", 1)[0].removeprefix("%") if " = " in event_name else event_name
+
+
+def hlo_operations(hlo_text: str) -> dict[str, str]:
+    """{instruction name: 'shape kind (the JAX operation it came from)'} of a compiled program's HLO text,
+    which names the operations as the trace does."""
+    described = {}
+    for line in hlo_text.splitlines():
+        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\(", line)
+        if match:
+            name, shape, kind = match.groups()
+            source = re.search(r'op_name="([^"]*)"', line)
+            origin = source.group(1).removeprefix("jit(train_step)/") if source else ""
+            described[name] = f"{re.sub(r'{[^}]*}', '', shape)} {kind}" + (f" ({origin})" if origin else "")
+    return described
+
+
+def top_operations(trace: str, steps: int, hlo_text: str = "", n: int = 10) -> list[dict]:
+    """The n operations with the most device time in the trace (their own, per step), with their share
+    of all the operations' time, how many times a step ran each, and what the program says it is."""
+    totals, counts = {}, {}
+    profile = jax.profiler.ProfileData.from_file(trace)
+    for line in operation_lines(profile):
+        for event, ns in self_times(line):
+            name = operation_name(event.name)
+            totals[name] = totals.get(name, 0.0) + ns
+            counts[name] = counts.get(name, 0) + 1
+    busy, described = sum(totals.values()) or 1.0, hlo_operations(hlo_text)
+    top = sorted(totals, key=totals.get, reverse=True)[:n]
+    return [{"name": name, "ms_per_step": totals[name] / steps / 1e6, "share": totals[name] / busy,
+             "count_per_step": counts[name] / steps, "about": described.get(name, "")} for name in top]
+
+
+def format_profile(profile: dict) -> str:
+    ops = profile["top_operations"]
+    rows = [f"  top operations by device time ({PROFILE_STEPS} traced steps; trace in {profile['dir']}):",
+            f"    {'ms/step':>8} {'share':>6} {'runs/step':>9}  operation"]
+    for op in ops:
+        about = op["about"] if len(op["about"]) <= 140 else op["about"][:60] + "..." + op["about"][-77:]
+        rows.append(f"    {op['ms_per_step']:>8.2f} {op['share']:>6.1%} {op['count_per_step']:>9g}  {op['name']}"
+                    + (f": {about}" if about else ""))
+    return "\n".join(rows)
 
 
 def format_train(r: dict) -> str:
@@ -243,7 +333,8 @@ def format_train(r: dict) -> str:
         rows.append(("speed-up vs --quantization=none", f"{r['speedup_vs_unquantized']:.2f}x (median "
                      f"{r['median_s'] * 1e3:,.2f} vs {r['unquantized_median_s'] * 1e3:,.2f} ms, timed after it)"))
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+    table = "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+    return table + ("\n" + format_profile(r["profile"]) if "profile" in r else "")
 
 
 # ----------------------------------------------------------------------------- decode

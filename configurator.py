@@ -60,8 +60,11 @@ class Config:
     dtype: str = "float32"  # compute dtype: 'float32' | 'bfloat16'; params stay float32
     scan_layers: bool = True  # run the stacked layers with lax.scan: compile time flat in depth
     remat_policy: str = "none"  # 'none' | 'full' | 'dots_saveable' | 'dots_with_no_batch_dims_saveable'
-    attention: str = "auto"  # 'auto' (cuDNN's flash kernel on GPUs in bfloat16, 'einsum' on CPUs, else
-    #                          XLA's) | 'xla' | 'einsum' (written out, with its own backward) | 'cudnn'
+    attention: str = "auto"  # 'auto' (cuDNN's flash kernel on GPUs in bfloat16, the Pallas splash kernel on
+    #                          TPUs, 'einsum' on CPUs, else XLA's) | 'xla' | 'einsum' (written out, with its
+    #                          own backward) | 'cudnn' | 'splash'
+    loss_chunks: int = 1  # > 1: the loss takes the logits this many slices of tokens at a time (recomputed in
+    #                       the backward pass), so the (tokens, vocabulary) float32 logits never exist whole
     quantization: str = "none"  # the blocks' matmuls: 'none' | 'int8' | 'fp8' (e4m3/e5m2; Hopper);
     #                             a property of the step: a run may switch it at resume
     # architecture: the defaults are GPT-2; config/llama_style_small.py shows a Llama-style mix
@@ -192,13 +195,16 @@ class Config:
 
     def _check_model(self) -> None:
         """What the weights compute, and the compute keys that say how."""
-        self._at_least(1, ("n_layer", "n_head", "n_embd", "block_size", "pad_vocab_to_multiple"))
+        self._at_least(1, ("n_layer", "n_head", "n_embd", "block_size", "pad_vocab_to_multiple", "loss_chunks"))
         self._at_least(0, ("vocab_size", "n_experts", "n_shared_experts", "moe_hidden", "moe_dense_layers",
                            "capacity_factor"))
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
-        check_choice("attention", self.attention, ("auto", "xla", "einsum", "cudnn"))
+        check_choice("attention", self.attention, ("auto", "xla", "einsum", "cudnn", "splash"))
         check_choice("quantization", self.quantization, ("none", "int8", "fp8"))
+        if self.block_size % self.loss_chunks:
+            raise ConfigError(f"loss_chunks={self.loss_chunks} must divide block_size={self.block_size} (each slice "
+                              f"takes every loss_chunks-th token of every row): use a divisor of it, e.g. 8")
         if self.attention == "cudnn" and self.dtype != "bfloat16":
             raise ConfigError(f"attention='cudnn' needs dtype='bfloat16' (cuDNN's flash attention has no "
                               f"float32 kernel); got dtype={self.dtype!r}. Use attention='auto' or 'xla'")
@@ -345,7 +351,8 @@ ROLES = {
               "mlp", "mlp_hidden", "n_kv_head", "tie_embeddings", "qk_norm", "zero_init_proj", "logit_softcap",
               "n_experts", "experts_per_token", "n_shared_experts", "moe_hidden", "moe_dense_layers",
               "capacity_factor"),
-    "compute": ("dtype", "scan_layers", "remat_policy", "attention", "quantization", "context_attention"),
+    "compute": ("dtype", "scan_layers", "remat_policy", "attention", "quantization", "context_attention",
+                "loss_chunks"),
     "optimizer": ("optimizer", "batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
                   "beta1", "beta2", "grad_clip", "decay_lr", "warmup_iters", "lr_decay_iters", "min_lr",
                   "muon_learning_rate", "muon_momentum", "muon_weight_decay", "dropout",

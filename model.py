@@ -16,7 +16,7 @@ is a small function or module, here or in layers/blocks.py, picked once by name 
 SOFTCAPS; NORMS, MLPS), or a parameter that is there or not (wpe, lm_head_kernel, like the biases);
 the forward pass has no branches on them.
 `n_experts` > 0 turns the MLPs into a mixture of experts (layers/moe.py). Three more switches change how
-the step computes, not the weights: `attention` ('xla', 'einsum': layers/attention.py, or cuDNN's fused kernel),
+the step computes, not the weights: `attention` ('xla', 'einsum' or 'splash': layers/attention.py, or cuDNN's fused kernel),
 `quantization` (int8/fp8 operands for the blocks' matmuls, layers/quantization.py) and
 `pipeline_stages` (the layer stack as a pipeline over the `stage` mesh axis, layers/pipeline.py).
 
@@ -39,7 +39,7 @@ from flax import nnx
 
 from layers import pipeline, quantization
 from layers.attention import (Segments, causal_attention, causal_mask, permuted_segments, position_mask, ring_attention,
-                              same_segment)
+                              same_segment, SPLASH_RESIDUALS, splash_attention, splash_fits)
 from layers.blocks import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis
 from layers.kv_cache import KVCache
 from layers.moe import MoE
@@ -85,7 +85,8 @@ class GPTConfig:
     capacity_factor: float = 1.25  # > 0: an expert takes at most factor·T·k/E tokens of a row; 0 = all
     # how the step computes, not what it learns: a checkpoint works with any of these
     attention: str = "xla"  # training attention: 'xla' | 'einsum' (written out with its backward:
-    #                         fastest on CPUs) | 'cudnn' (fused flash kernel, GPU, bf16)
+    #                         fastest on CPUs) | 'cudnn' (fused flash kernel, GPU, bf16) | 'splash'
+    #                         (Pallas flash kernel, TPU; rows of a multiple of 128 tokens, else 'einsum')
     quantization: str = "none"  # the blocks' dense matmuls: 'none' | 'int8' | 'fp8' (layers/quantization.py)
     context_attention: str = "gather"  # rows split over the mesh's sequence axis: 'gather' (all-gather the
     #                                    keys and values) | 'ring' (pass them round: attention.ring_attention)
@@ -223,19 +224,28 @@ class Attention(nnx.Module):
         dropping = k_probs is not None and config.dropout > 0  # only the written-out attention drops probabilities
         segment_ids_BxT = None if segments is None else segments.ids_BxT
         out_of_order = segments is not None and not segments.in_order
+        # splash takes whole rows of a multiple of 128 tokens: else the written-out attention, or with
+        # rows split over `context`, XLA's over the gathered keys and values
+        kind = config.attention
+        if kind == "splash" and not splash_fits(T):
+            kind = "einsum"
+        elif kind == "splash" and seq_splits > 1:
+            kind = "xla"
         if ring:
             ids_BxT = jnp.zeros_like(position_BxT) if segment_ids_BxT is None else segment_ids_BxT
             y_BxTxNxH = ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, ids_BxT, seq_axis)
-        elif cache is None and (config.attention == "einsum" or dropping):
+        elif cache is None and (kind == "einsum" or dropping):
             y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, config.dropout, k_probs, segment_ids_BxT,
                                          segments.position_BxT if out_of_order else None)
+        elif cache is None and kind == "splash":
+            y_BxTxNxH = splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
         elif cache is None and out_of_order:  # is_causal would compare array indices
-            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, implementation=config.attention,
+            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, implementation=kind,
                                                      mask=position_mask(segments.position_BxT, segment_ids_BxT))
         elif cache is None:  # cuDNN takes the segments' mask as an additive bias
             mask = None if segments is None else same_segment(segment_ids_BxT, 0, T, T)
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True,
-                                                     implementation=config.attention)
+                                                     implementation=kind)
         else:
             cache = cache.write(k_BxTxKxH, v_BxTxKxH, start_B)
             # is_causal aligns top-left, which is wrong once queries start past 0: explicit mask.
@@ -282,11 +292,42 @@ class Block(nnx.Module):
         return constrain(x_BTxD + y_BTxD, ("tokens", "embed_act")), cache, stats
 
 
+def keeping_attention(policy):
+    """`policy`, and the attention kernel's output and log-sum-exp kept as well (splash's residuals:
+    small, and a whole forward kernel to recompute)."""
+    return jax.checkpoint_policies.save_from_both_policies(
+        policy, jax.checkpoint_policies.save_only_these_names(SPLASH_RESIDUALS))
+
+
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_saveable": keeping_attention(jax.checkpoint_policies.dots_saveable),
+    "dots_with_no_batch_dims_saveable": keeping_attention(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
 }
+
+
+@jax.custom_vjp
+def logits_matmul(x_NxD, w_DxV):
+    """x @ w accumulated and returned in float32: the loss reads unrounded logits (a bfloat16 result
+    cast after would round them; on a TPU v5e the float32 result also made the faster loss: GPT-2's
+    output layer and loss over 16 x 1024 tokens, forward and backward, 26.7 ms against 32.5,
+    bench/NOTES.md). Its backward rounds the incoming float32 gradient to x's dtype once, so both
+    backward matmuls, about a fifth of GPT-2's matmul work, run in the compute dtype (autodiff would
+    run them in float32: slow on GPUs)."""
+    return jnp.dot(x_NxD, w_DxV, preferred_element_type=jnp.float32)
+
+
+def _logits_forward(x_NxD, w_DxV):
+    return logits_matmul(x_NxD, w_DxV), (x_NxD, w_DxV)
+
+
+def _logits_backward(saved, dlogits_NxV):
+    x_NxD, w_DxV = saved
+    dlogits_NxV = dlogits_NxV.astype(x_NxD.dtype)
+    return dlogits_NxV @ w_DxV.T, x_NxD.T @ dlogits_NxV
+
+
+logits_matmul.defvjp(_logits_forward, _logits_backward)
 
 
 @jax.custom_vjp
@@ -345,6 +386,14 @@ class GPT(nnx.Module):
         permutation of range(T)): the rows' tokens (and segment ids) come permuted, array index i
         holding the row's token order_T[i] (context parallelism's balanced_order); logits come in
         the same order."""
+        B, T = idx_BxT.shape
+        x_BTxD, stats, w_DxV = self.features(idx_BxT, dropout_key, segment_ids_BxT, order_T)
+        return self.head(x_BTxD, w_DxV).reshape(B, T, -1), stats
+
+    def features(self, idx_BxT, dropout_key=None, segment_ids_BxT=None, order_T=None):
+        """forward() up to the output layer: (the final norm's output (B*T, D), router stats, the output
+        layer's matrix (D, padded vocab) in the compute dtype). head() turns any rows of the first into
+        logits, so a loss can take them a slice of tokens at a time (train.py's loss_chunks)."""
         config = self.config
         B, T = idx_BxT.shape
         if T > config.block_size:
@@ -364,8 +413,11 @@ class GPT(nnx.Module):
         k_emb, k_layers = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         x_BTxD = dropout(x_BTxD, config.dropout, k_emb)
         x_BTxD, _, stats = self._run_blocks(x_BTxD, B, jnp.zeros(B, jnp.int32), k_layers, segments=segments)
-        logits_BxTxV = self._unembed(self.ln_f(x_BTxD), table_VxD).reshape(B, T, -1)
-        return self._mask_padding(logits_BxTxV), stats
+        return self.ln_f(x_BTxD), stats, self._output_matrix(table_VxD)
+
+    def head(self, x_NxD, w_DxV):
+        """Float32 logits (N, padded vocab) of final-norm outputs, by the matrix features() gave."""
+        return self._mask_padding(self._unembed(x_NxD, w_DxV))
 
     def decode(self, idx_BxT, cache: KVCache, start_B, last_B=None):
         """Run T new tokens per row, at positions start_B[b] + [0, T), against the cache.
@@ -385,7 +437,7 @@ class GPT(nnx.Module):
         x_BTxD, cache, _ = self._run_blocks(x_BTxD, B, start_B, None, cache)
         last_B = jnp.full((B,), T - 1) if last_B is None else last_B
         x_BxD = x_BTxD.reshape(B, T, -1)[jnp.arange(B), last_B]  # the vocab matmul for B rows only
-        return self._mask_padding(self._unembed(self.ln_f(x_BxD), table_VxD)), cache
+        return self.head(self.ln_f(x_BxD), self._output_matrix(table_VxD)), cache
 
     def _table(self):
         """wte in the compute dtype, gathered over `fsdp` (it stays split over `tensor` by vocabulary):
@@ -400,14 +452,16 @@ class GPT(nnx.Module):
         weights cast for inference (cast_for_inference) hold them."""
         return embedding_lookup(table_VxD, idx_BxT)
 
-    def _unembed(self, x_NxD, table_VxD):
-        """Float32 logits (N, padded vocab), through the tied embedding or lm_head_kernel, soft-capped
-        if logit_softcap says so (training and decoding alike: both come through here).
-        The matmul runs in the compute dtype and its result is cast to float32 after (MaxText's
-        way): asking the dot for float32 output would make the incoming gradient float32 and run
-        both backward matmuls, about a fifth of GPT-2's matmul work, in float32."""
+    def _output_matrix(self, table_VxD):
+        """The output layer's (D, padded vocab) matrix in the compute dtype: the tied embedding, or
+        lm_head_kernel."""
         w_DxV = table_VxD.T if self.lm_head_kernel is None else self.lm_head_kernel[...]
-        logits_NxV = (x_NxD @ w_DxV.astype(x_NxD.dtype)).astype(jnp.float32)
+        return w_DxV.astype(table_VxD.dtype)
+
+    def _unembed(self, x_NxD, w_DxV):
+        """Float32 logits (N, padded vocab), soft-capped if logit_softcap says so (training and
+        decoding alike: both come through here), from operands in the compute dtype (logits_matmul)."""
+        logits_NxV = logits_matmul(x_NxD, w_DxV.astype(x_NxD.dtype))
         cap = self.config.logit_softcap
         return SOFTCAPS[cap > 0](logits_NxV, cap)
 

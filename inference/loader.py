@@ -19,6 +19,7 @@ import sharding
 from configurator import ROLES, Config
 from data import dataset
 from data.tokenizer import GPT2_VOCAB_SIZE, gpt2_tokenizer, hf_tokenizer, load_tokenizer, tokenizer_from_description
+from layers import attention
 from layers.kv_cache import init_cache
 from layers.quantization import Int8Weight
 from model import GPT, GPTConfig, cast_for_inference
@@ -29,14 +30,26 @@ from weights import checkpoint, hf
 MODEL_KEYS = {*ROLES["model"], *ROLES["compute"], "data_dir", "dataset"}
 
 
+# What attention='auto' runs, per platform: the written-out attention on CPUs (the faster step there,
+# bench/NOTES.md), cuDNN's fused kernel on NVIDIA GPUs in bfloat16 (XLA's in float32), the Pallas
+# splash kernel on TPUs (../shared/TPU.md: 35% MFU where XLA's attention gave 20%).
+AUTO_ATTENTION = {"cpu": {"float32": "einsum", "bfloat16": "einsum"},
+                  "gpu": {"float32": "xla", "bfloat16": "cudnn"},
+                  "tpu": {"float32": "splash", "bfloat16": "splash"}}
+# The kernels that run on one platform only.
+ATTENTION_PLATFORM = {"cudnn": ("gpu", "NVIDIA GPUs"), "splash": ("tpu", "TPUs")}
+
+
 def attention_implementation(config: Config, platform: str) -> str:
-    """'auto' means cuDNN's fused attention where it exists (NVIDIA GPUs, bfloat16), the written-out
-    one on CPUs (the faster step there, bench/NOTES.md), else XLA's."""
-    if config.attention == "cudnn" and platform != "gpu":
-        raise configurator.ConfigError(f"attention='cudnn' needs NVIDIA GPUs, but this run's devices are "
+    """config.attention for devices of `platform`: 'auto' looked up in AUTO_ATTENTION (XLA's on a
+    platform it does not name); a kernel asked for on a platform it cannot run on is an error."""
+    needs = ATTENTION_PLATFORM.get(config.attention)
+    if needs and needs[0] != platform:
+        raise configurator.ConfigError(f"attention={config.attention!r} needs {needs[1]}, but this run's devices are "
                                        f"{platform}; use attention='auto' or 'xla'")
     if config.attention == "auto":
-        return {"gpu": "cudnn" if config.dtype == "bfloat16" else "xla", "cpu": "einsum"}.get(platform, "xla")
+        choice = AUTO_ATTENTION.get(platform, {}).get(config.dtype, "xla")
+        return "einsum" if choice == "splash" and attention.splash is None else choice  # a JAX without the kernel
     return config.attention
 
 

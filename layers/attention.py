@@ -11,6 +11,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import spmd
+
+try:  # JAX's TPU kernels; a JAX that lacks them (or moved them) leaves 'splash' unavailable, nothing else
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+except ImportError:
+    splash = None
 
 
 def causal_mask(start_B, T: int, S: int):
@@ -226,3 +232,92 @@ def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_Bx
 
     return jax.shard_map(local, in_specs=(tokens,) * 5, out_specs=tokens, axis_names={mesh_axis})(
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT)
+
+
+# Splash's tiles by head size, measured on a TPU v5e (one layer's forward + backward; .tpu probe of
+# 2026-12-05, ../shared/TPU.md): (query block, key block, key block per compute step) of the forward
+# and of the fused backward kernel (dq, dk and dv in one pass: ~1 ms a layer faster than the two
+# kernels at GPT-2's shape). GPT-2's heads (64) at T=1024: 4.0 ms, where 512 everywhere took 5.0,
+# 256 6.5, 128 15.7 and XLA's attention 8.6; Llama-style heads (128, GQA 16/8) at T=2048: 6.2 ms,
+# XLA's 24.3. A block longer than T is cut to T; one that does not divide T is halved until it does.
+SPLASH_BLOCKS = {
+    64: dict(forward=(512, 512, 512), backward=(1024, 1024, 1024)),
+    128: dict(forward=(1024, 1024, 512), backward=(1024, 1024, 512)),
+}
+SPLASH_MULTIPLE = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
+# The name of splash's residuals (its output and log-sum-exp: B·T·N·(H + 1) values a layer), which
+# model.py's remat policies keep: recomputing them would run the forward kernel again in the backward
+# pass (a GPT-2 124M step's profile on a TPU v5e showed it twice a layer, ~10 ms of a 179 ms step).
+SPLASH_RESIDUALS = "splash_residuals"
+
+
+def splash_fits(T: int) -> bool:
+    """Whether the splash kernel takes rows of T tokens (else the caller writes attention out)."""
+    return splash is not None and T % SPLASH_MULTIPLE == 0
+
+
+def splash_block_sizes(T: int, head_size: int):
+    """SPLASH_BLOCKS' tiles for rows of T tokens (a head size not in the table takes 128's)."""
+    table = SPLASH_BLOCKS.get(head_size, SPLASH_BLOCKS[128])
+
+    def fit(block: int) -> int:
+        block = min(block, T)
+        while T % block:
+            block //= 2
+        return block
+
+    (q, kv, kv_step), (q_bwd, kv_bwd, kv_step_bwd) = ((fit(a), fit(b), fit(c)) for a, b, c in
+                                                       (table["forward"], table["backward"]))
+    return splash.BlockSizes(block_q=q, block_kv=kv, block_kv_compute=kv_step, block_q_dkv=q_bwd,
+                             block_kv_dkv=kv_bwd, block_kv_dkv_compute=kv_step_bwd, use_fused_bwd_kernel=True)
+
+
+def splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT=None, block_sizes=None):
+    """Causal attention through JAX's Pallas splash kernel (flash attention on TPUs: no T x T scores in
+    memory, the tiles above the diagonal skipped), forward and backward; grouped-query as the kernel
+    does it (query head n reads key head n // G, this model's layout), and with segment ids a query
+    sees only its own segment's keys. Under a mesh it runs per shard (shard_map): rows split as the
+    logical 'batch' axis says, heads as 'heads' says where that divides the key/value heads, each
+    device's whole rows (the caller sends rows split over `context` elsewhere). Off a TPU (tests) the
+    kernel runs in Pallas's interpret mode: correct, slow."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    interpret = (device.platform if device is not None else jax.default_backend()) != "tpu"
+    T, H = q_BxTxNxH.shape[1], q_BxTxNxH.shape[3]
+    blocks = block_sizes or splash_block_sizes(T, H)
+    ids_BxT = jnp.zeros(q_BxTxNxH.shape[:2], jnp.int32) if segment_ids_BxT is None else segment_ids_BxT
+    local = functools.partial(_splash_local, blocks=blocks, interpret=interpret, segmented=segment_ids_BxT is not None)
+    free_axes = [] if mesh.empty else [a for a in mesh.axis_names if a not in mesh.manual_axes]
+    if not any(mesh.shape[a] > 1 for a in free_axes):
+        return local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ids_BxT)
+    rules = dict(spmd.get_logical_axis_rules() or ())
+
+    def split(logical: str, *dims: int):
+        """The mesh axes of rule `logical` (those of the shard_map) if their product divides every dim."""
+        axes = rules.get(logical) or ()
+        axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in free_axes)
+        n = int(np.prod([mesh.shape[a] for a in axes]))
+        return axes if axes and all(d % n == 0 for d in dims) else None
+
+    rows, heads = split("batch", q_BxTxNxH.shape[0]), split("heads", q_BxTxNxH.shape[2], k_BxTxKxH.shape[2])
+    P = jax.sharding.PartitionSpec
+    qkv, ids = P(rows, None, heads, None), P(rows, None)
+    return jax.shard_map(local, in_specs=(qkv, qkv, qkv, ids), out_specs=qkv, axis_names=set(free_axes),
+                         check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ids_BxT)
+
+
+def _splash_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ids_BxT, blocks, interpret: bool, segmented: bool):
+    """One device's rows and heads: the kernel is built for these shapes (its causal mask's tile
+    map is numpy, made once per trace) and mapped over the rows."""
+    _, T, N, H = q_BxTxNxH.shape
+    mask = splash.MultiHeadMask([splash.CausalMask((T, T))] * N)
+    kernel = splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret,
+                                    residual_checkpoint_name=SPLASH_RESIDUALS)
+    # the kernel's layout is (heads, T, H): one transpose each way (XLA fuses the scale into q's)
+    q_BxNxTxH = (q_BxTxNxH * jnp.asarray(H ** -0.5, q_BxTxNxH.dtype)).transpose(0, 2, 1, 3)
+    k_BxKxTxH, v_BxKxTxH = (a.transpose(0, 2, 1, 3) for a in (k_BxTxKxH, v_BxTxKxH))
+
+    def row(q_NxTxH, k_KxTxH, v_KxTxH, ids_T):
+        return kernel(q_NxTxH, k_KxTxH, v_KxTxH, splash.SegmentIds(q=ids_T, kv=ids_T) if segmented else None)
+
+    return jax.vmap(row)(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT).transpose(0, 2, 1, 3)

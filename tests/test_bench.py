@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 from test_hf import LLAMA_JSON, write_config
@@ -178,3 +179,27 @@ def test_accelerator_defaults_go_from_gpt2_124m_down_to_the_quickstart():
     assert work == sorted(work, reverse=True) and len(set(work)) == len(work)
     assert not bench.names_a_model(["--steps=1", "--mode=decode", "--json="])
     assert all(bench.names_a_model(argv) for argv in (["config/gpt2_124m.py"], ["--batch_size=4"], ["-h"]))
+
+
+def test_profile_prints_the_steps_top_operations_read_back_from_its_trace(tmp_path, capsys):
+    record = bench.run(TINY + ["--steps=1", f"--profile={tmp_path / 'trace'}", "--json="])
+    ops = record["profile"]["top_operations"]
+    assert 0 < len(ops) <= 10 and all(op["ms_per_step"] > 0 for op in ops)
+    assert [op["ms_per_step"] for op in ops] == sorted((op["ms_per_step"] for op in ops), reverse=True)
+    assert 0 < sum(op["share"] for op in ops) <= 1 + 1e-9
+    # each is an operation of the compiled step: its shape and the JAX operation it came from
+    assert all(re.match(r"\(?[a-z0-9]+\[[0-9,]*\]", op["about"]) for op in ops), ops
+    printed = capsys.readouterr().out
+    assert "top operations by device time (3 traced steps" in printed
+    assert all(op["name"] in printed for op in ops)
+
+
+def test_an_operations_own_time_leaves_out_the_operations_inside_it():
+    event = lambda name, start, duration: type("Event", (), {"name": name, "start_ns": start, "duration_ns": duration})
+    loop, first, second, after = event("while", 0, 100), event("a", 10, 30), event("b", 50, 20), event("c", 100, 5)
+    own = {e.name: ns for e, ns in bench.self_times([after, second, loop, first])}
+    assert own == {"while": 50, "a": 30, "b": 20, "c": 5}
+    # a TPU's trace names an event by the instruction's whole text, a CPU's by its name
+    assert bench.operation_name("%fusion.156 = (f32[], bf16[50304,768]{1,0:T(8,128)(2,1)}) fusion(f32[50304,768] "
+                                "%scatter), kind=kOutput") == "fusion.156"
+    assert bench.operation_name("ynn_fusion.1") == "ynn_fusion.1"

@@ -22,6 +22,8 @@ from layers import attention  # noqa: E402
 from layers import blocks  # noqa: E402
 from layers import kv_cache  # noqa: E402
 from layers import moe as moe_layer  # noqa: E402
+from configurator import load_config  # noqa: E402
+from inference import loader  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from weights import hf  # noqa: E402
 
@@ -1003,3 +1005,12 @@ def test_rows_in_balanced_order_get_their_in_order_logits(config):
     for segment_ids in (None, ids):
         in_order, permuted = logits(x, segment_ids)
         np.testing.assert_allclose(permuted, in_order[:, order_T], rtol=1e-5, atol=1e-5)
+
+
+def test_the_llama_350m_config_is_llama_style_at_about_350m_parameters():
+    config = load_config([str(ROOT / "config" / "llama_350m.py")])
+    gpt = loader.model_config(config, 50257, "tpu")
+    assert 340e6 < model.count_params(gpt) < 370e6
+    assert (gpt.pos_embedding, gpt.norm, gpt.mlp, gpt.block_size, gpt.tie_embeddings) == (
+        "rope", "rmsnorm", "swiglu", 2048, False)
+    assert gpt.n_embd // gpt.n_head == 128 and 1 < gpt.kv_heads < gpt.n_head and gpt.attention == "splash"

@@ -691,3 +691,33 @@ def test_document_masking_starts_documents_where_the_datasets_tokenizer_does(tmp
                                           "end-of-text token, and the dataset has neither"):
         train.train(chars, ONE_DEVICE)
     assert not os.path.exists(chars.out_dir)
+
+
+@pytest.mark.parametrize("mesh_shape", [dict(data=1), dict(data=2, fsdp=2, tensor=2)], ids=["one device", "8 devices"])
+def test_loss_in_slices_of_tokens_equals_the_whole_logits_loss_and_gradients(mesh_shape):
+    """loss_chunks=4 (the logits four slices of tokens at a time, recomputed in the backward pass) gives
+    the loss and gradients of the logits taken whole, in float32: tied and untied output layers, a
+    padded vocabulary, the soft-cap, and targets that are none (-1)."""
+    mesh = sharding.make_mesh(**mesh_shape, devices=jax.devices()[:math.prod(mesh_shape.values())])
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(0, 65, (8, 32)), jnp.int32)
+    y = jnp.asarray(np.where(rng.random((8, 32)) < 0.2, -1, rng.integers(0, 65, (8, 32))), jnp.int32)
+    for untied in ({}, dict(tie_embeddings=False, logit_softcap=5.0)):
+        values = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, vocab_size=65,
+                      pad_vocab_to_multiple=16, **untied)
+        results = []
+        for chunks in (1, 4):
+            setup = train.make_setup(Config(**values, loss_chunks=chunks), mesh, 65)
+            params = train.init_state(setup)["params"]
+            with sharding.activate(mesh):
+                loss_and_grads = jax.jit(jax.value_and_grad(lambda p: train.training_loss(setup, p, x, y)[0]))
+                results.append(loss_and_grads(params))
+        (whole, whole_grads), (sliced, sliced_grads) = results
+        np.testing.assert_allclose(sliced, whole, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(sliced_grads), jax.tree.leaves(whole_grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, float(np.abs(b).max())))
+
+
+def test_loss_chunks_must_divide_the_rows():
+    with pytest.raises(ConfigError, match="loss_chunks=3 must divide block_size=32"):
+        Config(block_size=32, loss_chunks=3)
