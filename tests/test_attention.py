@@ -3,7 +3,6 @@ attention: forward and gradients, causal, packed rows, grouped- and multi-query;
 mesh, inside a train step; and what attention='auto' picks on each platform."""
 
 import contextlib
-import dataclasses
 import io
 import re
 
