@@ -464,9 +464,11 @@ class GPT(nnx.Module):
 
         def one_layer(batch_size: int, start_B, segments):
             def layer(x_BTxD, layer_inputs):
-                layer_state, layer_key, layer_cache = layer_inputs
-                if layer_cache is not None:  # read only: a slice of the scan's input, never carried
-                    layer_cache = layer_cache.prefix(attend)
+                layer_state, layer_key, layer_index = layer_inputs
+                # The cache is read, never carried: the layer's first `attend` positions, sliced in one
+                # go so that XLA reads them inside the attention (a slice of the layer's whole cache
+                # first was materialised: a copy per layer and step on TPUs).
+                layer_cache = None if cache is None else cache.layer(layer_index, attend)
                 x_BTxD, new, stats = nnx.merge(graphdef, layer_state)(
                     x_BTxD, batch_size, start_B, layer_key, layer_cache, segments)
                 return x_BTxD, (new, stats)
@@ -485,8 +487,9 @@ class GPT(nnx.Module):
             return x_BTxD, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
         if config.pipeline_stages == 1 or cache is not None:  # decoding never pipelines
-            x_BTxD, (new, stats) = run_layers(x_BTxD, (stacked_state, layer_keys, cache), batch_size, start_B,
-                                              segments)
+            layer_indices = None if cache is None else jnp.arange(cache.k.shape[0])
+            x_BTxD, (new, stats) = run_layers(x_BTxD, (stacked_state, layer_keys, layer_indices), batch_size,
+                                              start_B, segments)
             return x_BTxD, new, stats
 
         M = config.pipeline_microbatches

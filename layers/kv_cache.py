@@ -42,11 +42,12 @@ class KVCache:
         """S, the positions it holds."""
         return self.k.shape[-3]
 
-    def prefix(self, n: int) -> "KVCache":
-        """The first n positions (a static slice; the whole cache when n is None or >= S)."""
-        if n is None or n >= self.length:
-            return self
-        return jax.tree.map(lambda a: jax.lax.slice_in_dim(a, 0, n, axis=a.ndim - 3), self)
+    def layer(self, index, n: int | None = None) -> "KVCache":
+        """Layer `index`'s slice (B, n, K, H) of the whole cache: its first n positions (default all),
+        in one dynamic slice (index may be traced: the layer scan's)."""
+        n = self.length if n is None else min(n, self.length)
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice(a, (index,) + (0,) * (a.ndim - 1),
+                                                            (1, a.shape[1], n) + a.shape[3:])[0], self)
 
     def encode(self, k_BxTxKxH, v_BxTxKxH) -> "KVCache":
         """New tokens' keys and values as this cache stores them: cast, or rounded to int8 with scales."""
