@@ -16,7 +16,9 @@ beside the compiled program's need that the pre-flight check uses.
 Decode mode runs generate.generate (prefill, then the compiled lax.while_loop over tokens)
 with greedy sampling and random weights, at each --decode_batch, and compares the time
 per token step with the memory-bandwidth roofline: every step must read the weights (in the
-compute dtype) and each row's KV cache up to its position.
+compute dtype) and each row's KV cache up to its position (the filled part, not the whole cache
+allocated). The prefill's tokens/s and MFU (its forward FLOPs over the peak) are in the same
+table: a long --prompt_len measures the prefill at the chip's compute rate.
 
 Every run appends one JSON record to --json (default bench.jsonl), so runs can be compared.
 Other flags are train.py config keys. With no config file and no config key (`python bench.py`,
@@ -345,6 +347,7 @@ def bench_decode(config, options: Options, devices) -> dict:
     mesh = train.make_mesh(config, devices)
     setup = train.make_setup(config, mesh, vocab_size)
     bandwidth, bandwidth_source = hardware.peak_bandwidth(devices)
+    peak, peak_source = hardware.peak_flops(devices)  # for the prefill's MFU
     params = train.init_state(setup)["params"]
     # Decoding's setup: the same model with its cache in kv_cache_dtype, the weights as sample.py holds them.
     setup = loader.model_setup(config, mesh, vocab_size, options.kv_cache_dtype)
@@ -358,6 +361,9 @@ def bench_decode(config, options: Options, devices) -> dict:
     cache_bytes_per_position = loader.kv_bytes_per_token(mc)
     rng = np.random.default_rng(0)
     P = options.prompt_len
+    # A prefill is a forward pass over the prompts: a third of a train step's FLOPs per token (2N +
+    # 4·L·P·d, attention counted over the whole P x P square as training's MFU counts it).
+    prefill_flops_per_token = flops_per_token(mc, P) / 3
     # Every batch's programs (those generate() runs) compiled and checked against the memory first,
     # so a batch that cannot fit is refused before any is timed.
     batches = []
@@ -383,9 +389,15 @@ def bench_decode(config, options: Options, devices) -> dict:
         # Rows hold P+1 .. P+new_tokens-1 cached positions during the decode steps: their mean.
         mean_positions = P + new_tokens / 2
         bytes_per_step = weight_bytes + batch_size * mean_positions * cache_bytes_per_position
+        prefill_s = statistics.median(g.prefill_s for g in out)
+        prefill_tokens_per_s = batch_size * P / prefill_s
+        # On a CPU the peak is measured, and a busy moment makes it low: the best of it, a new one and the achieved rate.
+        peak = hardware.best_peak_flops(devices, peak, prefill_tokens_per_s * prefill_flops_per_token)
         runs.append({
             "batch_size": batch_size, "prompt_len": P, "new_tokens": new_tokens,
-            "compile_s": compile_s + first.compile_s, "prefill_s": statistics.median(g.prefill_s for g in out),
+            "compile_s": compile_s + first.compile_s, "prefill_s": prefill_s,
+            "prefill_tokens_per_s": prefill_tokens_per_s,
+            "prefill_mfu": prefill_tokens_per_s * prefill_flops_per_token / peak if peak else None,
             "decode_s": decode_s, "min_s": min(decode_s), "median_s": statistics.median(decode_s),
             "decode_tokens": out[0].decode_tokens, "step_s": step_s,
             "tokens_per_s": out[0].decode_tokens / statistics.median(decode_s),
@@ -396,7 +408,8 @@ def bench_decode(config, options: Options, devices) -> dict:
     return {"params": count_params(mc), "vocab_size": vocab_size, "mesh": dict(mesh.shape),
             "weight_dtype": options.weight_dtype, "kv_cache_dtype": mc.kv_cache_dtype,
             "kv_bytes_per_token": cache_bytes_per_position, "weight_bytes": weight_bytes, "peak_bandwidth": bandwidth,
-            "bandwidth_source": bandwidth_source, "runs": runs}
+            "bandwidth_source": bandwidth_source, "prefill_flops_per_token": prefill_flops_per_token,
+            "peak_flops": peak, "peak_source": peak_source, "runs": runs}
 
 
 def decode_tokens(options: Options, block_size: int) -> int:
@@ -416,13 +429,17 @@ def format_decode(r: dict) -> str:
              f"{r['kv_bytes_per_token']:,} bytes per position ({r['kv_cache_dtype']}); peak bandwidth "
              + (f"{r['peak_bandwidth'] / 1e9:,.1f} GB/s ({r['bandwidth_source']})" if r["peak_bandwidth"]
                 else r["bandwidth_source"]),
-             f"  {'batch':>5} {'prefill ms':>10} {'ms/token step':>14} {'tokens/s':>10} "
-             f"{'MiB/step':>9} {'GB/s':>8} {'roofline':>8} {'compile s':>9}"]
+             f"  prefill: {r['prefill_flops_per_token'] / 1e6:,.1f} MFLOPs per prompt token (2N + 4·L·P·d); peak "
+             + (f"{r['peak_flops'] / 1e12:,.3f} TFLOP/s ({r['peak_source']})" if r["peak_flops"] else r["peak_source"]),
+             f"  {'batch':>5} {'prefill ms':>10} {'prefill tok/s':>13} {'MFU':>6} {'ms/token step':>14} "
+             f"{'tokens/s':>10} {'MiB/step':>9} {'GB/s':>8} {'roofline':>8} {'compile s':>9}"]
     for run in r["runs"]:
         fraction = f"{run['roofline_fraction']:.1%}" if run["roofline_fraction"] is not None else "?"
-        lines.append(f"  {run['batch_size']:>5} {run['prefill_s'] * 1e3:>10.1f} {run['step_s'] * 1e3:>14.3f} "
-                     f"{run['tokens_per_s']:>10,.1f} {run['bytes_per_step'] / 2**20:>9.1f} "
-                     f"{run['bandwidth'] / 1e9:>8.1f} {fraction:>8} {run['compile_s']:>9.1f}")
+        mfu = f"{run['prefill_mfu']:.1%}" if run["prefill_mfu"] is not None else "?"
+        lines.append(f"  {run['batch_size']:>5} {run['prefill_s'] * 1e3:>10.1f} {run['prefill_tokens_per_s']:>13,.0f} "
+                     f"{mfu:>6} {run['step_s'] * 1e3:>14.3f} {run['tokens_per_s']:>10,.1f} "
+                     f"{run['bytes_per_step'] / 2**20:>9.1f} {run['bandwidth'] / 1e9:>8.1f} {fraction:>8} "
+                     f"{run['compile_s']:>9.1f}")
     return "\n".join(lines)
 
 

@@ -38,10 +38,10 @@ import numpy as np
 from flax import nnx
 
 from layers import pipeline, quantization
-from layers.attention import (Segments, causal_attention, causal_mask, permuted_segments, position_mask, ring_attention,
+from layers.attention import (Segments, causal_attention, permuted_segments, position_mask, ring_attention,
                               same_segment, SPLASH_RESIDUALS, splash_attention, splash_fits)
 from layers.blocks import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis
-from layers.kv_cache import KVCache
+from layers.kv_cache import KVCache, init_cache
 from layers.moe import MoE
 
 
@@ -196,8 +196,10 @@ class Attention(nnx.Module):
         """Row b's T tokens sit at positions start_B[b] + [0, T). Without a cache: causal
         self-attention over them (training: start_B = 0), or with `segments` (packed rows, no
         cache) within each segment, at the segments' positions. With a layer's cache (B, S, K, H):
-        their keys and values are written there and they attend to every cached position up
-        to their own."""
+        they attend to its positions before their own and to each other (causally). Returns
+        (output, None), or with a cache (output, their keys and values as the cache stores them),
+        which the caller writes into it. An empty cache (S = 0) is a prefill from position 0: the
+        training path's attention, which only hands its keys and values on."""
         config = self.config
         D, (_, C, K, H) = x_BTxD.shape[-1], self.qkv_kernel.shape
         G, B, T = C - 2, batch_size, x_BTxD.shape[0] // batch_size
@@ -217,7 +219,9 @@ class Attention(nnx.Module):
         q_BxTxNxH = rotate(normalize(q_BxTxNxH, config), position_BxT, config)
         k_BxTxKxH = rotate(normalize(k_BxTxKxH, config), position_BxT, config)
         seq_axis, seq_splits = sequence_axis()
-        ring = config.context_attention == "ring" and cache is None and seq_splits > 1 and T % seq_splits == 0
+        new = None if cache is None else cache.encode(k_BxTxKxH, v_BxTxKxH)  # for the cache, as it stores them
+        cached = cache is not None and cache.length > 0  # else a prefill: the training path's attention
+        ring = config.context_attention == "ring" and not cached and seq_splits > 1 and T % seq_splits == 0
         if not ring:  # every query sees keys and values of the whole row: gathered over `context` (MaxText's default)
             k_BxTxKxH, v_BxTxKxH = (constrain(a, ("batch", None, "heads", None)) for a in (k_BxTxKxH, v_BxTxKxH))
         k_probs, k_out = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
@@ -234,26 +238,23 @@ class Attention(nnx.Module):
         if ring:
             ids_BxT = jnp.zeros_like(position_BxT) if segment_ids_BxT is None else segment_ids_BxT
             y_BxTxNxH = ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, ids_BxT, seq_axis)
-        elif cache is None and (kind == "einsum" or dropping):
+        elif cached:  # a decode step: the layer's cache before start_B, and the new tokens themselves
+            y_BxTxNxH = cache.attend(q_BxTxNxH, new, start_B)
+        elif kind == "einsum" or dropping:
             y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, config.dropout, k_probs, segment_ids_BxT,
                                          segments.position_BxT if out_of_order else None)
-        elif cache is None and kind == "splash":
+        elif kind == "splash":
             y_BxTxNxH = splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
-        elif cache is None and out_of_order:  # is_causal would compare array indices
+        elif out_of_order:  # is_causal would compare array indices
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, implementation=kind,
                                                      mask=position_mask(segments.position_BxT, segment_ids_BxT))
-        elif cache is None:  # cuDNN takes the segments' mask as an additive bias
+        else:  # cuDNN takes the segments' mask as an additive bias
             mask = None if segments is None else same_segment(segment_ids_BxT, 0, T, T)
             y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True,
                                                      implementation=kind)
-        else:
-            cache = cache.write(k_BxTxKxH, v_BxTxKxH, start_B)
-            # is_causal aligns top-left, which is wrong once queries start past 0: explicit mask.
-            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, *cache.read(q_BxTxNxH.dtype),
-                                                     mask=causal_mask(start_B, T, cache.k.shape[1]))
         y_BTxD = linear(y_BxTxNxH.reshape(B * T, N * H), self.out_kernel.reshape(N * H, D), self.out_bias,
                         config.quantization)
-        return dropout(y_BTxD, config.dropout, k_out), cache
+        return dropout(y_BTxD, config.dropout, k_out), new
 
 
 def no_softcap(logits, cap: float):
@@ -281,15 +282,16 @@ class Block(nnx.Module):
         self.sparse = sparse
 
     def __call__(self, x_BTxD, batch_size: int, start_B, dropout_key=None, cache=None, segments=None):
-        """(x, cache, router stats): the stats are MoE's, {} for a dense layer."""
+        """(x, the new tokens' keys and values for the cache (None without one), router stats): the
+        stats are MoE's, {} for a dense layer."""
         k_attn, k_mlp = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        y_BTxD, cache = self.attn(self.ln_1(x_BTxD), batch_size, start_B, k_attn, cache, segments)
+        y_BTxD, new = self.attn(self.ln_1(x_BTxD), batch_size, start_B, k_attn, cache, segments)
         x_BTxD = x_BTxD + y_BTxD
         if self.sparse:
             y_BTxD, stats = self.mlp(self.ln_2(x_BTxD), batch_size, k_mlp)
         else:
             y_BTxD, stats = self.mlp(self.ln_2(x_BTxD), k_mlp), {}
-        return constrain(x_BTxD + y_BTxD, ("tokens", "embed_act")), cache, stats
+        return constrain(x_BTxD + y_BTxD, ("tokens", "embed_act")), new, stats
 
 
 def keeping_attention(policy):
@@ -419,14 +421,31 @@ class GPT(nnx.Module):
         """Float32 logits (N, padded vocab) of final-norm outputs, by the matrix features() gave."""
         return self._mask_padding(self._unembed(x_NxD, w_DxV))
 
-    def decode(self, idx_BxT, cache: KVCache, start_B, last_B=None):
+    def decode(self, idx_BxT, cache: KVCache, start_B, last_B=None, attend: int | None = None):
         """Run T new tokens per row, at positions start_B[b] + [0, T), against the cache.
 
-        Prefill is T = prompt length with start_B = 0; a decode step is T = 1. Returns float32
-        logits (B, padded vocab) of each row's token at index last_B[b] (default: the last)
-        and the cache with the new tokens' keys and values in it. No dropout; positions must
+        A decode step is T = 1. The tokens attend to the cache's positions before start_B[b] and
+        to each other; only the cache's first `attend` positions are read (default: all), so the
+        caller that knows every start_B[b] <= attend reads no more than it must. Returns float32
+        logits (B, padded vocab) of each row's token at index last_B[b] (default: the last) and
+        the cache with the new tokens' keys and values written in. No dropout; positions must
         stay below block_size (the caller checks: a gather here would clamp silently).
         """
+        logits_BxV, new = self._cached_forward(idx_BxT, cache, start_B, last_B, attend)
+        return logits_BxV, cache.write(new, start_B)
+
+    def prefill(self, idx_BxT, length: int, last_B=None):
+        """Prompts (B, T), right-padded, from position 0 through the training path's attention
+        (config.attention: a fused kernel where there is one), not against a cache. Returns float32
+        logits (B, padded vocab) of each row's token at index last_B[b] (default: the last) and a
+        cache of `length` positions holding the prompts' keys and values in its first T."""
+        B, T = idx_BxT.shape
+        empty = init_cache(self.config, B, 0)  # tells each layer to hand on its keys and values
+        logits_BxV, new = self._cached_forward(idx_BxT, empty, jnp.zeros(B, jnp.int32), last_B)
+        return logits_BxV, new.padded(length)
+
+    def _cached_forward(self, idx_BxT, cache: KVCache, start_B, last_B, attend=None):
+        """(logits at last_B, every layer's new keys and values (L, B, T, K, H) as the cache stores them)."""
         config = self.config
         B, T = idx_BxT.shape
         table_VxD = self._table()
@@ -434,10 +453,13 @@ class GPT(nnx.Module):
         if self.wpe is not None:  # per row: any prompt length
             x_BxTxD = x_BxTxD + self.wpe[...][start_B[:, None] + jnp.arange(T)].astype(config.dtype)
         x_BTxD = constrain(x_BxTxD.reshape(B * T, -1), ("tokens", "embed_act"))
-        x_BTxD, cache, _ = self._run_blocks(x_BTxD, B, start_B, None, cache)
-        last_B = jnp.full((B,), T - 1) if last_B is None else last_B
-        x_BxD = x_BTxD.reshape(B, T, -1)[jnp.arange(B), last_B]  # the vocab matmul for B rows only
-        return self.head(self.ln_f(x_BxD), self._output_matrix(table_VxD)), cache
+        x_BTxD, new, _ = self._run_blocks(x_BTxD, B, start_B, None, cache, attend=attend)
+        if T == 1:  # a decode step: each row's one token
+            x_BxD = x_BTxD
+        else:  # the vocab matmul for B rows only
+            last_B = jnp.full((B,), T - 1) if last_B is None else last_B
+            x_BxD = x_BTxD.reshape(B, T, -1)[jnp.arange(B), last_B]
+        return self.head(self.ln_f(x_BxD), self._output_matrix(table_VxD)), new
 
     def _table(self):
         """wte in the compute dtype, gathered over `fsdp` (it stays split over `tensor` by vocabulary):
@@ -473,34 +495,38 @@ class GPT(nnx.Module):
         is_real_token = jnp.arange(config.padded_vocab_size) < config.vocab_size
         return jnp.where(is_real_token, logits_xV, -jnp.inf)
 
-    def _run_blocks(self, x_BTxD, batch_size: int, start_B, dropout_key, cache=None, segments=None):
-        """The layer stacks in order; with a cache (L, B, S, K, H), each layer reads and writes
-        its slice. Returns (x, cache, the sparse layers' router stats)."""
+    def _run_blocks(self, x_BTxD, batch_size: int, start_B, dropout_key, cache=None, segments=None, attend=None):
+        """The layer stacks in order; with a cache (L, B, S, K, H), each layer reads its slice (the
+        first `attend` positions). Returns (x, the new tokens' keys and values of every layer (L, B,
+        T, K, H) when there is a cache, else None, the sparse layers' router stats)."""
         config = self.config
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
         if self.dense_blocks is None:
-            return self._run_stack(self.blocks, x_BTxD, batch_size, start_B, layer_keys, cache, segments)
+            return self._run_stack(self.blocks, x_BTxD, batch_size, start_B, layer_keys, cache, segments, attend)
         n = config.n_layer - config.sparse_layers  # the dense stack comes first
         part = lambda tree, lo, hi: None if tree is None else jax.tree.map(lambda a: a[lo:hi], tree)
-        x_BTxD, dense_cache, _ = self._run_stack(self.dense_blocks, x_BTxD, batch_size, start_B,
-                                                 part(layer_keys, 0, n), part(cache, 0, n), segments)
-        x_BTxD, sparse_cache, stats = self._run_stack(self.blocks, x_BTxD, batch_size, start_B,
-                                                      part(layer_keys, n, None), part(cache, n, None), segments)
-        if cache is not None:
-            cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), dense_cache, sparse_cache)
-        return x_BTxD, cache, stats
+        x_BTxD, dense_new, _ = self._run_stack(self.dense_blocks, x_BTxD, batch_size, start_B,
+                                               part(layer_keys, 0, n), part(cache, 0, n), segments, attend)
+        x_BTxD, sparse_new, stats = self._run_stack(self.blocks, x_BTxD, batch_size, start_B,
+                                                    part(layer_keys, n, None), part(cache, n, None), segments, attend)
+        new = None if cache is None else jax.tree.map(lambda a, b: jnp.concatenate([a, b]), dense_new, sparse_new)
+        return x_BTxD, new, stats
 
-    def _run_stack(self, blocks, x_BTxD, batch_size: int, start_B, layer_keys, cache, segments=None):
+    def _run_stack(self, blocks, x_BTxD, batch_size: int, start_B, layer_keys, cache, segments=None, attend=None):
         config = self.config
         graphdef, stacked_state = nnx.split(blocks)
 
         def one_layer(batch_size: int, start_B, segments):
             def layer(x_BTxD, layer_inputs):
-                layer_state, layer_key, layer_cache = layer_inputs
-                x_BTxD, layer_cache, stats = nnx.merge(graphdef, layer_state)(
+                layer_state, layer_key, layer_index = layer_inputs
+                # The cache is read, never carried: the layer's first `attend` positions, sliced in one
+                # go so that XLA reads them inside the attention (a slice of the layer's whole cache
+                # first was materialised: a copy per layer and step on TPUs).
+                layer_cache = None if cache is None else cache.layer(layer_index, attend)
+                x_BTxD, new, stats = nnx.merge(graphdef, layer_state)(
                     x_BTxD, batch_size, start_B, layer_key, layer_cache, segments)
-                return x_BTxD, (layer_cache, stats)
-            if config.remat_policy == "none":
+                return x_BTxD, (new, stats)
+            if config.remat_policy == "none" or cache is not None:  # decoding keeps no activations
                 return layer
             return jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat_policy])
 
@@ -514,22 +540,11 @@ class GPT(nnx.Module):
                 outputs.append(layer_outputs)
             return x_BTxD, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
-        if cache is not None and config.scan_layers:  # decoding: the cache updated in place, layer by layer
-            layer = one_layer(batch_size, start_B, segments)
-
-            def layer_in_place(carry, layer_inputs):
-                x_BTxD, cache, i = carry
-                layer_cache = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False), cache)
-                x_BTxD, (layer_cache, stats) = layer(x_BTxD, (*layer_inputs, layer_cache))
-                cache = jax.tree.map(lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, i, 0), cache, layer_cache)
-                return (x_BTxD, cache, i + 1), stats
-
-            (x_BTxD, cache, _), stats = jax.lax.scan(layer_in_place, (x_BTxD, cache, 0), (stacked_state, layer_keys))
-            return x_BTxD, cache, stats
         if config.pipeline_stages == 1 or cache is not None:  # decoding never pipelines
-            x_BTxD, (cache, stats) = run_layers(x_BTxD, (stacked_state, layer_keys, cache), batch_size, start_B,
-                                                segments)
-            return x_BTxD, cache, stats
+            layer_indices = None if cache is None else jnp.arange(cache.k.shape[0])
+            x_BTxD, (new, stats) = run_layers(x_BTxD, (stacked_state, layer_keys, layer_indices), batch_size,
+                                              start_B, segments)
+            return x_BTxD, new, stats
 
         M = config.pipeline_microbatches
         rows = batch_size // M

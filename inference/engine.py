@@ -6,10 +6,12 @@ batching), in the shape of MaxText's engine (JetStream):
              request's first token
     insert   that cache and token into a free slot: a row of the engine's (L, slots, S, K, H) cache
     step     one new token for every slot at once; a slot nobody uses computes too (the shapes
-             never change) and its token is dropped
+             never change) and its token is dropped. The step reads the cache's first `attend`
+             positions, the smallest of generate.attend_buckets that holds every running slot's
+             cached positions
 
-Every program is compiled ahead of time at start-up (a prefill and an insert per bucket, one
-step), so serving never compiles. Sampling settings (temperature, top_k, top_p) and keys live
+Every program is compiled ahead of time at start-up (a prefill and an insert per prompt bucket,
+a step per attend bucket), so serving never compiles. Sampling settings (temperature, top_k, top_p) and keys live
 in per-slot arrays, so requests with different settings share one step. A request's i-th token
 is drawn with the key fold_in(fold_in(key(seed), i), 0), as inference/generate.py draws its first row's:
 what a request gets does not depend on what runs beside it.
@@ -36,6 +38,7 @@ import sharding
 from devices import hardware
 from inference import generate
 from layers import kv_cache
+from layers.blocks import constrain
 
 
 class EngineError(ValueError):
@@ -138,8 +141,10 @@ class Engine:
             self.state = empty_state_program(cfg, self.slots, S)()
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
             active = one(jnp.bool_, (self.slots,))
-            self.step_program = step_program(graphdef, self.vocab).lower(
-                params, state, active).compile()
+            # one step per cache prefix it reads: a step reads only the bucket its slots have filled
+            self.step_programs = {attend: step_program(graphdef, self.vocab, attend).lower(params, state, active).compile()
+                                  for attend in generate.attend_buckets(S)}
+            self.step_program = self.step_programs[S]  # reads the whole cache: the largest, for memory checks
             self.prefill_programs, self.insert_programs = {}, {}
             for P in self.buckets:
                 prefill = prefill_program(graphdef, self.vocab).lower(
@@ -247,7 +252,11 @@ class Engine:
         active = np.array([r is not None for r in self.running])
         if not active.any():
             return
-        self.state, drawn = self.step_program(self.params, self.state, active)
+        # A running request's newest token (fed now) sits at position prompt + tokens so far - 1:
+        # the step reads the cached positions before it, in the smallest bucket that holds them.
+        newest = max(len(r.prompt) + len(r.tokens) - 1 for r in self.running if r is not None)
+        attend = next(b for b in self.step_programs if b >= newest)
+        self.state, drawn = self.step_programs[attend](self.params, self.state, active)
         drawn = jax.tree.map(np.asarray, drawn)  # waits for the step: the host needs the tokens to stream them
         self.steps += 1
         for slot in np.flatnonzero(active):
@@ -291,9 +300,11 @@ def empty_state_program(config, slots: int, length: int):
     return jax.jit(functools.partial(_empty_state, config, slots, length))
 
 
-def step_program(graphdef, vocab: int):
-    """(params, state, active_B) -> (state, drawn): one decode step of every slot; donates the state."""
-    return jax.jit(functools.partial(_step, graphdef, vocab), donate_argnums=1)
+def step_program(graphdef, vocab: int, attend: int | None = None):
+    """(params, state, active_B) -> (state, drawn): one decode step of every slot, reading the cache's
+    first `attend` positions (default all: every slot's newest position must be <= attend); donates
+    the state."""
+    return jax.jit(functools.partial(_step, graphdef, vocab, attend=attend), donate_argnums=1)
 
 
 def prefill_program(graphdef, vocab: int):
@@ -334,8 +345,7 @@ def _prefill(graphdef, vocab: int, params, tokens_1xP, length, seed, temperature
     """(_draw's first token (1,) and its log-probabilities, the prompt's cache (L, 1, P, K, H)) for a
     prompt right-padded to P."""
     gpt = nnx.merge(graphdef, params)
-    cache = kv_cache.init_cache(gpt.config, 1, tokens_1xP.shape[1])
-    logits_1xV, cache = gpt.decode(tokens_1xP, cache, jnp.zeros(1, jnp.int32), last_B=(length - 1)[None])
+    logits_1xV, cache = gpt.prefill(tokens_1xP, tokens_1xP.shape[1], last_B=(length - 1)[None])
     row = lambda x: x[None]
     drawn = _draw(logits_1xV[:, :vocab], row(seed), jnp.zeros(1, jnp.int32), row(temperature),
                   row(top_k), row(top_p))
@@ -354,15 +364,18 @@ def _insert(state, prefix, token_1, slot, length, seed, temperature, top_k, top_
             "top_k": state["top_k"].at[slot].set(top_k), "top_p": state["top_p"].at[slot].set(top_p)}
 
 
-def _step(graphdef, vocab: int, params, state, active_B):
-    """Feed each slot's newest token, sample the next; slots not in use keep their place."""
+def _step(graphdef, vocab: int, params, state, active_B, attend: int | None = None):
+    """Feed each slot's newest token, sample the next; slots not in use keep their place (their
+    positions, stale, stay inside the cache: what they compute is dropped)."""
     gpt = nnx.merge(graphdef, params)
-    logits_BxV, cache = gpt.decode(state["token"][:, None], state["cache"], state["position"])
+    logits_BxV, cache = gpt.decode(state["token"][:, None], state["cache"], state["position"], attend=attend)
     drawn = _draw(logits_BxV[:, :vocab], state["seed"], state["index"], state["temperature"],
                   state["top_k"], state["top_p"])
     step = active_B.astype(jnp.int32)
-    return {**state, "cache": cache, "token": jnp.where(active_B, drawn["token"], state["token"]),
-            "position": state["position"] + step, "index": state["index"] + step}, drawn
+    # The per-slot arrays stay replicated, as _empty_state made them (the programs were compiled for that).
+    replicated = lambda x_B: constrain(x_B, (None,))
+    return {**state, "cache": cache, "token": replicated(jnp.where(active_B, drawn["token"], state["token"])),
+            "position": replicated(state["position"] + step), "index": replicated(state["index"] + step)}, drawn
 
 
 def _compile_count() -> int:

@@ -29,7 +29,6 @@ from flax import nnx
 
 import model
 import sharding
-from layers.kv_cache import init_cache
 
 # ----------------------------------------------------------------------------- one token
 
@@ -54,8 +53,11 @@ def sample_logits(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B):
 
     any_filter = jnp.any((top_k_B > 0) | (top_p_B < 1))  # the sort is skipped when no row filters
     scaled_BxV = jax.lax.cond(any_filter, filtered, lambda x: x, scaled_BxV)
-    drawn_B = jax.vmap(jax.random.categorical)(keys_B, scaled_BxV)
-    return jnp.where(temperature_B > 0, drawn_B, jnp.argmax(logits_BxV, axis=-1))
+    greedy_B = jnp.argmax(logits_BxV, axis=-1)
+    # the draw (random bits for every logit) is skipped when every row is greedy
+    drawn_B = jax.lax.cond(jnp.any(temperature_B > 0), lambda: jax.vmap(jax.random.categorical)(keys_B, scaled_BxV),
+                           lambda: greedy_B)
+    return jnp.where(temperature_B > 0, drawn_B, greedy_B)
 
 
 def _add_token(state: dict, logits_BxV, sampling: tuple):
@@ -68,8 +70,9 @@ def _add_token(state: dict, logits_BxV, sampling: tuple):
     keys_B = jax.vmap(draw_key)(state["index"], rows_B)
     token_B = sample_logits(logits_BxV, keys_B, *(jnp.full(B, setting) for setting in sampling))
     adding_B = ~state["done"]
-    write_at_B = jnp.where(adding_B, state["length"], S)  # S is out of bounds: finished rows drop it
-    tokens_BxS = state["tokens"].at[rows_B, write_at_B].set(token_B, mode="drop")
+    # A select over the small (B, S) buffer rather than a scatter of B single ids (a loop on TPUs).
+    write_here_BxS = adding_B[:, None] & (jnp.arange(S) == state["length"][:, None])  # finished rows write nothing
+    tokens_BxS = jnp.where(write_here_BxS, token_B[:, None], state["tokens"])
     length_B = state["length"] + adding_B
     done_B = state["done"] | jnp.isin(token_B, state["stop_ids"]) | (length_B >= state["limit"])
     new_state = {**state, "tokens": tokens_BxS, "length": length_B, "done": done_B,
@@ -93,8 +96,7 @@ def prefill(graphdef, params, prompt_BxP, prompt_len_B, wanted_B, index_B, key, 
     rows_B = jnp.arange(B)
     tokens_BxS = jnp.zeros((B, length), jnp.int32).at[:, :P].set(prompt_BxP)
     if kv_cache:
-        cache = init_cache(gpt.config, B, length)
-        logits_BxV, cache = gpt.decode(prompt_BxP, cache, jnp.zeros(B, jnp.int32), prompt_len_B - 1)
+        logits_BxV, cache = gpt.prefill(prompt_BxP, length, prompt_len_B - 1)
     else:
         cache = None
         logits_BxV = gpt(tokens_BxS)[rows_B, prompt_len_B - 1]
@@ -111,17 +113,26 @@ def weights_in_compute_dtype(graphdef, params):
     return model.cast_for_inference(params, jnp.dtype(nnx.merge(graphdef, params).config.dtype))
 
 
+def attend_buckets(length: int, smallest: int = 32) -> list[int]:
+    """The cache prefixes a decode step may read: powers of two from `smallest`, and `length` last.
+    A step reads the smallest one that holds every row's cached positions, so the bytes it reads
+    stay within 2x of the filled cache's, with one compiled step per bucket."""
+    return [b for b in (smallest << i for i in range(32)) if b < length] + [length]
+
+
 def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, vocab: int, on_token=None) -> dict:
-    """Generate until every row is done, in one lax.while_loop. on_token(token, added) is
-    called on the host with row 0's token after every step (for streaming)."""
+    """Generate until every row is done, in lax.while_loops: one per attend_buckets prefix of the
+    cache, each running while the rows' positions fit it. on_token(token, added) is called on the
+    host with row 0's token after every step (for streaming)."""
     gpt = nnx.merge(graphdef, weights_in_compute_dtype(graphdef, params))
     rows_B = jnp.arange(state["tokens"].shape[0])
 
-    def one_token(state):
+    def one_token(state, attend=None):
         position_B = state["length"] - 1  # each row's newest token: sampled, not yet run
         if kv_cache:
-            newest_Bx1 = state["tokens"][rows_B, position_B][:, None]
-            logits_BxV, cache = gpt.decode(newest_Bx1, state["cache"], position_B)
+            at_position_BxS = jnp.arange(state["tokens"].shape[1]) == position_B[:, None]  # a select, not a gather
+            newest_Bx1 = jnp.sum(jnp.where(at_position_BxS, state["tokens"], 0), axis=1, keepdims=True)
+            logits_BxV, cache = gpt.decode(newest_Bx1, state["cache"], position_B, attend=attend)
             state = {**state, "cache": cache}
         else:  # the whole (B, length) buffer again; causality hides what lies past each row
             logits_BxV = gpt(state["tokens"])[rows_B, position_B]
@@ -130,7 +141,14 @@ def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, vo
             jax.debug.callback(on_token, token_B[0], added_B[0], ordered=True)
         return state
 
-    return jax.lax.while_loop(lambda state: ~jnp.all(state["done"]), one_token, state)
+    running = lambda state: ~jnp.all(state["done"])
+    if not kv_cache:
+        return jax.lax.while_loop(running, one_token, state)
+    for attend in attend_buckets(state["cache"].length):
+        # a step at position p reads the cached positions before p: the bucket holds them while p <= attend
+        fits = lambda state, attend=attend: running(state) & (jnp.max(state["length"] - 1) <= attend)
+        state = jax.lax.while_loop(fits, functools.partial(one_token, attend=attend), state)
+    return state
 
 
 def compile_programs(setup, inputs: tuple, length: int, sampling: tuple, kv_cache: bool, vocab: int,

@@ -1,9 +1,10 @@
-"""inference/engine.py on a mesh: the slots' greedy tokens on tensor=4 x data=2 are one device's inference/generate.py tokens."""
+"""inference/engine.py: the slots' greedy tokens are one device's inference/generate.py tokens, on tensor=4 x
+data=2, and with slots at different positions reading different prefixes of the cache."""
 
 import threading
 
 import pytest
-from test_generate import RAGGED, sharded_model
+from test_generate import RAGGED, long_context, sharded_model
 
 from inference import engine, generate
 
@@ -30,3 +31,30 @@ def test_slots_on_tensor_and_data_decode_as_one_device():
 def test_slots_must_split_evenly_over_the_data_axis():
     with pytest.raises(engine.EngineError, match="slots=3 is not divisible"):
         engine.Engine(*sharded_model("gqa", 2, 4), slots=3)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "gqa"])
+def test_slots_at_different_positions_read_their_buckets_and_decode_as_generate(style):
+    """Two slots, four requests of different lengths: the slots sit at different positions, and the
+    step reads the cache prefix (32, 64 or all 128) that holds the furthest one; each request's greedy
+    tokens are generate.py's for it alone."""
+    setup, params = long_context(style)
+    prompts = [RAGGED[2], RAGGED[0], list(range(3, 43)), RAGGED[1]]  # 25, 3, 40 and 9 tokens
+    e = engine.Engine(setup, params, slots=2, max_queue=8, log=lambda line: None)
+    assert list(e.step_programs) == [32, 64, 128]
+    called = dict.fromkeys(e.step_programs, 0)
+
+    def counting(attend, program):
+        def step(*args):
+            called[attend] += 1
+            return program(*args)
+        return step
+    e.step_programs = {attend: counting(attend, program) for attend, program in e.step_programs.items()}
+    done = threading.Semaphore(0)
+    requests = [e.submit(engine.Request(ids, 50, temperature=0, on_finish=lambda _: done.release())) for ids in prompts]
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    e.shutdown()
+    assert all(called.values()), called  # every bucket served some steps (the 40-token prompt reaches 89)
+    expected = [generate.generate(setup, params, [ids], 50, temperature=0).tokens[0] for ids in prompts]
+    assert [r.tokens for r in requests] == expected

@@ -22,8 +22,8 @@ def tiny(devices=None, data=1, tensor=1, **changes):
     """Setup and random parameters of a small model (block 32, vocab 65 padded to 128), with
     weights scaled up so that greedy choices are clear-cut rather than near ties."""
     devices = devices or jax.devices()[:1]
-    config = Config(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=65, pad_vocab_to_multiple=64,
-                    batch_size=data, seed=3, tensorboard=False, **changes)
+    config = Config(**{**dict(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=65, pad_vocab_to_multiple=64,
+                              batch_size=data, seed=3, tensorboard=False), **changes})
     setup = train.make_setup(config, sharding.make_mesh(data, 1, tensor, devices=devices), 65)
     params = jax.tree.map(lambda a: a * 4, train.init_state(setup)["params"])
     return setup, params
@@ -278,3 +278,59 @@ def test_greedy_on_tensor_8_and_tensor_4_x_data_2_equals_one_device(style):
         expected = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(
             None, ("data", "fsdp") if data > 1 else None, None, heads, None))
         assert state["cache"].k.sharding.is_equivalent_to(expected, 5), state["cache"].k.sharding
+
+
+# ----------------------------------------------------------------------------- the decode step's cost
+
+def long_context(style: str):
+    """A tiny model with a context of 128 (attend buckets 32, 64, then the segment's length), GPT-2 or
+    grouped-query (2 key/value heads for 4 query heads, RoPE)."""
+    return tiny(block_size=128, **{"gpt2": {}, "gqa": dict(SHARDED_STYLES["gqa"], n_head=4)}[style])
+
+
+@pytest.mark.parametrize("style", ["gpt2", "gqa"])
+def test_greedy_across_attend_buckets_equals_recomputing(style):
+    """The decode step reads only the cache's first `attend` positions, in buckets that grow as the
+    rows do (32, 64, then all 85 = 25 + 60), and writes each token after the layer stack: its greedy
+    tokens are the full forward pass's (what the step that wrote the cache inside every layer and
+    read all of it gave: the tests above held it to the same reference)."""
+    setup, params = long_context(style)
+    assert generate.attend_buckets(25 + 60) == [32, 64, 85]
+    cached = generate.generate(setup, params, RAGGED, 60, temperature=0).tokens
+    assert cached == [greedy_by_recomputing(setup, params, ids, 60) for ids in RAGGED]
+    assert len({tuple(t) for t in cached}) == 3
+
+
+def test_the_decode_program_writes_the_cache_in_place():
+    """In the compiled decode loop, the only operations that make an array of the cache's shape are
+    the scatters that write each step's tokens: no copy of the cache per step or per layer (the layer
+    scan reads its slices; the old step carried the cache through it and updated it layer by layer)."""
+    setup, params = long_context("gpt2")
+    _, decode = generate.first_programs(setup, params, [[1, 2, 3]] * 4, 20, temperature=0)
+    cache_shape = "f32[2,4,23,4,8]"  # (layers, rows, 3 + 20 positions, heads, head size)
+    made = []  # (instruction name, operation) of each array of the cache's shape
+    for line in decode.as_text().splitlines():
+        name, _, rest = line.strip().removeprefix("ROOT ").partition(" = ")
+        if rest.startswith(cache_shape + "{"):
+            made.append((name, rest.split("(")[0].split()[-1]))
+    plumbing = {"parameter", "get-tuple-element", "tuple", "while", "bitcast"}
+    writes = [(name, op) for name, op in made if op not in plumbing]
+    # XLA:CPU wraps a scatter in a fusion of its own (%wrapped_scatter)
+    assert writes and all("scatter" in name for name, op in writes), writes
+
+
+def test_sampling_draws_no_random_bits_when_every_row_is_greedy():
+    """Greedy rows (temperature 0) take the argmax; the draw over every logit is skipped unless a
+    row samples, and a sampling row beside greedy ones still draws."""
+    logits_BxV = jnp.log(jnp.array([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]))
+    keys_B = jax.random.split(jax.random.key(0), 2)
+    settings = lambda *t: (jnp.array(t, jnp.float32), jnp.zeros(2, jnp.int32), jnp.ones(2))
+    sample = jax.jit(generate.sample_logits)
+    assert sample(logits_BxV, keys_B, *settings(0.0, 0.0)).tolist() == [1, 0]
+    text = sample.lower(logits_BxV, keys_B, *settings(0.0, 0.0)).as_text()
+    assert "conditional" in text or "case" in text  # the draw sits behind a branch
+    drawn = {int(sample(logits_BxV, jax.random.split(jax.random.key(s), 2), *settings(0.0, 5.0))[1])
+             for s in range(20)}
+    assert len(drawn) > 1  # row 1 samples, row 0 stays greedy
+    assert {int(sample(logits_BxV, jax.random.split(jax.random.key(s), 2), *settings(0.0, 5.0))[0])
+            for s in range(5)} == {1}
