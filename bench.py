@@ -1,4 +1,4 @@
-"""Honest throughput and MFU of train.py's train step, or of generate.py's decode loop.
+"""Honest throughput and MFU of train.py's train step, or of inference/generate.py's decode loop.
 
     python bench.py config/gpt2_124m.py --batch_size=16 --gradient_accumulation_steps=1
     python bench.py config/shakespeare_char.py --block_size=64 --batch_size=12 --steps=50

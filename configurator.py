@@ -148,7 +148,7 @@ class Config:
     context_attention: str = "gather"  # with mesh_context > 1: 'gather' (all-gather the keys and values:
     #                                    T/context x T scores per device) | 'ring' (pass them round the
     #                                    devices: T/context x T/context scores at a time)
-    mesh_stage: int = 1  # pipeline stages: each holds n_layer / mesh_stage layers (pipeline.py)
+    mesh_stage: int = 1  # pipeline stages: each holds n_layer / mesh_stage layers (layers/pipeline.py)
     pipeline_microbatches: int = 1  # with mesh_stage > 1: the batch flows through the stages in this
     #                                 many pieces; bubble = (stages-1) / (microbatches+stages-1)
     layers_per_stage: int = 0  # 0 = n_layer / stages (GPipe); fewer: the circular schedule, a piece goes
@@ -335,7 +335,7 @@ class Config:
                                   f"({self.max_iters - 1}, as max_iters={self.max_iters}): the trace "
                                   f"would never be written; choose STOP <= max_iters")
 
-EVAL_TASKS = ("hellaswag", "choice", "perplexity")  # evals.py's
+EVAL_TASKS = ("hellaswag", "choice", "perplexity")  # evals/scoring.py's
 
 # Every key's role, which decides what a run that continues a checkpoint (init_from='resume'), and
 # sample.py, eval.py and export_hf.py, do with it:

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over engine.py (Starlette on uvicorn): the command, which reads
+"""An OpenAI-compatible HTTP server over inference/engine.py (Starlette on uvicorn): the command, which reads
 the config, loads the model, compiles the engine and runs uvicorn; the routes, requests and
 replies are serving/app.py's.
 

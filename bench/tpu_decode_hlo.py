@@ -1,4 +1,4 @@
-"""The decode program as the TPU compiler builds it, without a TPU: compile generate.py's prefill and
+"""The decode program as the TPU compiler builds it, without a TPU: compile inference/generate.py's prefill and
 decode for one TPU v5e chip on this CPU (libtpu's topology description, as compile_aot.py does) and
 list the operations that make arrays of cache size, with their layouts, and XLA's memory analysis.
 

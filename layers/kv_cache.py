@@ -1,10 +1,10 @@
 """Decoding's KV cache: the keys and values of every layer for the tokens seen so far, which
-model.GPT.decode reads and extends. `config` is a model.GPTConfig (read by name, as in layers.py).
+model.GPT.decode reads and extends. `config` is a model.GPTConfig (read by name, as in layers/blocks.py).
 
 A decode step reads the cache and writes one token per row, so its cost should follow the bytes
 it must read: the layer stack only reads each layer's slice (the cache is not carried through
 the layer scan, which would copy it), attention covers the filled prefix the caller names
-(`attend`: generate.py and engine.py bucket it), and the new tokens of every layer are written
+(`attend`: inference/generate.py and inference/engine.py bucket it), and the new tokens of every layer are written
 after the stack, in one scatter per array.
 """
 
@@ -100,14 +100,16 @@ class KVCache:
         K, H), as encode stored them) written at positions start_B[b] + [0, T). One token per row
         (a decode step) is one scatter per array, in place; longer runs go row by row."""
         B, T = new.k.shape[1], new.k.shape[2]
-        if T == 1:
-            rows_B = jnp.arange(B)
-            put = lambda cache, x: cache.at[:, rows_B, start_B].set(
-                x[:, :, 0], indices_are_sorted=True, unique_indices=True, mode="promise_in_bounds")
-        else:
-            put = jax.vmap(lambda cache, x, start: jax.lax.dynamic_update_slice_in_dim(cache, x, start, axis=1),
+        rows_B = jnp.arange(B)
+        per_row = jax.vmap(lambda cache, x, start: jax.lax.dynamic_update_slice_in_dim(cache, x, start, axis=1),
                            in_axes=(1, 1, 0), out_axes=1)
-            put = (lambda put: lambda cache, x: put(cache, x, start_B))(put)
+
+        def put(cache, x):
+            if T == 1:
+                return cache.at[:, rows_B, start_B].set(x[:, :, 0], indices_are_sorted=True, unique_indices=True,
+                                                        mode="promise_in_bounds")
+            return per_row(cache, x, start_B)
+
         return KVCache(**{name: constrain(put(getattr(self, name), getattr(new, name)), CACHE_AXES)
                           for name in self._names()})
 
