@@ -64,8 +64,8 @@ class Options:
     new_tokens: int = 0  # decode: tokens generated per row; 0 = 128, or what fits in block_size
     weight_dtype: str = "auto"  # decode: the weights as sample.py/serve.py hold them: 'auto' | 'int8'
     kv_cache_dtype: str = "auto"  # decode: 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
-    profile: str = ""  # train: also trace PROFILE_STEPS more steps into this directory (jax.profiler, Perfetto)
-    #                    and print the operations that took the most device time in them
+    profile: str = ""  # trace into this directory (jax.profiler, Perfetto): train: PROFILE_STEPS more steps,
+    #                    decode: one more generate call per batch; print the operations that took the most device time
 
     def __post_init__(self):
         if self.mode not in ("train", "decode"):
@@ -212,7 +212,7 @@ def bench_train(config, options: Options, devices) -> dict:
     if options.profile:  # after the timed steps, so tracing costs them nothing
         with jax.profiler.trace(options.profile, create_perfetto_trace=True):
             bench.run(PROFILE_STEPS)
-        result["profile"] = {"dir": options.profile,
+        result["profile"] = {"dir": options.profile, "traced": f"{PROFILE_STEPS} traced steps", "per": "step",
                              "top_operations": top_operations(newest_trace(options.profile), PROFILE_STEPS,
                                                              bench.step.as_text())}
     if config.quantization != "none":  # the speed-up is measured, not assumed: time the float step too
@@ -299,8 +299,8 @@ def top_operations(trace: str, steps: int, hlo_text: str = "", n: int = 10) -> l
 
 def format_profile(profile: dict) -> str:
     ops = profile["top_operations"]
-    rows = [f"  top operations by device time ({PROFILE_STEPS} traced steps; trace in {profile['dir']}):",
-            f"    {'ms/step':>8} {'share':>6} {'runs/step':>9}  operation"]
+    rows = [f"  top operations by device time ({profile['traced']}, per {profile['per']}; trace in {profile['dir']}):",
+            f"    {'ms/' + profile['per'].split()[-1]:>8} {'share':>6} {'runs/' + profile['per'].split()[-1]:>9}  operation"]
     for op in ops:
         about = op["about"] if len(op["about"]) <= 140 else op["about"][:60] + "..." + op["about"][-77:]
         rows.append(f"    {op['ms_per_step']:>8.2f} {op['share']:>6.1%} {op['count_per_step']:>9g}  {op['name']}"
@@ -377,9 +377,9 @@ def bench_decode(config, options: Options, devices) -> dict:
         compile_s = time.perf_counter() - start
         check = memory.preflight(what, programs, devices, config.memory_limit_gib,
                                  remedies) if config.memory_check else None
-        batches.append((batch_size, prompts, compile_s, check))
+        batches.append((batch_size, prompts, compile_s, check, programs))
     runs = []
-    for batch_size, prompts, compile_s, check in batches:
+    for batch_size, prompts, compile_s, check, programs in batches:
         run = lambda: generate.generate(setup, params, prompts, new_tokens, temperature=0.0)
         first = run()  # finds the programs compiled above
         out = [run() for _ in range(max(1, min(options.steps, 5)))]
@@ -405,6 +405,14 @@ def bench_decode(config, options: Options, devices) -> dict:
             "roofline_fraction": bytes_per_step / step_s / bandwidth if bandwidth else None,
             "memory_check": check,
         })
+        if options.profile:  # after the timed runs; the prefill's operations are in it too, divided the same way
+            directory = os.path.join(options.profile, f"decode_batch{batch_size}")
+            with jax.profiler.trace(directory, create_perfetto_trace=True):
+                run()
+            runs[-1]["profile"] = {
+                "dir": directory, "traced": "one generate call", "per": "token step",
+                "top_operations": top_operations(newest_trace(directory), steps,
+                                                 "\n".join(program.as_text() for program in programs))}
     return {"params": count_params(mc), "vocab_size": vocab_size, "mesh": dict(mesh.shape),
             "weight_dtype": options.weight_dtype, "kv_cache_dtype": mc.kv_cache_dtype,
             "kv_bytes_per_token": cache_bytes_per_position, "weight_bytes": weight_bytes, "peak_bandwidth": bandwidth,
@@ -440,6 +448,7 @@ def format_decode(r: dict) -> str:
                      f"{mfu:>6} {run['step_s'] * 1e3:>14.3f} {run['tokens_per_s']:>10,.1f} "
                      f"{run['bytes_per_step'] / 2**20:>9.1f} {run['bandwidth'] / 1e9:>8.1f} {fraction:>8} "
                      f"{run['compile_s']:>9.1f}")
+    lines += [f"  batch {run['batch_size']}:\n" + format_profile(run["profile"]) for run in r["runs"] if "profile" in run]
     return "\n".join(lines)
 
 

@@ -210,3 +210,15 @@ def test_an_operations_own_time_leaves_out_the_operations_inside_it():
     assert bench.operation_name("%fusion.156 = (f32[], bf16[50304,768]{1,0:T(8,128)(2,1)}) fusion(f32[50304,768] "
                                 "%scatter), kind=kOutput") == "fusion.156"
     assert bench.operation_name("ynn_fusion.1") == "ynn_fusion.1"
+
+
+def test_decode_profile_prints_each_batchs_top_operations_per_token_step(tmp_path, capsys):
+    record = bench.run(TINY + ["--mode=decode", "--decode_batch=1,2", "--steps=1", "--new_tokens=4",
+                               f"--profile={tmp_path / 'trace'}", "--json="])
+    for run in record["runs"]:
+        ops = run["profile"]["top_operations"]
+        assert 0 < len(ops) <= 10 and all(op["ms_per_step"] > 0 for op in ops)
+        assert run["profile"]["dir"].endswith(f"decode_batch{run['batch_size']}")
+        assert 0 < sum(op["share"] for op in ops) <= 1 + 1e-9
+    printed = capsys.readouterr().out
+    assert printed.count("top operations by device time (one generate call, per token step") == 2
