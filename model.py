@@ -195,7 +195,7 @@ class Attention(nnx.Module):
     def __call__(self, x_BTxD, batch_size: int, start_B, dropout_key=None, cache=None, segments=None):
         """Row b's T tokens sit at positions start_B[b] + [0, T). Without a cache: causal
         self-attention over them (training: start_B = 0), or with `segments` (packed rows, no
-        cache) within each segment, at the segments' positions. With a layer's cache (B, S, K, H):
+        cache) within each segment, at the segments' positions. With a layer's cache (B, S, K·H):
         they attend to its positions before their own and to each other (causally). Returns
         (output, None), or with a cache (output, their keys and values as the cache stores them),
         which the caller writes into it. An empty cache (S = 0) is a prefill from position 0: the
@@ -445,7 +445,7 @@ class GPT(nnx.Module):
         return logits_BxV, new.padded(length)
 
     def _cached_forward(self, idx_BxT, cache: KVCache, start_B, last_B, attend=None):
-        """(logits at last_B, every layer's new keys and values (L, B, T, K, H) as the cache stores them)."""
+        """(logits at last_B, every layer's new keys and values (L, B, T, K·H) as the cache stores them)."""
         config = self.config
         B, T = idx_BxT.shape
         table_VxD = self._table()
@@ -496,9 +496,9 @@ class GPT(nnx.Module):
         return jnp.where(is_real_token, logits_xV, -jnp.inf)
 
     def _run_blocks(self, x_BTxD, batch_size: int, start_B, dropout_key, cache=None, segments=None, attend=None):
-        """The layer stacks in order; with a cache (L, B, S, K, H), each layer reads its slice (the
+        """The layer stacks in order; with a cache (L, B, S, K·H), each layer reads its slice (the
         first `attend` positions). Returns (x, the new tokens' keys and values of every layer (L, B,
-        T, K, H) when there is a cache, else None, the sparse layers' router stats)."""
+        T, K·H) when there is a cache, else None, the sparse layers' router stats)."""
         config = self.config
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
         if self.dense_blocks is None:

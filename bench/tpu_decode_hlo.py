@@ -6,8 +6,12 @@ list the operations that make arrays of cache size, with their layouts, and XLA'
     PYTHONPATH=/tmp/libtpu python bench/tpu_decode_hlo.py 256 [--kv_cache_dtype=int8] [config flags]
 
 What to look for (issue 52, bench/NOTES.md): a `copy` or a materialised `dynamic-slice` of the cache
-inside the loop is bytes a step reads and writes on top of the roofline's; the tiling in a layout
-(`T(8,128)` on the last two axes) says how much the cache is padded in memory. The same libtpu on the
+inside the loop is bytes a step reads and writes on top of the roofline's, and so is an `entry copy` of
+it (into the loop's layout and back, per call); the tiling in a layout (`T(8,128)` on the two minor
+axes) says how much the cache is padded in memory. The cache (L, B, S, K·H) should stay
+`{3,2,1,0:T(8,128)...}` throughout, (positions, K·H) minor: unpadded, and its one-token write a
+`scatter_fusion` in that layout (XLA may print it flattened, [L·B·S, K·H]{1,0}); a scatter in
+another layout (layers second-minor: {3,0,2,1}) means a relayout each step. The same libtpu on the
 chip built the same program (the temporaries' size and the fusion names agreed with the chip's run).
 Writes the optimized HLO of both programs to /tmp/tpu_decode_B*.hlo.
 """

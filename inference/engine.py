@@ -4,7 +4,7 @@ batching), in the shape of MaxText's engine (JetStream):
     prefill  one request's prompt, right-padded to a bucket of lengths (powers of two up to
              block_size), through the model into a cache of the bucket's length; samples the
              request's first token
-    insert   that cache and token into a free slot: a row of the engine's (L, slots, S, K, H) cache
+    insert   that cache and token into a free slot: a row of the engine's (L, slots, S, K·H) cache
     step     one new token for every slot at once; a slot nobody uses computes too (the shapes
              never change) and its token is dropped. The step reads the cache's first `attend`
              positions, the smallest of generate.attend_buckets that holds every running slot's
@@ -342,7 +342,7 @@ def _on_host(drawn: dict, row: int) -> tuple:
 
 
 def _prefill(graphdef, vocab: int, params, tokens_1xP, length, seed, temperature, top_k, top_p):
-    """(_draw's first token (1,) and its log-probabilities, the prompt's cache (L, 1, P, K, H)) for a
+    """(_draw's first token (1,) and its log-probabilities, the prompt's cache (L, 1, P, K·H)) for a
     prompt right-padded to P."""
     gpt = nnx.merge(graphdef, params)
     logits_1xV, cache = gpt.prefill(tokens_1xP, tokens_1xP.shape[1], last_B=(length - 1)[None])
@@ -355,7 +355,7 @@ def _prefill(graphdef, vocab: int, params, tokens_1xP, length, seed, temperature
 def _insert(state, prefix, token_1, slot, length, seed, temperature, top_k, top_p) -> dict:
     """The slot's row of the cache starts with the prompt's; its newest token is the prefill's (at
     position `length`), its next one is token number 1."""
-    put = lambda big, small: jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (0, slot, 0, 0, 0))
+    put = lambda big, small: jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (0, slot, 0, 0))
     cache = jax.tree.map(put, state["cache"], prefix)  # keys and values (and an int8 cache's scales)
     return {**state, "cache": cache, "token": state["token"].at[slot].set(token_1[0]),
             "position": state["position"].at[slot].set(length),

@@ -40,15 +40,23 @@ def constrain(x, logical_axes):
     rules = spmd.get_logical_axis_rules()
     if not rules or jax.sharding.get_abstract_mesh().empty:
         return x
-    rules, mesh = dict(rules), jax.sharding.get_abstract_mesh()
+    rules = dict(rules)
     # A dimension the mesh axes don't divide stays replicated (as sharding.param_shardings leaves
     # such a parameter): a grouped-query cache of 2 heads on tensor=8, a prefill's one row on data=2.
-    divides = lambda dim, axes: dim % math.prod(mesh.shape[a] for a in (
-        axes if isinstance(axes, tuple) else (axes,))) == 0
     spec = jax.sharding.PartitionSpec(*(
-        axes if axes is None or divides(dim, axes) else None
-        for dim, axes in zip(x.shape, (rules.get(name) for name in logical_axes))))
+        rules.get(name) if name is not None and splits(dim, name) else None
+        for dim, name in zip(x.shape, logical_axes)))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def splits(count: int, logical_axis: str) -> bool:
+    """Whether constrain would split `count` entries of `logical_axis` (its mesh axes divide them);
+    True when no sharding rules are active."""
+    rules, mesh = dict(spmd.get_logical_axis_rules() or ()), jax.sharding.get_abstract_mesh()
+    axes = rules.get(logical_axis)
+    if axes is None or mesh.empty:
+        return True
+    return count % math.prod(mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))) == 0
 
 
 def sequence_axis() -> tuple[str | None, int]:

@@ -14,123 +14,177 @@ import jax
 import jax.numpy as jnp
 
 from layers import quantization
-from layers.blocks import constrain
+from layers.blocks import constrain, splits
 
-CACHE_AXES = ("layers", "batch", "seq", "heads", "head_dim")
+# Keys and values (L, B, S, K·H): a kv head's H lanes are contiguous, so splitting the last axis over
+# `tensor` keeps whole heads on a device (when it divides K: cache_axes); an int8 cache's scales (L, B, S, K).
+CACHE_AXES = ("layers", "batch", "seq", "heads")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of the tokens seen so far: (L, B, S, K, H) each, in the compute dtype,
-    with K = n_kv_head (so grouped-query attention shrinks the cache by n_head / K). An int8
-    cache also holds a float32 scale per token and head, (L, B, S, K, 1): each token's key (value)
-    head is rounded on its own grid, max|.| / 127, when it is written.
+    """Keys and values of the tokens seen so far: (L, B, S, K·H) each, in the compute dtype, with
+    K = n_kv_head (so grouped-query attention shrinks the cache by n_head / K) and each kv head's H
+    values side by side in the last axis. An int8 cache also holds a float32 scale per token and
+    head, (L, B, S, K): each token's key (value) head is rounded on its own grid, max|.| / 127,
+    when it is written.
 
-    The same class holds one layer's slice (B, S, K, H) inside the layer stack, and the new
-    tokens' keys and values as stored (encode). The cache does not know how much of itself is
-    filled: the caller says where new tokens go (start_B) and attention sees only the positions
-    before them, so stale entries past them are harmless.
+    Why K·H in one axis: a TPU tiles an array's last two axes in (8, 128) tiles, so (S, K·H) =
+    (positions, 768) for GPT-2 is stored as it is, where (K, H) = (12, 64) was padded to (16, 128),
+    2.67x the bytes for every read (bench/NOTES.md). Attention never splits that axis (a relayout on
+    a TPU): it multiplies by a block-diagonal copy of the queries instead (attend).
+
+    The same class holds one layer's slice (B, S, K·H) inside the layer stack, and the new tokens'
+    keys and values as stored (encode). The cache does not know how much of itself is filled: the
+    caller says where new tokens go (start_B) and attention sees only the positions before them,
+    so stale entries past them are harmless.
     """
     k: jax.Array
     v: jax.Array
+    kv_heads: int = dataclasses.field(metadata=dict(static=True))  # K: the last axis is K·H
     k_scale: jax.Array | None = None  # int8 caches only
     v_scale: jax.Array | None = None
 
     @property
     def length(self) -> int:
         """S, the positions it holds."""
-        return self.k.shape[-3]
+        return self.k.shape[-2]
 
     def layer(self, index, n: int | None = None) -> "KVCache":
-        """Layer `index`'s slice (B, n, K, H) of the whole cache: its first n positions (default all),
+        """Layer `index`'s slice (B, n, K·H) of the whole cache: its first n positions (default all),
         in one dynamic slice (index may be traced: the layer scan's)."""
         n = self.length if n is None else min(n, self.length)
         return jax.tree.map(lambda a: jax.lax.dynamic_slice(a, (index,) + (0,) * (a.ndim - 1),
                                                             (1, a.shape[1], n) + a.shape[3:])[0], self)
 
     def encode(self, k_BxTxKxH, v_BxTxKxH) -> "KVCache":
-        """New tokens' keys and values as this cache stores them: cast, or rounded to int8 with scales."""
+        """New tokens' keys and values (B, T, K·H) as this cache stores them: cast, or rounded to int8
+        with scales (B, T, K)."""
+        B, T, K, H = k_BxTxKxH.shape
+        merged = lambda x_BxTxKxH: x_BxTxKxH.reshape(B, T, K * H)
         if self.k_scale is None:
-            return KVCache(k_BxTxKxH.astype(self.k.dtype), v_BxTxKxH.astype(self.v.dtype))
+            return KVCache(merged(k_BxTxKxH).astype(self.k.dtype), merged(v_BxTxKxH).astype(self.v.dtype), K)
         (k, k_scale), (v, v_scale) = (quantization.quantize_int8(x, axis=-1) for x in (k_BxTxKxH, v_BxTxKxH))
-        return KVCache(k, v, k_scale, v_scale)
+        return KVCache(merged(k), merged(v), K, k_scale[..., 0], v_scale[..., 0])
 
     def read(self, dtype):
-        """(keys, values) in `dtype`, an int8 cache's scaled back."""
+        """(keys, values) (..., K·H) in `dtype`, an int8 cache's scaled back."""
         if self.k_scale is None:
             return self.k.astype(dtype), self.v.astype(dtype)
-        return tuple((x.astype(jnp.float32) * scale).astype(dtype)
+        H = self.k.shape[-1] // self.kv_heads
+        return tuple((x.astype(jnp.float32) * jnp.repeat(scale, H, axis=-1)).astype(dtype)
                      for x, scale in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
     def attend(self, q_BxTxNxH, new: "KVCache", start_B):
         """Attention of T new queries per row (row b's at positions start_B[b] + [0, T)) over this
         layer's cached positions before start_B[b] and the new tokens' own keys (`new`, as encode
         stored them; causal among themselves): one softmax over both, so the new tokens need not
-        be in the cache first. An int8 cache is read as int8: its key scales multiply the scores
-        and its value scales the probabilities, (q·k)·s = q·(k·s), so no dequantized copy of the
-        cache is made."""
-        (B, T, N, H), K, S = q_BxTxNxH.shape, self.k.shape[-2], self.length
-        G, dtype = N // K, q_BxTxNxH.dtype
-        q_BxTxKxGxH = (q_BxTxNxH * H ** -0.5).reshape(B, T, K, G, H)  # query head k·G + g uses key head k
-        s_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, self.k.astype(dtype),
-                                 preferred_element_type=jnp.float32)
+        be in the cache first.
+
+        The cache's last axis d = (kv head, lane) is never split. Query head n (kv head n // G) is
+        spread over all of d, zero outside its kv head's H lanes, so one product contracting d
+        gives every head's scores against its own kv head (K times the multiplications of the
+        head-by-head product: nothing beside the bytes of the cache). The values' product then
+        gives each query head all K heads' outputs, of which it keeps its own block.
+
+        An int8 cache is read as int8: its key scales multiply the scores and its value scales the
+        probabilities, (q·k)·s = q·(k·s), so no dequantized copy of the cache is made."""
+        (B, T, N, H), K, S = q_BxTxNxH.shape, self.kv_heads, self.length
+        G, KH, dtype = N // K, K * H, q_BxTxNxH.dtype
+        # own_NxKH[n, d]: lane d belongs to query head n's kv head
+        own_NxKH = (jnp.arange(KH) // H)[None, :] == (jnp.arange(N) // G)[:, None]
+        q_BxTxNxKH = jnp.where(own_NxKH, jnp.tile(q_BxTxNxH * H ** -0.5, (1, 1, 1, K)), 0).astype(dtype)
+        s_BxNxTxS = jnp.einsum("btnd,bsd->bnts", q_BxTxNxKH, self.k.astype(dtype), preferred_element_type=jnp.float32)
         if self.k_scale is not None:
-            s_BxKxGxTxS = s_BxKxGxTxS * self.k_scale[..., 0].transpose(0, 2, 1)[:, :, None, None, :]
-        cached_visible = (jnp.arange(S) < start_B[:, None])[:, None, None, None, :]
-        s_BxKxGxTxS = jnp.where(cached_visible, s_BxKxGxTxS, -jnp.inf)
-        new_k_BxTxKxH, new_v_BxTxKxH = new.read(dtype)
-        s_BxKxGxTxT = jnp.einsum("btkgh,bukh->bkgtu", q_BxTxKxGxH, new_k_BxTxKxH, preferred_element_type=jnp.float32)
-        s_BxKxGxTxT = jnp.where(jnp.tri(T, dtype=bool), s_BxKxGxTxT, -jnp.inf)
+            s_BxNxTxS = s_BxNxTxS * per_query_head(self.k_scale, G)[:, :, None, :]
+        cached_visible = (jnp.arange(S) < start_B[:, None])[:, None, None, :]
+        s_BxNxTxS = jnp.where(cached_visible, s_BxNxTxS, -jnp.inf)
+        new_k_BxTxKH, new_v_BxTxKH = new.read(dtype)
+        s_BxNxTxT = jnp.einsum("btnd,bud->bntu", q_BxTxNxKH, new_k_BxTxKH, preferred_element_type=jnp.float32)
+        s_BxNxTxT = jnp.where(jnp.tri(T, dtype=bool), s_BxNxTxT, -jnp.inf)
         # every query sees itself, so the max is finite
-        max_BxKxGxT = jnp.maximum(s_BxKxGxTxS.max(-1, initial=-jnp.inf), s_BxKxGxTxT.max(-1))[..., None]
-        p_BxKxGxTxS, p_BxKxGxTxT = jnp.exp(s_BxKxGxTxS - max_BxKxGxT), jnp.exp(s_BxKxGxTxT - max_BxKxGxT)
-        sum_BxKxGxT = p_BxKxGxTxS.sum(-1) + p_BxKxGxTxT.sum(-1)
+        max_BxNxT = jnp.maximum(s_BxNxTxS.max(-1, initial=-jnp.inf), s_BxNxTxT.max(-1))[..., None]
+        p_BxNxTxS, p_BxNxTxT = jnp.exp(s_BxNxTxS - max_BxNxT), jnp.exp(s_BxNxTxT - max_BxNxT)
+        sum_BxNxT = p_BxNxTxS.sum(-1) + p_BxNxTxT.sum(-1)
         if self.v_scale is not None:
-            p_BxKxGxTxS = p_BxKxGxTxS * self.v_scale[..., 0].transpose(0, 2, 1)[:, :, None, None, :]
-        o_BxTxKxGxH = (jnp.einsum("bkgts,bskh->btkgh", p_BxKxGxTxS.astype(dtype), self.v.astype(dtype),
-                                  preferred_element_type=jnp.float32)
-                       + jnp.einsum("bkgtu,bukh->btkgh", p_BxKxGxTxT.astype(dtype), new_v_BxTxKxH,
-                                    preferred_element_type=jnp.float32))
-        o_BxTxKxGxH = o_BxTxKxGxH / sum_BxKxGxT.transpose(0, 3, 1, 2)[..., None]
+            p_BxNxTxS = p_BxNxTxS * per_query_head(self.v_scale, G)[:, :, None, :]
+        o_BxNxTxKH = (jnp.einsum("bnts,bsd->bntd", p_BxNxTxS.astype(dtype), self.v.astype(dtype),
+                                 preferred_element_type=jnp.float32)
+                      + jnp.einsum("bntu,bud->bntd", p_BxNxTxT.astype(dtype), new_v_BxTxKH,
+                                   preferred_element_type=jnp.float32))
+        o_BxTxNxKH = o_BxNxTxKH.transpose(0, 2, 1, 3)  # (B, T, N) out of the product made XLA:CPU's bf16 dot fail
+        o_BxTxNxKH = o_BxTxNxKH / sum_BxNxT.transpose(0, 2, 1)[..., None]
+        # Each query head keeps its own kv head's block: summing over the K groups of query heads
+        # leaves o_BxTxGxKH[b, t, g, (k, h)] = head k·G + g's output, lane h.
+        o_BxTxGxKH = jnp.where(own_NxKH, o_BxTxNxKH, 0).reshape(B, T, K, G, KH).sum(2)
+        o_BxTxKxGxH = o_BxTxGxKH.reshape(B, T, G, K, H).transpose(0, 1, 3, 2, 4)  # no-op for G = 1
         return o_BxTxKxGxH.reshape(B, T, N, H).astype(dtype)
 
     def write(self, new: "KVCache", start_B) -> "KVCache":
-        """The whole cache (L, B, S, K, H) with every layer's T new tokens per row (`new`, (L, B, T,
-        K, H), as encode stored them) written at positions start_B[b] + [0, T). One token per row
-        (a decode step) is one scatter per array, in place; longer runs go row by row."""
-        B, T = new.k.shape[1], new.k.shape[2]
-        rows_B = jnp.arange(B)
-        per_row = jax.vmap(lambda cache, x, start: jax.lax.dynamic_update_slice_in_dim(cache, x, start, axis=1),
-                           in_axes=(1, 1, 0), out_axes=1)
-
-        def put(cache, x):
-            if T == 1:
-                return cache.at[:, rows_B, start_B].set(x[:, :, 0], indices_are_sorted=True, unique_indices=True,
-                                                        mode="promise_in_bounds")
-            return per_row(cache, x, start_B)
-
-        return KVCache(**{name: constrain(put(getattr(self, name), getattr(new, name)), CACHE_AXES)
-                          for name in self._names()})
+        """The whole cache (L, B, S, K·H) with every layer's T new tokens per row (`new`, (L, B, T,
+        K·H), as encode stored them) written at positions start_B[b] + [0, T). One token per row
+        (a decode step) is one scatter per array, in place, and an int8 cache's scales a select;
+        longer runs go row by row."""
+        L, B, T = new.k.shape[:3]
+        if T > 1:
+            per_row = jax.vmap(lambda cache, x, start: jax.lax.dynamic_update_slice_in_dim(cache, x, start, axis=1),
+                               in_axes=(1, 1, 0), out_axes=1)
+            return self._constrained(**{name: per_row(getattr(self, name), getattr(new, name), start_B)
+                                        for name in self._names()})
+        # Every (layer, row) indexed, so that the unit written is one K·H row of the last axis: with
+        # a unit of (L, K·H) XLA stored the cache with layers second-minor, not positions, and
+        # copied it into the attention's layout and back every step.
+        at = (jnp.arange(L)[:, None], jnp.arange(B)[None, :], start_B[None, :])
+        put = lambda cache, x_LxBx1xKH: cache.at[at].set(x_LxBx1xKH[:, :, 0], indices_are_sorted=True,
+                                                         unique_indices=True, mode="promise_in_bounds")
+        arrays = {"k": put(self.k, new.k), "v": put(self.v, new.v)}
+        if self.k_scale is not None:
+            # A scatter of the scales' K-wide rows wanted K as their minor axis (10.7x padded on a
+            # TPU) and relayouts each step; a select over all of them keeps positions minor, as
+            # the attention reads them (a head's scale is 4 bytes beside its H int8 keys).
+            at_start_1xBxSx1 = (jnp.arange(self.length) == start_B[:, None])[None, :, :, None]
+            arrays.update(k_scale=jnp.where(at_start_1xBxSx1, new.k_scale, self.k_scale),
+                          v_scale=jnp.where(at_start_1xBxSx1, new.v_scale, self.v_scale))
+        return self._constrained(**arrays)
 
     def _names(self):
         return ("k", "v") if self.k_scale is None else ("k", "v", "k_scale", "v_scale")
 
+    def _constrained(self, **arrays) -> "KVCache":
+        """A KVCache of whole-cache arrays (L, B, S, ...) pinned to the cache's sharding: the last axis
+        over `tensor` (heads) where it divides the kv heads (cache_axes)."""
+        axes = cache_axes(self.kv_heads)
+        return KVCache(kv_heads=self.kv_heads, **{name: constrain(a, axes) for name, a in arrays.items()})
+
     def padded(self, length: int) -> "KVCache":
-        """This cache (L, B, T, K, H) of a prompt's T tokens, as the first T positions of one of
+        """This cache (L, B, T, K·H) of a prompt's T tokens, as the first T positions of one of
         `length` positions (the rest zeros)."""
         pad = lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, length - a.shape[2])] + [(0, 0)] * (a.ndim - 3))
-        return jax.tree.map(lambda a: constrain(pad(a), CACHE_AXES), self)
+        return self._constrained(**{name: pad(getattr(self, name)) for name in self._names()})
+
+
+def per_query_head(scale_BxSxK, G: int):
+    """An int8 cache's scales (B, S, K) as (B, N, S): query head n gets kv head n // G's."""
+    return jnp.repeat(scale_BxSxK.transpose(0, 2, 1), G, axis=1)
+
+
+def cache_axes(kv_heads: int) -> tuple:
+    """The cache's logical axes: its last axis (K·H, or the scales' K) split over `tensor` only where
+    that divides the K heads, as (L, B, S, K, H) was: K·H could divide where K does not, putting
+    parts of one head on different devices."""
+    return CACHE_AXES if splits(kv_heads, "heads") else CACHE_AXES[:-1] + (None,)
 
 
 def init_cache(config, batch_size: int, length: int) -> KVCache:
     """An empty cache for `batch_size` rows of up to `length` tokens, in config.kv_cache_dtype, sharded
     like the model (heads over `tensor`, rows over the batch axes) when sharding rules are active."""
-    shape = (config.n_layer, batch_size, length, config.kv_heads, config.n_embd // config.n_head)
+    K, H = config.kv_heads, config.n_embd // config.n_head
+    shape = (config.n_layer, batch_size, length, K * H)
     dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
-    zeros = lambda shape, dtype: constrain(jnp.zeros(shape, dtype), CACHE_AXES)
+    zeros = lambda shape, dtype: constrain(jnp.zeros(shape, dtype), cache_axes(K))
     if dtype != "int8":
-        return KVCache(zeros(shape, dtype), zeros(shape, dtype))
-    scales = shape[:-1] + (1,)
-    return KVCache(zeros(shape, jnp.int8), zeros(shape, jnp.int8), zeros(scales, jnp.float32),
+        return KVCache(zeros(shape, dtype), zeros(shape, dtype), K)
+    scales = shape[:-1] + (K,)
+    return KVCache(zeros(shape, jnp.int8), zeros(shape, jnp.int8), K, zeros(scales, jnp.float32),
                    zeros(scales, jnp.float32))

@@ -471,7 +471,7 @@ def test_decode_with_cache_matches_the_full_forward(base, scan_layers):
     for t in range(5):  # then one token at a time, each row at its own position
         logits, cache = decode(second[:, t:t + 1], cache, split_B + t)
         np.testing.assert_allclose(logits, full[np.arange(3), np.asarray(split_B) + t], rtol=0, atol=1e-5)
-    assert cache.k.shape == (config.n_layer, 3, 16, config.kv_heads, 8) and cache.k.dtype == jnp.float32
+    assert cache.k.shape == (config.n_layer, 3, 16, config.kv_heads * 8) and cache.k.dtype == jnp.float32
 
 
 # --- architecture options: RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output ------
@@ -635,6 +635,54 @@ def test_quantized_decode_with_cache_matches_the_full_forward():
         logits, cache = gpt.decode(idx[:, t:t + 1], cache, jnp.full(2, t, jnp.int32))
         # one token's quantization grid is its own (per-token scales), so it matches the batch's
         np.testing.assert_allclose(logits, full[:, t], rtol=0, atol=1e-4)
+
+
+def test_int8_grouped_query_cache_attends_as_its_dequantized_keys_and_values():
+    """The cache's merged (K·H) last axis with 2 query heads per kv head and int8 scales per token
+    and head: attend equals per-head softmax attention, written out here, over the keys and
+    values the int8 cache holds (scaled back), the new tokens' included, at each row's position."""
+    B, T, N, K, H, S = 3, 2, 4, 2, 8, 16
+    q, keys, values, new_k, new_v = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(
+        [(B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, K, H), (B, T, K, H)]))
+    empty = kv_cache.KVCache(jnp.zeros((B, 0, K * H), jnp.int8), jnp.zeros((B, 0, K * H), jnp.int8), K,
+                             jnp.zeros((B, 0, K)), jnp.zeros((B, 0, K)))
+    cache, new = empty.encode(keys, values), empty.encode(new_k, new_v)
+    assert cache.k.shape == (B, S, K * H) and cache.k.dtype == jnp.int8 and cache.k_scale.shape == (B, S, K)
+    start_B = np.array([5, 0, 14])
+    out = np.asarray(cache.attend(q, new, jnp.asarray(start_B)))
+    (k_all, v_all), (k_new, v_new) = (np.asarray(x).reshape(B, -1, K, H) for x in cache.read(jnp.float32)), (
+        np.asarray(x).reshape(B, T, K, H) for x in new.read(jnp.float32))
+    for b in range(B):
+        for t in range(T):
+            k_seen = np.concatenate([k_all[b, :start_B[b]], k_new[b, :t + 1]])  # (visible, K, H)
+            v_seen = np.concatenate([v_all[b, :start_B[b]], v_new[b, :t + 1]])
+            for n in range(N):
+                scores = k_seen[:, n // (N // K)] @ np.asarray(q[b, t, n]) / np.sqrt(H)
+                p = np.exp(scores - scores.max())
+                expected = (p / p.sum()) @ v_seen[:, n // (N // K)]
+                np.testing.assert_allclose(out[b, t, n], expected, rtol=0, atol=1e-5)
+
+
+def test_int8_cache_written_a_token_at_a_time_holds_what_prefill_writes():
+    """Grouped-query int8 cache: decode's one-token writes (a scatter of the keys and values, a
+    select of the scales) put each token where prefill puts the whole prompt, rows at different
+    positions; int8 entries equal up to a rounding step and scales to 1% (the two paths compute
+    the keys with different float errors)."""
+    gpt = randomize(make(LLAMA, kv_cache_dtype="int8"))
+    idx = tokens((3, 12))
+    prefilled = gpt.prefill(idx, 16)[1]
+    split_B = jnp.array([3, 5, 8])
+    first = jnp.where(jnp.arange(8) < split_B[:, None], idx[:, :8], 0)
+    cache = gpt.decode(first, kv_cache.init_cache(gpt.config, 3, 16), jnp.zeros(3, jnp.int32))[1]
+    for t in range(4):  # each row one token at a time from its own position
+        position_B = split_B + t
+        cache = gpt.decode(idx[jnp.arange(3), position_B][:, None], cache, position_B)[1]
+    for b, end in enumerate(np.asarray(split_B) + 4):
+        for name in ("k", "v"):
+            written, expected = (np.asarray(getattr(c, name)[:, b, :end], np.int32) for c in (cache, prefilled))
+            assert written.shape == (LLAMA.n_layer, end, 2 * 8) and np.abs(written - expected).max() <= 1
+            np.testing.assert_allclose(getattr(cache, name + "_scale")[:, b, :end],
+                                       getattr(prefilled, name + "_scale")[:, b, :end], rtol=1e-2)
 
 
 # --- the GPT-2 speedruns' switches: qk_norm, relu2, zero_init_proj, logit_softcap --------------
