@@ -124,6 +124,22 @@ def losses_of(config, mesh, steps=2):
     return setup, losses, jax.device_get(state["params"])
 
 
+def test_gpt2_style_splash_step_equals_the_written_out_attention(monkeypatch):
+    """GPT-2's layer (biases on q, k and v, learned positions, LayerNorm, GELU; grouped-query too) through
+    splash, whose q, k and v the projection makes in the kernel's (B, heads, T, H) layout: the losses and
+    parameters after two steps are those of the written-out attention's (B, T, heads, H) path."""
+    config = step_config(pos_embedding="learned", norm="layernorm", mlp="gelu", bias=True, n_kv_head=2,
+                         document_masking=False, remat_policy="dots_with_no_batch_dims_saveable")
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    _, reference, reference_params = losses_of(config, mesh)
+    monkeypatch.setitem(loader.AUTO_ATTENTION["cpu"], "float32", "splash")
+    setup, losses, params = losses_of(config, mesh)
+    assert setup.model_config.attention == "splash"
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
 def test_splash_in_a_sharded_train_step_equals_the_written_out_attention(monkeypatch):
     """A Llama-style step (grouped-query, document masking) on 8 devices, rows over data x fsdp (data
     kept apart: the per-shard vmap) and heads over tensor: with 'auto' pointed at splash on this CPU,
