@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import spmd
+from jax.ad_checkpoint import checkpoint_name
 
 try:  # JAX's TPU kernels; a JAX that lacks them (or moved them) leaves 'splash' unavailable, nothing else
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
@@ -322,6 +323,9 @@ def _splash_local(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT, blocks, interpret: b
     kernel = splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret,
                                     residual_checkpoint_name=SPLASH_RESIDUALS)
     q_BxNxTxH = q_BxNxTxH * jnp.asarray(H ** -0.5, q_BxNxTxH.dtype)  # XLA fuses it into q's producer
+    # The kernel's inputs are kept with its residuals (model.REMAT_POLICIES): then the backward pass reads
+    # them as they are, not the projection's outputs to add the bias and scale to again.
+    q_BxNxTxH, k_BxKxTxH, v_BxKxTxH = (checkpoint_name(a, SPLASH_RESIDUALS) for a in (q_BxNxTxH, k_BxKxTxH, v_BxKxTxH))
 
     def row(q_NxTxH, k_KxTxH, v_KxTxH, ids_T):
         return kernel(q_NxTxH, k_KxTxH, v_KxTxH, splash.SegmentIds(q=ids_T, kv=ids_T) if segmented else None)

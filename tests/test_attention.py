@@ -97,6 +97,7 @@ def test_remat_keeps_the_kernels_output_and_log_sum_exp(policy):
     output, log_sum_exp = "2,4,128,64", "2,4,128"  # the kernel's (B, N, T, H) and (B, N, T)
     kept = kept_shapes(model.REMAT_POLICIES[policy])
     assert output in kept and log_sum_exp in kept
+    assert kept.count("2,2,128,64") == 2  # its inputs k and v (K = 2 heads) as well, in its own layout
     assert log_sum_exp not in kept_shapes(getattr(jax.checkpoint_policies, policy))  # JAX's own policy alone
     assert log_sum_exp not in kept_shapes(model.REMAT_POLICIES["full"])  # 'full' keeps nothing
 
