@@ -246,6 +246,10 @@ SPLASH_BLOCKS = {
     128: dict(forward=(1024, 1024, 512), backward=(1024, 1024, 512)),
 }
 SPLASH_MULTIPLE = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
+# Keys and values of heads narrower than the 128 lanes go to the kernel as (H, T) tiles (SEQ_MINOR):
+# as (T, H) each row is padded to 128 lanes in memory (GPT-2's 64: twice their bytes, in the layers'
+# saved activations too). On a TPU v5e GPT-2's layer took 3.84 ms so, 4.03 as (T, H) (the probe above);
+# bench/tpu_train_hlo.py: 723 MiB fewer temporaries and 3.7 ms fewer memory-bound ms a GPT-2 step.
 # The name of splash's residuals (its output and log-sum-exp: B·T·N·(H + 1) values a layer), which
 # model.py's remat policies keep: recomputing them would run the forward kernel again in the backward
 # pass (a GPT-2 124M step's profile on a TPU v5e showed it twice a layer, ~10 ms of a 179 ms step).
@@ -258,7 +262,8 @@ def splash_fits(T: int) -> bool:
 
 
 def splash_block_sizes(T: int, head_size: int):
-    """SPLASH_BLOCKS' tiles for rows of T tokens (a head size not in the table takes 128's)."""
+    """SPLASH_BLOCKS' tiles for rows of T tokens (a head size not in the table takes 128's), and the
+    layout of keys and values (SEQ_MINOR below 128 lanes)."""
     table = SPLASH_BLOCKS.get(head_size, SPLASH_BLOCKS[128])
 
     def fit(block: int) -> int:
@@ -269,8 +274,10 @@ def splash_block_sizes(T: int, head_size: int):
 
     (q, kv, kv_step), (q_bwd, kv_bwd, kv_step_bwd) = ((fit(a), fit(b), fit(c)) for a, b, c in
                                                        (table["forward"], table["backward"]))
+    kv_layout = splash.QKVLayout.SEQ_MINOR if head_size < 128 else splash.QKVLayout.HEAD_DIM_MINOR
     return splash.BlockSizes(block_q=q, block_kv=kv, block_kv_compute=kv_step, block_q_dkv=q_bwd,
-                             block_kv_dkv=kv_bwd, block_kv_dkv_compute=kv_step_bwd, use_fused_bwd_kernel=True)
+                             block_kv_dkv=kv_bwd, block_kv_dkv_compute=kv_step_bwd, use_fused_bwd_kernel=True,
+                             k_layout=kv_layout, v_layout=kv_layout)
 
 
 def splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT=None, block_sizes=None):

@@ -69,6 +69,23 @@ def test_splash_head_size_128_with_the_tables_blocks():
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-4)
 
 
+def test_splash_head_size_64_with_the_tables_blocks_and_keys_and_values_seq_minor():
+    """GPT-2's heads (H = 64): the table gives keys and values to the kernel as (H, T) tiles; packed,
+    grouped-query rows of 256 tokens, forward and gradients as the written-out attention's."""
+    blocks = attention.splash_block_sizes(256, 64)
+    assert blocks.k_layout == blocks.v_layout == attention.splash.QKVLayout.SEQ_MINOR
+    assert attention.splash_block_sizes(256, 128).k_layout == attention.splash.QKVLayout.HEAD_DIM_MINOR
+    q, k, v = qkv(2, 256, 4, 2, 64, seed=5)
+    ids = two_documents_a_row(2, 256)
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+    ours = jax.value_and_grad(loss(lambda q, k, v: attention.splash_attention(q, k, v, ids)), argnums=(0, 1, 2))(q, k, v)
+    theirs = jax.value_and_grad(loss(lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT=ids)),
+                                argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
+    for a, b in zip(ours[1], theirs[1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-4)
+
+
 def test_block_sizes_divide_the_row_and_rows_the_kernel_cannot_take_are_said():
     assert attention.splash_block_sizes(640, 64).block_q == 128  # 512 halved until it divides 640
     for T in (128, 256, 384, 640, 1024, 2048, 8192):
