@@ -39,7 +39,8 @@ from flax import nnx
 
 from layers import pipeline, quantization
 from layers.attention import (Segments, causal_attention, permuted_segments, position_mask, ring_attention,
-                              same_segment, SPLASH_RESIDUALS, splash_attention, splash_fits)
+                              same_segment, SPLASH_RESIDUALS, splash_attention,
+                              splash_attention_heads_major, splash_fits)
 from layers.blocks import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis
 from layers.kv_cache import KVCache, init_cache
 from layers.moe import MoE
@@ -138,7 +139,7 @@ def rms_head_norm(x_BxTxNxH, config: GPTConfig):
 HEAD_NORMS = {False: no_head_norm, True: rms_head_norm}  # by config.qk_norm
 
 
-def no_rotation(x_BxTxNxH, position_BxT, config: GPTConfig):
+def no_rotation(x_BxTxNxH, position_BxT, config: GPTConfig, token_axis: int = 1):
     """Learned positions: GPT.wpe adds them to the input, queries and keys stay as they are."""
     return x_BxTxNxH
 
@@ -157,13 +158,15 @@ def rope_frequencies(head_size: int, config: GPTConfig) -> np.ndarray:
     return (1 - blend) * freq / config.rope_scaling_factor + blend * freq
 
 
-def rope(x_BxTxNxH, position_BxT, config: GPTConfig):
+def rope(x_BxTxNxH, position_BxT, config: GPTConfig, token_axis: int = 1):
     """Rotary position embedding, in the rotate-half layout (Llama's in Hugging Face files):
     the pair of dimensions (i, i + H/2) of every head turns by the angle position·freq_i.
-    A query and a key then score by their distance alone. Angles in float32."""
+    A query and a key then score by their distance alone. Angles in float32. token_axis=2: x is
+    (B, heads, T, H) (splash's layout)."""
     H = x_BxTxNxH.shape[-1]
     freq = rope_frequencies(H, config).astype(np.float32)  # (H/2,), a constant of the program
-    angle_BxTx1xH2 = (position_BxT.astype(jnp.float32)[:, :, None, None] * freq)
+    position = position_BxT.astype(jnp.float32)
+    angle_BxTx1xH2 = (position[:, :, None, None] if token_axis == 1 else position[:, None, :, None]) * freq
     cos, sin = jnp.cos(angle_BxTx1xH2), jnp.sin(angle_BxTx1xH2)
     x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxNxH.dtype)
@@ -204,26 +207,10 @@ class Attention(nnx.Module):
         D, (_, C, K, H) = x_BTxD.shape[-1], self.qkv_kernel.shape
         G, B, T = C - 2, batch_size, x_BTxD.shape[0] // batch_size
         N = G * K
-        # One 2-D matmul with the head axis K (the one `tensor` splits) outermost of the output
-        # columns: flattening (K, C, H) then splits columns as K is split, so each device multiplies
-        # by its own heads' slice (Megatron). Flattening (C, K, H) would gather the whole kernel.
-        kernel_DxKxCxH = self.qkv_kernel[...].transpose(0, 2, 1, 3)
-        qkv_bias = None if self.qkv_bias is None else self.qkv_bias[...].swapaxes(0, 1).reshape(K * C * H)
-        qkv_BTxKCH = linear(x_BTxD, kernel_DxKxCxH.reshape(D, K * C * H), qkv_bias, config.quantization)
-        qkv_BxTxKxCxH = constrain(qkv_BTxKCH.reshape(B, T, K, C, H), ("batch", "seq", "heads", None, None))
-        q_BxTxNxH = qkv_BxTxKxCxH[:, :, :, :G].reshape(B, T, N, H)  # head k·G + g
-        k_BxTxKxH, v_BxTxKxH = qkv_BxTxKxCxH[:, :, :, G], qkv_BxTxKxCxH[:, :, :, G + 1]
-        normalize = HEAD_NORMS[config.qk_norm]  # qk_norm: unit RMS per head, before RoPE
-        rotate = ROTATIONS[config.pos_embedding]  # RoPE turns q and k by position; GPT-2 does not
         position_BxT = start_B[:, None] + jnp.arange(T) if segments is None else segments.position_BxT
-        q_BxTxNxH = rotate(normalize(q_BxTxNxH, config), position_BxT, config)
-        k_BxTxKxH = rotate(normalize(k_BxTxKxH, config), position_BxT, config)
         seq_axis, seq_splits = sequence_axis()
-        new = None if cache is None else cache.encode(k_BxTxKxH, v_BxTxKxH)  # for the cache, as it stores them
         cached = cache is not None and cache.length > 0  # else a prefill: the training path's attention
         ring = config.context_attention == "ring" and not cached and seq_splits > 1 and T % seq_splits == 0
-        if not ring:  # every query sees keys and values of the whole row: gathered over `context` (MaxText's default)
-            k_BxTxKxH, v_BxTxKxH = (constrain(a, ("batch", None, "heads", None)) for a in (k_BxTxKxH, v_BxTxKxH))
         k_probs, k_out = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         dropping = k_probs is not None and config.dropout > 0  # only the written-out attention drops probabilities
         segment_ids_BxT = None if segments is None else segments.ids_BxT
@@ -235,6 +222,26 @@ class Attention(nnx.Module):
             kind = "einsum"
         elif kind == "splash" and seq_splits > 1:
             kind = "xla"
+        if kind == "splash" and cache is None and not ring and not dropping and config.quantization == "none":
+            # training through splash: q, k and v made in the kernel's layout (int8/fp8 go the 2-D way below)
+            y_BTxD = self._splash_heads_major(x_BTxD, B, position_BxT, segment_ids_BxT)
+            return dropout(y_BTxD, config.dropout, k_out), None
+        # One 2-D matmul with the head axis K (the one `tensor` splits) outermost of the output
+        # columns: flattening (K, C, H) then splits columns as K is split, so each device multiplies
+        # by its own heads' slice (Megatron). Flattening (C, K, H) would gather the whole kernel.
+        kernel_DxKxCxH = self.qkv_kernel[...].transpose(0, 2, 1, 3)
+        qkv_bias = None if self.qkv_bias is None else self.qkv_bias[...].swapaxes(0, 1).reshape(K * C * H)
+        qkv_BTxKCH = linear(x_BTxD, kernel_DxKxCxH.reshape(D, K * C * H), qkv_bias, config.quantization)
+        qkv_BxTxKxCxH = constrain(qkv_BTxKCH.reshape(B, T, K, C, H), ("batch", "seq", "heads", None, None))
+        q_BxTxNxH = qkv_BxTxKxCxH[:, :, :, :G].reshape(B, T, N, H)  # head k·G + g
+        k_BxTxKxH, v_BxTxKxH = qkv_BxTxKxCxH[:, :, :, G], qkv_BxTxKxCxH[:, :, :, G + 1]
+        normalize = HEAD_NORMS[config.qk_norm]  # qk_norm: unit RMS per head, before RoPE
+        rotate = ROTATIONS[config.pos_embedding]  # RoPE turns q and k by position; GPT-2 does not
+        q_BxTxNxH = rotate(normalize(q_BxTxNxH, config), position_BxT, config)
+        k_BxTxKxH = rotate(normalize(k_BxTxKxH, config), position_BxT, config)
+        new = None if cache is None else cache.encode(k_BxTxKxH, v_BxTxKxH)  # for the cache, as it stores them
+        if not ring:  # every query sees keys and values of the whole row: gathered over `context` (MaxText's default)
+            k_BxTxKxH, v_BxTxKxH = (constrain(a, ("batch", None, "heads", None)) for a in (k_BxTxKxH, v_BxTxKxH))
         if ring:
             ids_BxT = jnp.zeros_like(position_BxT) if segment_ids_BxT is None else segment_ids_BxT
             y_BxTxNxH = ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, ids_BxT, seq_axis)
@@ -255,6 +262,39 @@ class Attention(nnx.Module):
         y_BTxD = linear(y_BxTxNxH.reshape(B * T, N * H), self.out_kernel.reshape(N * H, D), self.out_bias,
                         config.quantization)
         return dropout(y_BTxD, config.dropout, k_out), new
+
+    def _splash_heads_major(self, x_BTxD, batch_size: int, position_BxT, segment_ids_BxT):
+        """Attention through splash with q, k and v made in the kernel's (B, heads, T, H) layout by the
+        projection itself, and the output projection reading the kernel's output as it is: einsums whose
+        dots XLA emits in those layouts, where the (B, T, heads, H) projection needed a transposed copy of
+        q, k and v each way (and again in the backward pass and the recompute). Same parameters, same
+        products: what differs from the path above is the order of the axes the matmuls write and read."""
+        config = self.config
+        (D, C, K, H), B = self.qkv_kernel.shape, batch_size
+        G, T = C - 2, x_BTxD.shape[0] // B
+        x_BxTxD = x_BTxD.reshape(B, T, D)
+        kernel_DxCxKxH = self.qkv_kernel[...].astype(x_BTxD.dtype)
+        # One dot each for q, k and v (the bias added to its own result): split from one dot's output, k
+        # and v were copied apart. The query heads of group k are k·G .. k·G + G - 1: (K, G) flattens
+        # to the model's head order.
+        q_BxKxGxTxH = jnp.einsum("btd,dgkh->bkgth", x_BxTxD, kernel_DxCxKxH[:, :G])
+        k_BxKxTxH, v_BxKxTxH = (jnp.einsum("btd,dkh->bkth", x_BxTxD, kernel_DxCxKxH[:, c]) for c in (G, G + 1))
+        if self.qkv_bias is not None:
+            bias_CxKxH = self.qkv_bias[...].astype(x_BTxD.dtype)
+            q_BxKxGxTxH = q_BxKxGxTxH + bias_CxKxH[:G].swapaxes(0, 1)[:, :, None, :]
+            k_BxKxTxH, v_BxKxTxH = k_BxKxTxH + bias_CxKxH[G, :, None, :], v_BxKxTxH + bias_CxKxH[G + 1, :, None, :]
+        q_BxNxTxH = q_BxKxGxTxH.reshape(B, K * G, T, H)
+        normalize = HEAD_NORMS[config.qk_norm]
+        rotate = ROTATIONS[config.pos_embedding]
+        q_BxNxTxH = constrain(rotate(normalize(q_BxNxTxH, config), position_BxT, config, token_axis=2),
+                              ("batch", "heads", None, None))
+        k_BxKxTxH = constrain(rotate(normalize(k_BxKxTxH, config), position_BxT, config, token_axis=2),
+                              ("batch", "heads", None, None))
+        v_BxKxTxH = constrain(v_BxKxTxH, ("batch", "heads", None, None))
+        y_BxNxTxH = splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_BxT)
+        y_BxTxD = jnp.einsum("bnth,nhd->btd", y_BxNxTxH, self.out_kernel[...].astype(x_BTxD.dtype))
+        y_BTxD = y_BxTxD.reshape(B * T, D)
+        return y_BTxD if self.out_bias is None else y_BTxD + self.out_bias[...].astype(x_BTxD.dtype)
 
 
 def no_softcap(logits, cap: float):

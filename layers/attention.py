@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import spmd
+from jax.ad_checkpoint import checkpoint_name
 
 try:  # JAX's TPU kernels; a JAX that lacks them (or moved them) leaves 'splash' unavailable, nothing else
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
@@ -245,6 +246,10 @@ SPLASH_BLOCKS = {
     128: dict(forward=(1024, 1024, 512), backward=(1024, 1024, 512)),
 }
 SPLASH_MULTIPLE = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
+# Keys and values of heads narrower than the 128 lanes go to the kernel as (H, T) tiles (SEQ_MINOR):
+# as (T, H) each row is padded to 128 lanes in memory (GPT-2's 64: twice their bytes, in the layers'
+# saved activations too). On a TPU v5e GPT-2's layer took 3.84 ms so, 4.03 as (T, H) (the probe above);
+# bench/tpu_train_hlo.py: 723 MiB fewer temporaries and 3.7 ms fewer memory-bound ms a GPT-2 step.
 # The name of splash's residuals (its output and log-sum-exp: B·T·N·(H + 1) values a layer), which
 # model.py's remat policies keep: recomputing them would run the forward kernel again in the backward
 # pass (a GPT-2 124M step's profile on a TPU v5e showed it twice a layer, ~10 ms of a 179 ms step).
@@ -257,7 +262,8 @@ def splash_fits(T: int) -> bool:
 
 
 def splash_block_sizes(T: int, head_size: int):
-    """SPLASH_BLOCKS' tiles for rows of T tokens (a head size not in the table takes 128's)."""
+    """SPLASH_BLOCKS' tiles for rows of T tokens (a head size not in the table takes 128's), and the
+    layout of keys and values (SEQ_MINOR below 128 lanes)."""
     table = SPLASH_BLOCKS.get(head_size, SPLASH_BLOCKS[128])
 
     def fit(block: int) -> int:
@@ -268,28 +274,38 @@ def splash_block_sizes(T: int, head_size: int):
 
     (q, kv, kv_step), (q_bwd, kv_bwd, kv_step_bwd) = ((fit(a), fit(b), fit(c)) for a, b, c in
                                                        (table["forward"], table["backward"]))
+    kv_layout = splash.QKVLayout.SEQ_MINOR if head_size < 128 else splash.QKVLayout.HEAD_DIM_MINOR
     return splash.BlockSizes(block_q=q, block_kv=kv, block_kv_compute=kv_step, block_q_dkv=q_bwd,
-                             block_kv_dkv=kv_bwd, block_kv_dkv_compute=kv_step_bwd, use_fused_bwd_kernel=True)
+                             block_kv_dkv=kv_bwd, block_kv_dkv_compute=kv_step_bwd, use_fused_bwd_kernel=True,
+                             k_layout=kv_layout, v_layout=kv_layout)
 
 
 def splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT=None, block_sizes=None):
+    """splash_attention_heads_major on the projection's (B, T, heads, H) layout: one transposed copy
+    of q, k and v into the kernel's layout, and of the output out of it."""
+    q_BxNxTxH, k_BxKxTxH, v_BxKxTxH = (a.transpose(0, 2, 1, 3) for a in (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH))
+    return splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_BxT,
+                                        block_sizes).transpose(0, 2, 1, 3)
+
+
+def splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_BxT=None, block_sizes=None):
     """Causal attention through JAX's Pallas splash kernel (flash attention on TPUs: no T x T scores in
-    memory, the tiles above the diagonal skipped), forward and backward; grouped-query as the kernel
-    does it (query head n reads key head n // G, this model's layout), and with segment ids a query
-    sees only its own segment's keys. Under a mesh it runs per shard (shard_map): rows split as the
-    logical 'batch' axis says, heads as 'heads' says where that divides the key/value heads, each
-    device's whole rows (the caller sends rows split over `context` elsewhere). Off a TPU (tests) the
-    kernel runs in Pallas's interpret mode: correct, slow."""
+    memory, the tiles above the diagonal skipped), forward and backward, on the kernel's own layout
+    (B, heads, T, H) in and out; grouped-query as the kernel does it (query head n reads key head
+    n // G, this model's layout), and with segment ids a query sees only its own segment's keys. Under a
+    mesh it runs per shard (shard_map): rows split as the logical 'batch' axis says, heads as 'heads'
+    says where that divides the key/value heads, each device's whole rows (the caller sends rows split
+    over `context` elsewhere). Off a TPU (tests) the kernel runs in Pallas's interpret mode: correct, slow."""
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else getattr(mesh, "abstract_device", None)
     interpret = (device.platform if device is not None else jax.default_backend()) != "tpu"
-    T, H = q_BxTxNxH.shape[1], q_BxTxNxH.shape[3]
+    T, H = q_BxNxTxH.shape[2], q_BxNxTxH.shape[3]
     blocks = block_sizes or splash_block_sizes(T, H)
-    ids_BxT = jnp.zeros(q_BxTxNxH.shape[:2], jnp.int32) if segment_ids_BxT is None else segment_ids_BxT
+    ids_BxT = jnp.zeros((q_BxNxTxH.shape[0], T), jnp.int32) if segment_ids_BxT is None else segment_ids_BxT
     local = functools.partial(_splash_local, blocks=blocks, interpret=interpret, segmented=segment_ids_BxT is not None)
     free_axes = [] if mesh.empty else [a for a in mesh.axis_names if a not in mesh.manual_axes]
     if not any(mesh.shape[a] > 1 for a in free_axes):
-        return local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ids_BxT)
+        return local(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT)
     rules = dict(spmd.get_logical_axis_rules() or ())
 
     def split(logical: str, *dims: int):
@@ -299,25 +315,26 @@ def splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT=None, bloc
         n = int(np.prod([mesh.shape[a] for a in axes]))
         return axes if axes and all(d % n == 0 for d in dims) else None
 
-    rows, heads = split("batch", q_BxTxNxH.shape[0]), split("heads", q_BxTxNxH.shape[2], k_BxTxKxH.shape[2])
+    rows, heads = split("batch", q_BxNxTxH.shape[0]), split("heads", q_BxNxTxH.shape[1], k_BxKxTxH.shape[1])
     P = jax.sharding.PartitionSpec
-    qkv, ids = P(rows, None, heads, None), P(rows, None)
+    qkv, ids = P(rows, heads, None, None), P(rows, None)
     return jax.shard_map(local, in_specs=(qkv, qkv, qkv, ids), out_specs=qkv, axis_names=set(free_axes),
-                         check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ids_BxT)
+                         check_vma=False)(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT)
 
 
-def _splash_local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, ids_BxT, blocks, interpret: bool, segmented: bool):
+def _splash_local(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT, blocks, interpret: bool, segmented: bool):
     """One device's rows and heads: the kernel is built for these shapes (its causal mask's tile
     map is numpy, made once per trace) and mapped over the rows."""
-    _, T, N, H = q_BxTxNxH.shape
+    _, N, T, H = q_BxNxTxH.shape
     mask = splash.MultiHeadMask([splash.CausalMask((T, T))] * N)
     kernel = splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret,
                                     residual_checkpoint_name=SPLASH_RESIDUALS)
-    # the kernel's layout is (heads, T, H): one transpose each way (XLA fuses the scale into q's)
-    q_BxNxTxH = (q_BxTxNxH * jnp.asarray(H ** -0.5, q_BxTxNxH.dtype)).transpose(0, 2, 1, 3)
-    k_BxKxTxH, v_BxKxTxH = (a.transpose(0, 2, 1, 3) for a in (k_BxTxKxH, v_BxTxKxH))
+    q_BxNxTxH = q_BxNxTxH * jnp.asarray(H ** -0.5, q_BxNxTxH.dtype)  # XLA fuses it into q's producer
+    # The kernel's inputs are kept with its residuals (model.REMAT_POLICIES): then the backward pass reads
+    # them as they are, not the projection's outputs to add the bias and scale to again.
+    q_BxNxTxH, k_BxKxTxH, v_BxKxTxH = (checkpoint_name(a, SPLASH_RESIDUALS) for a in (q_BxNxTxH, k_BxKxTxH, v_BxKxTxH))
 
     def row(q_NxTxH, k_KxTxH, v_KxTxH, ids_T):
         return kernel(q_NxTxH, k_KxTxH, v_KxTxH, splash.SegmentIds(q=ids_T, kv=ids_T) if segmented else None)
 
-    return jax.vmap(row)(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT).transpose(0, 2, 1, 3)
+    return jax.vmap(row)(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT)

@@ -69,6 +69,23 @@ def test_splash_head_size_128_with_the_tables_blocks():
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-4)
 
 
+def test_splash_head_size_64_with_the_tables_blocks_and_keys_and_values_seq_minor():
+    """GPT-2's heads (H = 64): the table gives keys and values to the kernel as (H, T) tiles; packed,
+    grouped-query rows of 256 tokens, forward and gradients as the written-out attention's."""
+    blocks = attention.splash_block_sizes(256, 64)
+    assert blocks.k_layout == blocks.v_layout == attention.splash.QKVLayout.SEQ_MINOR
+    assert attention.splash_block_sizes(256, 128).k_layout == attention.splash.QKVLayout.HEAD_DIM_MINOR
+    q, k, v = qkv(2, 256, 4, 2, 64, seed=5)
+    ids = two_documents_a_row(2, 256)
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+    ours = jax.value_and_grad(loss(lambda q, k, v: attention.splash_attention(q, k, v, ids)), argnums=(0, 1, 2))(q, k, v)
+    theirs = jax.value_and_grad(loss(lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT=ids)),
+                                argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
+    for a, b in zip(ours[1], theirs[1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-4)
+
+
 def test_block_sizes_divide_the_row_and_rows_the_kernel_cannot_take_are_said():
     assert attention.splash_block_sizes(640, 64).block_q == 128  # 512 halved until it divides 640
     for T in (128, 256, 384, 640, 1024, 2048, 8192):
@@ -97,6 +114,7 @@ def test_remat_keeps_the_kernels_output_and_log_sum_exp(policy):
     output, log_sum_exp = "2,4,128,64", "2,4,128"  # the kernel's (B, N, T, H) and (B, N, T)
     kept = kept_shapes(model.REMAT_POLICIES[policy])
     assert output in kept and log_sum_exp in kept
+    assert kept.count("2,2,128,64") == 2  # its inputs k and v (K = 2 heads) as well, in its own layout
     assert log_sum_exp not in kept_shapes(getattr(jax.checkpoint_policies, policy))  # JAX's own policy alone
     assert log_sum_exp not in kept_shapes(model.REMAT_POLICIES["full"])  # 'full' keeps nothing
 
@@ -122,6 +140,22 @@ def losses_of(config, mesh, steps=2):
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
     return setup, losses, jax.device_get(state["params"])
+
+
+def test_gpt2_style_splash_step_equals_the_written_out_attention(monkeypatch):
+    """GPT-2's layer (biases on q, k and v, learned positions, LayerNorm, GELU; grouped-query too) through
+    splash, whose q, k and v the projection makes in the kernel's (B, heads, T, H) layout: the losses and
+    parameters after two steps are those of the written-out attention's (B, T, heads, H) path."""
+    config = step_config(pos_embedding="learned", norm="layernorm", mlp="gelu", bias=True, n_kv_head=2,
+                         document_masking=False, remat_policy="dots_with_no_batch_dims_saveable")
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    _, reference, reference_params = losses_of(config, mesh)
+    monkeypatch.setitem(loader.AUTO_ATTENTION["cpu"], "float32", "splash")
+    setup, losses, params = losses_of(config, mesh)
+    assert setup.model_config.attention == "splash"
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
 def test_splash_in_a_sharded_train_step_equals_the_written_out_attention(monkeypatch):
