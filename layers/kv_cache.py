@@ -132,12 +132,18 @@ class KVCache:
                                in_axes=(1, 1, 0), out_axes=1)
             return self._constrained(**{name: per_row(getattr(self, name), getattr(new, name), start_B)
                                         for name in self._names()})
-        # Every (layer, row) indexed, so that the unit written is one K·H row of the last axis: with
-        # a unit of (L, K·H) XLA stored the cache with layers second-minor, not positions, and
-        # copied it into the attention's layout and back every step.
-        at = (jnp.arange(L)[:, None], jnp.arange(B)[None, :], start_B[None, :])
-        put = lambda cache, x_LxBx1xKH: cache.at[at].set(x_LxBx1xKH[:, :, 0], indices_are_sorted=True,
-                                                         unique_indices=True, mode="promise_in_bounds")
+        # One scatter per layer, each unit one K·H row of the last axis. With a unit of (L, K·H) XLA
+        # stored the cache with layers second-minor, not positions, and copied it into the
+        # attention's layout and back every step; with every (layer, row) in one scatter it
+        # linearised the indices, and on a v5e that scatter took 2.6 ms at batch 256 (3,072 rows),
+        # against 0.1 ms for batch 64's (768 rows) left four-dimensional.
+        rows_B = jnp.arange(B)
+
+        def put(cache, x_LxBx1xKH):
+            for layer in range(L):
+                cache = cache.at[layer, rows_B, start_B].set(x_LxBx1xKH[layer, :, 0], indices_are_sorted=True,
+                                                             unique_indices=True, mode="promise_in_bounds")
+            return cache
         arrays = {"k": put(self.k, new.k), "v": put(self.v, new.v)}
         if self.k_scale is not None:
             # A scatter of the scales' K-wide rows wanted K as their minor axis (10.7x padded on a
