@@ -19,6 +19,9 @@ from layers.blocks import constrain, splits
 # Keys and values (L, B, S, K·H): a kv head's H lanes are contiguous, so splitting the last axis over
 # `tensor` keeps whole heads on a device (when it divides K: cache_axes); an int8 cache's scales (L, B, S, K).
 CACHE_AXES = ("layers", "batch", "seq", "heads")
+# A decode step writes its new keys (values) in one scatter up to this many (layer, row) pairs, and
+# in one scatter per layer past it (KVCache.write: the v5e's measurements).
+ONE_SCATTER_MAX_ROWS = 768
 
 
 @jax.tree_util.register_dataclass
@@ -124,26 +127,32 @@ class KVCache:
     def write(self, new: "KVCache", start_B) -> "KVCache":
         """The whole cache (L, B, S, K·H) with every layer's T new tokens per row (`new`, (L, B, T,
         K·H), as encode stored them) written at positions start_B[b] + [0, T). One token per row
-        (a decode step) is one scatter per array, in place, and an int8 cache's scales a select;
-        longer runs go row by row."""
+        (a decode step) is one scatter per array in place (one per layer at large batches), and an
+        int8 cache's scales a select; longer runs go row by row."""
         L, B, T = new.k.shape[:3]
         if T > 1:
             per_row = jax.vmap(lambda cache, x, start: jax.lax.dynamic_update_slice_in_dim(cache, x, start, axis=1),
                                in_axes=(1, 1, 0), out_axes=1)
             return self._constrained(**{name: per_row(getattr(self, name), getattr(new, name), start_B)
                                         for name in self._names()})
-        # One scatter per layer, each unit one K·H row of the last axis. With a unit of (L, K·H) XLA
-        # stored the cache with layers second-minor, not positions, and copied it into the
-        # attention's layout and back every step; with every (layer, row) in one scatter it
-        # linearised the indices, and on a v5e that scatter took 2.6 ms at batch 256 (3,072 rows),
-        # against 0.1 ms for batch 64's (768 rows) left four-dimensional.
+        # Each unit written is one K·H row of the last axis: with a unit of (L, K·H) XLA stored the
+        # cache with layers second-minor, not positions, and copied it into the attention's layout
+        # and back every step. Measured on a v5e (GPT-2, bench/NOTES.md): one scatter of every
+        # (layer, row) took 0.1 ms per array at 768 of them (batch 64) but 2.6 ms at 3,072 (batch
+        # 256: XLA linearised its indices); one scatter per layer costs ~0.07 ms a step more at
+        # batch 1 and 64 (24 small writes) and took batch 256's step from 7.4 to 3.0 ms.
         rows_B = jnp.arange(B)
 
         def put(cache, x_LxBx1xKH):
+            if L * B <= ONE_SCATTER_MAX_ROWS:
+                at = (jnp.arange(L)[:, None], rows_B[None, :], start_B[None, :])
+                return cache.at[at].set(x_LxBx1xKH[:, :, 0], indices_are_sorted=True, unique_indices=True,
+                                        mode="promise_in_bounds")
             for layer in range(L):
                 cache = cache.at[layer, rows_B, start_B].set(x_LxBx1xKH[layer, :, 0], indices_are_sorted=True,
                                                              unique_indices=True, mode="promise_in_bounds")
             return cache
+
         arrays = {"k": put(self.k, new.k), "v": put(self.v, new.v)}
         if self.k_scale is not None:
             # A scatter of the scales' K-wide rows wanted K as their minor axis (10.7x padded on a
