@@ -41,7 +41,8 @@ from layers import pipeline, quantization
 from layers.attention import (Segments, causal_attention, permuted_segments, position_mask, ring_attention,
                               same_segment, SPLASH_RESIDUALS, splash_attention,
                               splash_attention_heads_major, splash_fits)
-from layers.blocks import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis
+from layers.blocks import (MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis,
+                           splits)
 from layers.kv_cache import KVCache, init_cache
 from layers.moe import MoE
 
@@ -158,18 +159,18 @@ def rope_frequencies(head_size: int, config: GPTConfig) -> np.ndarray:
     return (1 - blend) * freq / config.rope_scaling_factor + blend * freq
 
 
-def rope(x_BxTxNxH, position_BxT, config: GPTConfig, token_axis: int = 1):
+def rope(x, position_BxT, config: GPTConfig, token_axis: int = 1):
     """Rotary position embedding, in the rotate-half layout (Llama's in Hugging Face files):
     the pair of dimensions (i, i + H/2) of every head turns by the angle position·freq_i.
-    A query and a key then score by their distance alone. Angles in float32. token_axis=2: x is
-    (B, heads, T, H) (splash's layout)."""
-    H = x_BxTxNxH.shape[-1]
+    A query and a key then score by their distance alone. Angles in float32. x is (B, T, heads, H),
+    or with token_axis=2 (B, heads, T, H) (splash's layout)."""
+    H = x.shape[-1]
     freq = rope_frequencies(H, config).astype(np.float32)  # (H/2,), a constant of the program
-    position = position_BxT.astype(jnp.float32)
-    angle_BxTx1xH2 = (position[:, :, None, None] if token_axis == 1 else position[:, None, :, None]) * freq
-    cos, sin = jnp.cos(angle_BxTx1xH2), jnp.sin(angle_BxTx1xH2)
-    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BxTxNxH.dtype)
+    # (B, T) positions, a unit axis where x has its heads, times (H/2,) frequencies
+    angle = jnp.expand_dims(position_BxT.astype(jnp.float32), 3 - token_axis)[..., None] * freq
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 ROTATIONS = {"learned": no_rotation, "rope": rope}
@@ -286,11 +287,12 @@ class Attention(nnx.Module):
         q_BxNxTxH = q_BxKxGxTxH.reshape(B, K * G, T, H)
         normalize = HEAD_NORMS[config.qk_norm]
         rotate = ROTATIONS[config.pos_embedding]
-        q_BxNxTxH = constrain(rotate(normalize(q_BxNxTxH, config), position_BxT, config, token_axis=2),
-                              ("batch", "heads", None, None))
-        k_BxKxTxH = constrain(rotate(normalize(k_BxKxTxH, config), position_BxT, config, token_axis=2),
-                              ("batch", "heads", None, None))
-        v_BxKxTxH = constrain(v_BxKxTxH, ("batch", "heads", None, None))
+        # Heads split over `tensor` only where it divides the kv heads: the kernel runs per shard of
+        # whole groups, and a query split alone would be gathered back each layer.
+        axes = ("batch", "heads" if splits(K, "heads") else None, None, None)
+        q_BxNxTxH = constrain(rotate(normalize(q_BxNxTxH, config), position_BxT, config, token_axis=2), axes)
+        k_BxKxTxH = constrain(rotate(normalize(k_BxKxTxH, config), position_BxT, config, token_axis=2), axes)
+        v_BxKxTxH = constrain(v_BxKxTxH, axes)
         y_BxNxTxH = splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_BxT)
         y_BxTxD = jnp.einsum("bnth,nhd->btd", y_BxNxTxH, self.out_kernel[...].astype(x_BTxD.dtype))
         y_BTxD = y_BxTxD.reshape(B * T, D)
@@ -335,8 +337,9 @@ class Block(nnx.Module):
 
 
 def keeping_attention(policy):
-    """`policy`, and the attention kernel's output and log-sum-exp kept as well (splash's residuals:
-    small, and a whole forward kernel to recompute)."""
+    """`policy`, and the attention kernel's inputs q, k, v, its output and log-sum-exp kept as well
+    (layers/attention.SPLASH_RESIDUALS: a whole forward kernel, and the q, k, v layout work, not to redo
+    in the backward pass)."""
     return jax.checkpoint_policies.save_from_both_policies(
         policy, jax.checkpoint_policies.save_only_these_names(SPLASH_RESIDUALS))
 

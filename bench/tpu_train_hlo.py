@@ -131,7 +131,7 @@ def fusion_bytes(computations: dict, fused: str, operand_types: list, result_typ
     return read, max(written, 0)
 
 
-def classify(computations: dict, opcode: str, rest: str, op_name: str) -> str:
+def classify(computations: dict, opcode: str, rest: str) -> str:
     if opcode in ("copy", "transpose"):
         return "copy/transpose"
     if opcode == "dynamic-update-slice":
@@ -174,7 +174,8 @@ def memory_bound_ops(text: str) -> tuple[list, dict]:
                 loops_seen += 1
                 trips = trip_count(rest, computations.get(callee(rest, "condition"), []))
                 pending.append((callee(rest, "body"), times * trips, f"loop {loop_number}"))
-                print(f"loop {loop_number}: {trips} trips") if not phases else None
+                if not phases:
+                    print(f"loop {loop_number}: {trips} trips")
                 continue
             if opcode == "call":
                 pending.append((callee(rest, "to_apply"), times, where))
@@ -196,12 +197,13 @@ def memory_bound_ops(text: str) -> tuple[list, dict]:
             if nbytes == 0:
                 continue
             op_name = re.search(r'op_name="([^"]*)"', rest)
+            op_name = op_name.group(1) if op_name else ""
             label = where if computation != entry else f"entry after loop {loop_number}" if loops_seen else "entry"
             label = phases.get(label, label)
             found.append((nbytes / HBM_BYTES_PER_S * 1e3, nbytes, times, label,
-                          classify(computations, opcode, rest, op_name.group(1) if op_name else ""),
+                          classify(computations, opcode, rest),
                           re.sub(r"\.clone.*$", "", name), re.sub(r"\{[^}]*\}", "", hlo_type)[:70],
-                          "/".join((op_name.group(1) if op_name else "").split("/")[-2:])))
+                          "/".join(op_name.split("/")[-2:])))
     return sorted(found, reverse=True), moves
 
 

@@ -250,9 +250,10 @@ SPLASH_MULTIPLE = 128  # the kernel's key blocks are multiples of the TPU's 128 
 # as (T, H) each row is padded to 128 lanes in memory (GPT-2's 64: twice their bytes, in the layers'
 # saved activations too). On a TPU v5e GPT-2's layer took 3.84 ms so, 4.03 as (T, H) (the probe above);
 # bench/tpu_train_hlo.py: 723 MiB fewer temporaries and 3.7 ms fewer memory-bound ms a GPT-2 step.
-# The name of splash's residuals (its output and log-sum-exp: B·T·N·(H + 1) values a layer), which
-# model.py's remat policies keep: recomputing them would run the forward kernel again in the backward
-# pass (a GPT-2 124M step's profile on a TPU v5e showed it twice a layer, ~10 ms of a 179 ms step).
+# The name of splash's inputs and residuals (q, k, v, its output and log-sum-exp: B·T·(2N + 2K + 1)·H
+# values a layer, about), which model.py's remat policies keep: recomputing them would run the forward
+# kernel again in the backward pass (a GPT-2 124M step's profile on a TPU v5e showed it twice a layer,
+# ~10 ms of a 179 ms step), and the projections' bias adds and q's scaling.
 SPLASH_RESIDUALS = "splash_residuals"
 
 

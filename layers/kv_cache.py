@@ -5,7 +5,8 @@ A decode step reads the cache and writes one token per row, so its cost should f
 it must read: the layer stack only reads each layer's slice (the cache is not carried through
 the layer scan, which would copy it), attention covers the filled prefix the caller names
 (`attend`: inference/generate.py and inference/engine.py bucket it), and the new tokens of every layer are written
-after the stack, in one scatter per array.
+after the stack, in one scatter per array (one per layer at large batches; an int8 cache's scales
+with a select).
 """
 
 import dataclasses
@@ -21,7 +22,7 @@ from layers.blocks import constrain, splits
 CACHE_AXES = ("layers", "batch", "seq", "heads")
 # A decode step writes its new keys (values) in one scatter up to this many (layer, row) pairs, and
 # in one scatter per layer past it (KVCache.write: the v5e's measurements).
-ONE_SCATTER_MAX_ROWS = 768
+ONE_SCATTER_MAX_PAIRS = 768
 
 
 @jax.tree_util.register_dataclass
@@ -144,7 +145,7 @@ class KVCache:
         rows_B = jnp.arange(B)
 
         def put(cache, x_LxBx1xKH):
-            if L * B <= ONE_SCATTER_MAX_ROWS:
+            if L * B <= ONE_SCATTER_MAX_PAIRS:
                 at = (jnp.arange(L)[:, None], rows_B[None, :], start_B[None, :])
                 return cache.at[at].set(x_LxBx1xKH[:, :, 0], indices_are_sorted=True, unique_indices=True,
                                         mode="promise_in_bounds")

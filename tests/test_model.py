@@ -685,12 +685,11 @@ def test_int8_cache_written_a_token_at_a_time_holds_what_prefill_writes():
                                        getattr(prefilled, name + "_scale")[:, b, :end], rtol=1e-2)
 
 
-
-@pytest.mark.parametrize("one_scatter_max_rows", [0, 10 ** 6], ids=["a_scatter_per_layer", "one_scatter"])
-def test_a_decode_steps_write_puts_each_rows_token_at_its_position(monkeypatch, one_scatter_max_rows):
-    """Both ways KVCache.write stores one token per row (past ONE_SCATTER_MAX_ROWS (layer, row) pairs
+@pytest.mark.parametrize("one_scatter_max_pairs", [0, 10 ** 6], ids=["a_scatter_per_layer", "one_scatter"])
+def test_a_decode_steps_write_puts_each_rows_token_at_its_position(monkeypatch, one_scatter_max_pairs):
+    """Both ways KVCache.write stores one token per row (past ONE_SCATTER_MAX_PAIRS (layer, row) pairs
     a scatter per layer) change exactly the (layer, row, start_B[row]) entries, to the new ones."""
-    monkeypatch.setattr(kv_cache, "ONE_SCATTER_MAX_ROWS", one_scatter_max_rows)
+    monkeypatch.setattr(kv_cache, "ONE_SCATTER_MAX_PAIRS", one_scatter_max_pairs)
     L, B, S, K, H = 3, 5, 8, 2, 4
     old, new = (kv_cache.KVCache(*(jax.random.normal(jax.random.key(i + j), shape) for j in range(2)), K)
                 for i, shape in ((0, (L, B, S, K * H)), (2, (L, B, 1, K * H))))
@@ -700,6 +699,7 @@ def test_a_decode_steps_write_puts_each_rows_token_at_its_position(monkeypatch, 
         expected = np.array(getattr(old, name))
         expected[:, np.arange(B), start_B] = np.asarray(getattr(new, name))[:, :, 0]
         np.testing.assert_array_equal(getattr(written, name), expected)
+
 
 # --- the GPT-2 speedruns' switches: qk_norm, relu2, zero_init_proj, logit_softcap --------------
 
