@@ -66,7 +66,10 @@ def main(argv: list[str]) -> None:
     kinds = options.compare.split(",")
     if len(kinds) != 2:
         sys.exit(f"config error: --compare takes two attention choices, e.g. splash,einsum; got {options.compare!r}")
-    runs = [losses(dataclasses.replace(config, attention=kind), options.steps) for kind in kinds]
+    try:
+        runs = [losses(dataclasses.replace(config, attention=kind), options.steps) for kind in kinds]
+    except configurator.ConfigError as e:  # e.g. splash on a machine without a TPU
+        sys.exit(f"config error: {e}")
     print(f"  {'step':>4} {kinds[0]:>10} {kinds[1]:>10} {'difference':>10}")
     for i, (a, b) in enumerate(zip(*runs)):
         print(f"  {i:>4} {a:>10.5f} {b:>10.5f} {a - b:>10.2e}")
