@@ -153,8 +153,10 @@ def test_a_step_that_fits_prints_its_compiled_need_and_its_real_peak_is_within_1
 
 
 def test_gpt2_124m_at_batch_16_without_remat_is_refused_in_one_line(monkeypatch, capsys):
-    """XLA:TPU refuses to compile it (~26 GiB of temporaries on a 16 GiB chip): bench.py ends in the
-    pre-flight check's one line, with the bytes XLA's message names and the remedies."""
+    """It needs more than the chip's ~16 GiB. Either XLA:TPU refuses to compile it (its message's
+    bytes are the need) or it compiles and its memory analysis is the need: both routes end in the
+    pre-flight check's one line with the need and the remedies (the route has moved with the
+    attention's layout: XLA refused it at 620015b, it compiles at 6dc2d3a)."""
     messages = []
     refusal = memory.refusal
     monkeypatch.setattr(memory, "refusal", lambda what, message, *a: messages.append(message) or refusal(
@@ -165,10 +167,13 @@ def test_gpt2_124m_at_batch_16_without_remat_is_refused_in_one_line(monkeypatch,
         bench.run(argv)
     line = str(refused.value)
     with capsys.disabled():
-        print("\nbench.py", *argv[1:], "->", line, "\nXLA's message began:", *messages[0].splitlines()[:14], sep="\n")
+        print("\nbench.py", *argv[1:], "->", line, sep="\n")
+        if messages:
+            print("XLA's message began:", *messages[0].splitlines()[:14], sep="\n")
     assert "\n" not in line, line
-    found = re.fullmatch(r"memory: the train step needs ([\d.]+) GiB per device, more than the ([\d.]+) GiB of "
-                         r"(?:hbm|memory) available \(XLA:TPU refused it: RESOURCE_EXHAUSTED\); try (.*)", line)
+    found = re.fullmatch(r"memory: the train step needs ([\d.]+) GiB per device, more than the ([\d.]+) GiB "
+                         r"(?:of (?:hbm|memory) )?available \((?:XLA:TPU refused it: RESOURCE_EXHAUSTED|"
+                         r"TPU v5 lite's memory limit)\); try (.*)", line)
     assert found, line
     assert float(found.group(1)) > float(found.group(2)) > 10  # the chip's ~16 GiB, and more than it
     assert "--remat_policy=dots_with_no_batch_dims_saveable" in found.group(3)
