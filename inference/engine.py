@@ -65,6 +65,7 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None  # None: a random one
     stop_ids: tuple = ()  # the request ends at one of these tokens (which is not passed on)
+    logprobs: bool = False  # its tokens' log-probabilities wanted (Token.logprob, Token.top); else not computed
     on_token: Callable[["Token"], None] | None = None  # each new token, stop tokens excluded
     on_finish: Callable[[str], None] | None = None  # one of FINISH_REASONS, once, last
     # Kept by the engine:
@@ -83,10 +84,11 @@ TOP_LOGPROBS = 5  # alternatives reported with each token (OpenAI's most)
 @dataclasses.dataclass(frozen=True)
 class Token:
     """A new token and the model's log-probabilities (before temperature and filtering): its own,
-    and the TOP_LOGPROBS most likely tokens' as (id, logprob), most likely first."""
+    and the TOP_LOGPROBS most likely tokens' as (id, logprob), most likely first; None for a
+    request that did not ask for them (Request.logprobs)."""
     id: int
-    logprob: float
-    top: tuple
+    logprob: float | None
+    top: tuple | None
 
 
 def prompt_buckets(block_size: int, smallest: int = 16) -> list[int]:
@@ -151,7 +153,7 @@ class Engine:
                     params, one(jnp.int32, (1, P)), one(jnp.int32), *settings).compile()
                 drawn, prefix = prefill.out_info
                 insert = jax.jit(_insert, donate_argnums=0).lower(
-                    state, prefix, drawn["token"], one(jnp.int32), one(jnp.int32), *settings).compile()
+                    state, prefix, drawn["token"], one(jnp.int32), one(jnp.int32), *settings, one(jnp.bool_)).compile()
                 self.prefill_programs[P], self.insert_programs[P] = prefill, insert
 
     # ------------------------------------------------------------------------- requests
@@ -245,8 +247,8 @@ class Engine:
                     np.float32(request.top_p))
         drawn, prefix = self.prefill_programs[bucket](self.params, tokens, np.int32(P), *settings)
         self.state = self.insert_programs[bucket](self.state, prefix, drawn["token"], np.int32(slot), np.int32(P),
-                                                  *settings)
-        self._take(slot, *_on_host(drawn, 0))
+                                                  *settings, np.bool_(request.logprobs))
+        self._take(slot, *_on_host(drawn, 0, request.logprobs))
 
     def _step(self) -> None:
         active = np.array([r is not None for r in self.running])
@@ -260,7 +262,7 @@ class Engine:
         drawn = jax.tree.map(np.asarray, drawn)  # waits for the step: the host needs the tokens to stream them
         self.steps += 1
         for slot in np.flatnonzero(active):
-            self._take(int(slot), *_on_host(drawn, slot))
+            self._take(int(slot), *_on_host(drawn, slot, self.running[slot].logprobs))
 
     def _take(self, slot: int, token: int, info: Token) -> None:
         """A slot's new token: pass it on, or end the request (a stop token, its length, a cancel)."""
@@ -314,30 +316,42 @@ def prefill_program(graphdef, vocab: int):
 
 def _empty_state(config, slots: int, length: int) -> dict:
     """The slots' cache and per-slot arrays: newest token and its position, the number of the next
-    new token (for its key), the seed and the sampling settings."""
+    new token (for its key), the seed, the sampling settings and whether log-probabilities are wanted."""
     zeros = lambda dtype: jnp.zeros((slots,), dtype)
     return {"cache": kv_cache.init_cache(config, slots, length), "token": zeros(jnp.int32),
             "position": zeros(jnp.int32), "index": zeros(jnp.int32), "seed": zeros(jnp.int32),
-            "temperature": zeros(jnp.float32), "top_k": zeros(jnp.int32), "top_p": jnp.ones((slots,))}
+            "temperature": zeros(jnp.float32), "top_k": zeros(jnp.int32), "top_p": jnp.ones((slots,)),
+            "logprobs": zeros(jnp.bool_)}
 
 
-def _draw(logits_BxV, seed_B, index_B, temperature_B, top_k_B, top_p_B) -> dict:
-    """Each row's token number index_B[b], with inference/generate.py's key for its row 0, and log-probabilities."""
+def _draw(logits_BxV, seed_B, index_B, temperature_B, top_k_B, top_p_B, logprobs=True) -> dict:
+    """Each row's token number index_B[b], with inference/generate.py's key for its row 0, and
+    log-probabilities where `logprobs` (a step's: any running slot asked for them), zeros otherwise:
+    the log-softmax and top-k over the vocabulary doubled the step of a small model on a CPU."""
     keys_B = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), 0))(
         seed_B, index_B)
     token_B = generate.sample_logits(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B)
-    logprobs_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
-    top_logprobs_BxK, top_ids_BxK = jax.lax.top_k(logprobs_BxV, min(TOP_LOGPROBS, logits_BxV.shape[-1]))
-    return {"token": token_B, "logprob": jnp.take_along_axis(logprobs_BxV, token_B[:, None], -1)[:, 0],
-            "top_ids": top_ids_BxK, "top_logprobs": top_logprobs_BxK}
+    B, K = token_B.shape[0], min(TOP_LOGPROBS, logits_BxV.shape[-1])
+
+    def computed():
+        logprobs_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+        top_logprobs_BxK, top_ids_BxK = jax.lax.top_k(logprobs_BxV, K)
+        return {"logprob": jnp.take_along_axis(logprobs_BxV, token_B[:, None], -1)[:, 0],
+                "top_ids": top_ids_BxK, "top_logprobs": top_logprobs_BxK}
+
+    skipped = lambda: {"logprob": jnp.zeros(B, logits_BxV.dtype), "top_ids": jnp.zeros((B, K), jnp.int32),
+                       "top_logprobs": jnp.zeros((B, K), logits_BxV.dtype)}
+    return {"token": token_B, **jax.lax.cond(logprobs, computed, skipped)}
 
 
-def _on_host(drawn: dict, row: int) -> tuple:
+def _on_host(drawn: dict, row: int, logprobs: bool) -> tuple:
     """(token id, Token) of one row of _draw's arrays, fetched to the host (np.asarray first:
-    indexing a jax.Array would compile a program)."""
+    indexing a jax.Array would compile a program); the log-probabilities only where wanted."""
+    token = int(np.asarray(drawn["token"])[row])
+    if not logprobs:
+        return token, Token(token, None, None)
     drawn = {k: np.asarray(v)[row] for k, v in drawn.items()}
     top = tuple(zip(drawn["top_ids"].tolist(), drawn["top_logprobs"].tolist()))
-    token = int(drawn["token"])
     return token, Token(token, float(drawn["logprob"]), top)
 
 
@@ -352,7 +366,7 @@ def _prefill(graphdef, vocab: int, params, tokens_1xP, length, seed, temperature
     return drawn, cache
 
 
-def _insert(state, prefix, token_1, slot, length, seed, temperature, top_k, top_p) -> dict:
+def _insert(state, prefix, token_1, slot, length, seed, temperature, top_k, top_p, logprobs) -> dict:
     """The slot's row of the cache starts with the prompt's; its newest token is the prefill's (at
     position `length`), its next one is token number 1."""
     put = lambda big, small: jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (0, slot, 0, 0))
@@ -361,7 +375,8 @@ def _insert(state, prefix, token_1, slot, length, seed, temperature, top_k, top_
             "position": state["position"].at[slot].set(length),
             "index": state["index"].at[slot].set(1), "seed": state["seed"].at[slot].set(seed),
             "temperature": state["temperature"].at[slot].set(temperature),
-            "top_k": state["top_k"].at[slot].set(top_k), "top_p": state["top_p"].at[slot].set(top_p)}
+            "top_k": state["top_k"].at[slot].set(top_k), "top_p": state["top_p"].at[slot].set(top_p),
+            "logprobs": state["logprobs"].at[slot].set(logprobs)}
 
 
 def _step(graphdef, vocab: int, params, state, active_B, attend: int | None = None):
@@ -370,7 +385,7 @@ def _step(graphdef, vocab: int, params, state, active_B, attend: int | None = No
     gpt = nnx.merge(graphdef, params)
     logits_BxV, cache = gpt.decode(state["token"][:, None], state["cache"], state["position"], attend=attend)
     drawn = _draw(logits_BxV[:, :vocab], state["seed"], state["index"], state["temperature"],
-                  state["top_k"], state["top_p"])
+                  state["top_k"], state["top_p"], logprobs=jnp.any(state["logprobs"] & active_B))
     step = active_B.astype(jnp.int32)
     # The per-slot arrays stay replicated, as _empty_state made them (the programs were compiled for that).
     replicated = lambda x_B: constrain(x_B, (None,))

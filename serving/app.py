@@ -164,8 +164,8 @@ class Generation:
         self.server, self.text = server, TextStream(server.tok, sampling.stop)
         self.request = engine.Request(prompt, min(sampling.max_tokens, server.context - len(prompt)),
                                       sampling.temperature, sampling.top_k, sampling.top_p, seed,
-                                      tuple(server.tok.stop_tokens), on_token=put,
-                                      on_finish=lambda reason: put(("finish", reason)))
+                                      tuple(server.tok.stop_tokens), logprobs=sampling.logprobs is not None,
+                                      on_token=put, on_finish=lambda reason: put(("finish", reason)))
         self.finish_reason = None
         try:
             server.engine.submit(self.request)

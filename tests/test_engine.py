@@ -3,6 +3,7 @@ data=2, and with slots at different positions reading different prefixes of the 
 
 import threading
 
+import numpy as np
 import pytest
 from test_generate import RAGGED, long_context, sharded_model
 
@@ -58,3 +59,36 @@ def test_slots_at_different_positions_read_their_buckets_and_decode_as_generate(
     assert all(called.values()), called  # every bucket served some steps (the 40-token prompt reaches 89)
     expected = [generate.generate(setup, params, [ids], 50, temperature=0).tokens[0] for ids in prompts]
     assert [r.tokens for r in requests] == expected
+
+
+def test_log_probabilities_are_computed_for_the_requests_that_ask_whatever_runs_beside_them():
+    """A step computes the log-softmax and top-k only when a running slot asked for them: a request
+    with logprobs gets the same ones alone as beside a request without (which gets None)."""
+    setup, params = sharded_model("gqa", 1, 1)
+    e = engine.Engine(setup, params, slots=2, max_queue=8, log=lambda line: None)
+    done = threading.Semaphore(0)
+
+    def submit(ids, logprobs):
+        tokens = []
+        request = e.submit(engine.Request(ids, 6, temperature=0, logprobs=logprobs, on_token=tokens.append,
+                                          on_finish=lambda _: done.release()))
+        return request, tokens
+
+    def wait(n):
+        for _ in range(n):
+            assert done.acquire(timeout=120)
+
+    alone, alone_tokens = submit(RAGGED[0], True)
+    wait(1)
+    without, without_tokens = submit(RAGGED[1], False)  # takes slot 0: the asking request is in slot 1
+    beside, beside_tokens = submit(RAGGED[0], True)
+    wait(2)
+    e.shutdown()
+    assert beside.tokens == alone.tokens and len(beside_tokens) == 6
+    for a, b in zip(alone_tokens, beside_tokens, strict=True):
+        assert a.logprob is not None and a.logprob <= 0 and len(a.top) == engine.TOP_LOGPROBS
+        assert a.top[0][0] == a.id  # greedy: the drawn token is the most likely
+        np.testing.assert_allclose(b.logprob, a.logprob, atol=1e-5)
+        np.testing.assert_allclose([lp for _, lp in b.top], [lp for _, lp in a.top], atol=1e-5)
+    assert all(t.logprob is None and t.top is None for t in without_tokens)
+    assert without.tokens == generate.generate(setup, params, [RAGGED[1]], 6, temperature=0).tokens[0]
