@@ -123,30 +123,49 @@ def parse_sampling(body: dict, known: set, default_max_tokens: int) -> Sampling:
 
 class TextStream:
     """A request's new tokens as text: holds back an unfinished UTF-8 character and any tail that
-    could be the start of a stop string; the text ends before the first stop string."""
+    could be the start of a stop string; the text ends before the first stop string.
+
+    Each token costs the decoding of a few tokens, not of all so far: the new text is what a window
+    of the last tokens decodes to past what its start decoded to (a tokenizer may decode a token
+    differently at the start of a text, as SentencePiece drops a leading space); the window moves
+    on once it decodes to whole characters."""
 
     def __init__(self, tok, stop: list):
         self.tok, self.stop, self.ids, self.sent, self.stopped = tok, stop, [], 0, False
         self.text = ""
+        self.window_start = self.window_read = 0  # ids[window_start:window_read]: decoded into text already
 
     def add(self, token: int) -> str:
         """The text that can be passed on now."""
         self.ids.append(token)
-        self.text = self.tok.decode(self.ids)
-        found = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        self._decode_new(finished=False)
+        # a stop string cannot start in the text already sent (add() held back any tail that could start one)
+        found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
         if found:
             self.text, self.stopped = self.text[:min(found)], True
             return self._release(len(self.text))
-        safe = len(self.text.rstrip("\ufffd"))  # a character whose bytes are not all there yet
+        safe = len(self.text)
         for s in self.stop:
             for k in range(min(len(s) - 1, safe), 0, -1):
-                if self.text[:safe].endswith(s[:k]):
+                if self.text.endswith(s[:k], 0, safe):
                     safe -= k
                     break
         return self._release(safe)
 
     def finish(self) -> str:
+        self._decode_new(finished=True)
         return self._release(len(self.text))
+
+    def _decode_new(self, finished: bool) -> None:
+        """Append the text of the ids not decoded yet: only whole characters, unless finished."""
+        if self.stopped:
+            return
+        before = self.tok.decode(self.ids[self.window_start:self.window_read])
+        after = self.tok.decode(self.ids[self.window_start:])
+        if after.endswith("\ufffd") and not finished:  # a character whose bytes are not all there yet
+            return
+        self.text += after[len(before):]
+        self.window_start, self.window_read = self.window_read, len(self.ids)
 
     def _release(self, end: int) -> str:
         piece = self.text[self.sent:end] if end > self.sent else ""
@@ -178,25 +197,29 @@ class Generation:
 
     async def pieces(self):
         """(new text, the engine.Tokens it came from), piece by piece, until the request ends
-        (finish_reason is then set)."""
-        tokens = []
+        (finish_reason is then set). Tokens that arrived while the last piece was being sent go
+        out as one piece: when the server falls behind the engine, it sends fewer, longer events."""
+        tokens, piece = [], ""
         while True:
-            item = await self.queue.get()
-            if isinstance(item, tuple):
-                self.finish_reason = "stop" if self.text.stopped else item[1]
-                rest = self.text.finish()
-                if rest or tokens:
-                    yield rest, tokens
-                return
-            if self.text.stopped:
-                continue  # past a stop string: the engine is being told to stop
-            tokens.append(item)
-            piece = self.text.add(item.id)
-            if self.text.stopped:
-                self.server.engine.cancel(self.request)
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            for item in items:
+                if isinstance(item, tuple):
+                    self.finish_reason = "stop" if self.text.stopped else item[1]
+                    piece += self.text.finish()
+                    if piece or tokens:
+                        yield piece, tokens
+                    return
+                if self.text.stopped:
+                    continue  # past a stop string: the engine is being told to stop
+                tokens.append(item)
+                piece += self.text.add(item.id)
+                if self.text.stopped:
+                    self.server.engine.cancel(self.request)
             if piece:
                 yield piece, tokens
-                tokens = []
+                tokens, piece = [], ""
 
     def cancel(self):
         if self.finish_reason is None:

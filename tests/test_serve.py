@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+import tokenizers
 from flax import nnx
 from test_hf import random_hf_llama, write_hf_llama
 from test_train import small_config
@@ -30,6 +31,7 @@ import train
 from data import chat_template, tokenizer
 from inference import engine, generate, loader
 from layers import kv_cache
+from serving import app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:!?., \n"  # the default chat template's too
@@ -525,3 +527,37 @@ def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(slow_server):
     assert len("".join(c["choices"][0]["text"] for c in chunks)) == generated
     assert process.wait(timeout=60) == 0
     assert "request" in process.stdout.read()  # the per-request log line
+
+
+def metaspace_tokenizer(directory):
+    """A SentencePiece-style tokenizer (spaces as '▁', dropped at the start of a decoded text), trained here."""
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tok.decoder = tokenizers.decoders.Metaspace()
+    tok.train_from_iterator(["the cat sat on the mat, the end", "a dog and a cat"] * 5,
+                            tokenizers.trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"], show_progress=False))
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+    return tokenizer.hf_tokenizer(directory)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "metaspace"])
+def test_text_streamed_token_by_token_is_the_whole_decode(kind, tmp_path):
+    """TextStream decodes a window of the last tokens, not all of them: the pieces still add up to
+    decode(all ids), with no half character (GPT-2 splits '☕' and '日本' into byte tokens) and no
+    space lost where a SentencePiece decoder drops the first one of a text."""
+    tok = tokenizer.gpt2_tokenizer() if kind == "gpt2" else metaspace_tokenizer(tmp_path / "tok")
+    text = "café ☕ naïve 日本 done" if kind == "gpt2" else "the cat sat on the mat and a dog"
+    ids = tok.encode(text)
+    stream = app.TextStream(tok, [])
+    pieces = [stream.add(i) for i in ids] + [stream.finish()]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert len([p for p in pieces if p]) > 3  # streamed, not all at the end
+
+
+def test_text_stream_ends_before_a_stop_string_that_spans_tokens():
+    tok = tokenizer.gpt2_tokenizer()
+    stream = app.TextStream(tok, ["quick brown", "zebra"])
+    pieces = [stream.add(i) for i in tok.encode("The quick brown fox jumps")]
+    assert "".join(pieces) + stream.finish() == "The " and stream.stopped
