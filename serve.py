@@ -232,16 +232,23 @@ class UvicornServer(uvicorn.Server):
 
 
 def summaries(server: Server, stop: threading.Event) -> None:
-    """A line every log_interval seconds while requests come: slots busy, queue, tokens/s."""
-    last_tokens, last_time = 0, time.perf_counter()
+    """A line every log_interval seconds while requests come: slots busy, queue, tokens/s, and where a
+    step's time went: the step program (dispatch and the wait for its tokens), handing the tokens out,
+    admitting new requests; the rest of a step's share of the time the loop spent elsewhere (waiting
+    for Python's lock while the HTTP side runs, or idle)."""
+    last, last_time = None, time.perf_counter()
     while not stop.wait(server.cfg.log_interval):
         if server.engine is None:
             continue
         s, now = server.engine.stats(), time.perf_counter()
-        if s["tokens"] != last_tokens or s["busy"] or s["queued"]:
+        if last is not None and (s["tokens"] != last["tokens"] or s["busy"] or s["queued"]):
+            steps, seconds = s["steps"] - last["steps"], now - last_time
+            per_step = {k: (v - last["seconds"][k]) / max(steps, 1) * 1e3 for k, v in s["seconds"].items()}
             print(f"engine: {s['busy']}/{s['slots']} slots busy, {s['queued']} queued, "
-                  f"{(s['tokens'] - last_tokens) / (now - last_time):,.1f} tok/s", flush=True)
-        last_tokens, last_time = s["tokens"], now
+                  f"{(s['tokens'] - last['tokens']) / seconds:,.1f} tok/s, {steps / seconds:,.1f} steps/s; a step "
+                  f"{seconds / max(steps, 1) * 1e3:.2f} ms: the program {per_step['step']:.2f}, tokens out "
+                  f"{per_step['tokens']:.2f}, admitting {per_step['admit']:.2f}", flush=True)
+        last, last_time = s, now
 
 
 def check_socket_path(path: str) -> None:

@@ -117,6 +117,9 @@ class Engine:
         self.wake = threading.Condition()
         self.accepting, self.stopping, self.failure = True, False, None
         self.tokens_out, self.steps, self.aborted = 0, 0, 0
+        # where the loop's time goes (stats(), serve.py's summary line): the step programs (dispatch and
+        # the wait for their tokens), handing the tokens out (the callbacks), admitting requests (prefill, insert)
+        self.seconds = {"step": 0.0, "tokens": 0.0, "admit": 0.0}
         c = self.config
         self.weight_bytes = sum(a.nbytes for a in jax.tree.leaves(self.params))
         # The cache as built (its dtype, an int8 cache's scales): measured, not derived from the config.
@@ -201,6 +204,7 @@ class Engine:
         with self.wake:
             return {"slots": self.slots, "busy": sum(r is not None for r in self.running),
                     "queued": len(self.queue), "tokens": self.tokens_out, "steps": self.steps, "aborted": self.aborted,
+                    "seconds": dict(self.seconds),
                     "compiles_while_serving": _compile_count() - self.compiles_before_serving}
 
     # ------------------------------------------------------------------------- the loop
@@ -233,8 +237,10 @@ class Engine:
                     slot = self.running.index(None)
                     self.running[slot] = self.queue.popleft()
                     admitted.append(slot)
+            start = time.perf_counter()
             for slot in admitted:  # device work outside the lock: submit() never waits for it
                 self._start(slot)
+            self.seconds["admit"] += time.perf_counter() - start
             self._step()
 
     def _start(self, slot: int) -> None:
@@ -258,11 +264,15 @@ class Engine:
         # the step reads the cached positions before it, in the smallest bucket that holds them.
         newest = max(len(r.prompt) + len(r.tokens) - 1 for r in self.running if r is not None)
         attend = next(b for b in self.step_programs if b >= newest)
+        start = time.perf_counter()
         self.state, drawn = self.step_programs[attend](self.params, self.state, active)
         drawn = jax.tree.map(np.asarray, drawn)  # waits for the step: the host needs the tokens to stream them
+        tokens = time.perf_counter()
         self.steps += 1
         for slot in np.flatnonzero(active):
             self._take(int(slot), *_on_host(drawn, slot, self.running[slot].logprobs))
+        self.seconds["step"] += tokens - start
+        self.seconds["tokens"] += time.perf_counter() - tokens
 
     def _take(self, slot: int, token: int, info: Token) -> None:
         """A slot's new token: pass it on, or end the request (a stop token, its length, a cancel)."""

@@ -84,6 +84,9 @@ def test_log_probabilities_are_computed_for_the_requests_that_ask_whatever_runs_
     beside, beside_tokens = submit(RAGGED[0], True)
     wait(2)
     e.shutdown()
+    stats = e.stats()
+    assert stats["tokens"] == 18 and stats["steps"] >= 10  # 3 x 6 tokens; the first of each from its prefill
+    assert all(stats["seconds"][part] > 0 for part in ("step", "tokens", "admit")), stats
     assert beside.tokens == alone.tokens and len(beside_tokens) == 6
     for a, b in zip(alone_tokens, beside_tokens, strict=True):
         assert a.logprob is not None and a.logprob <= 0 and len(a.top) == engine.TOP_LOGPROBS
