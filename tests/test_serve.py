@@ -534,8 +534,8 @@ def metaspace_tokenizer(directory):
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
     tok.decoder = tokenizers.decoders.Metaspace()
-    tok.train_from_iterator(["the cat sat on the mat, the end", "a dog and a cat"] * 5,
-                            tokenizers.trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"], show_progress=False))
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"], show_progress=False)
+    tok.train_from_iterator(["the cat sat on the mat, the end", "a dog and a cat"] * 5, trainer)
     directory.mkdir()
     (directory / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
     return tokenizer.hf_tokenizer(directory)
