@@ -234,20 +234,26 @@ class UvicornServer(uvicorn.Server):
 def summaries(server: Server, stop: threading.Event) -> None:
     """A line every log_interval seconds while requests come: slots busy, queue, tokens/s, and where a
     step's time went: the step program (dispatch and the wait for its tokens), handing the tokens out,
-    admitting new requests; the rest of a step's share of the time the loop spent elsewhere (waiting
-    for Python's lock while the HTTP side runs, or idle)."""
-    last, last_time = None, time.perf_counter()
+    admitting new requests; the rest of a step's share of the loop's busy time (the interval less its
+    waits for work) went elsewhere: to waiting for Python's lock while the HTTP side runs."""
+    last = last_time = None
     while not stop.wait(server.cfg.log_interval):
         if server.engine is None:
             continue
         s, now = server.engine.stats(), time.perf_counter()
-        if last is not None and (s["tokens"] != last["tokens"] or s["busy"] or s["queued"]):
+        if last is None:  # the engine's counters start at zero when it starts
+            last = {"tokens": 0, "steps": 0, "seconds": dict.fromkeys(s["seconds"], 0.0)}
+            last_time = server.engine.started
+        if s["tokens"] != last["tokens"] or s["busy"] or s["queued"]:
             steps, seconds = s["steps"] - last["steps"], now - last_time
-            per_step = {k: (v - last["seconds"][k]) / max(steps, 1) * 1e3 for k, v in s["seconds"].items()}
-            print(f"engine: {s['busy']}/{s['slots']} slots busy, {s['queued']} queued, "
-                  f"{(s['tokens'] - last['tokens']) / seconds:,.1f} tok/s, {steps / seconds:,.1f} steps/s; a step "
-                  f"{seconds / max(steps, 1) * 1e3:.2f} ms: the program {per_step['step']:.2f}, tokens out "
-                  f"{per_step['tokens']:.2f}, admitting {per_step['admit']:.2f}", flush=True)
+            line = (f"engine: {s['busy']}/{s['slots']} slots busy, {s['queued']} queued, "
+                    f"{(s['tokens'] - last['tokens']) / seconds:,.1f} tok/s, {steps / seconds:,.1f} steps/s")
+            if steps:
+                per_step = {k: (v - last["seconds"][k]) / steps * 1e3 for k, v in s["seconds"].items()}
+                line += (f"; a step {seconds / steps * 1e3 - per_step['idle']:.2f} ms busy: the program "
+                         f"{per_step['step']:.2f}, tokens out {per_step['tokens']:.2f}, "
+                         f"admitting {per_step['admit']:.2f}")
+            print(line, flush=True)
         last, last_time = s, now
 
 

@@ -118,8 +118,10 @@ class Engine:
         self.accepting, self.stopping, self.failure = True, False, None
         self.tokens_out, self.steps, self.aborted = 0, 0, 0
         # where the loop's time goes (stats(), serve.py's summary line): the step programs (dispatch and
-        # the wait for their tokens), handing the tokens out (the callbacks), admitting requests (prefill, insert)
-        self.seconds = {"step": 0.0, "tokens": 0.0, "admit": 0.0}
+        # the wait for their tokens), handing the tokens out (the callbacks), admitting requests (prefill,
+        # insert), and waiting for work
+        self.seconds = {"step": 0.0, "tokens": 0.0, "admit": 0.0, "idle": 0.0}
+        self.idle_since: float | None = None  # when the loop began its current wait for work
         c = self.config
         self.weight_bytes = sum(a.nbytes for a in jax.tree.leaves(self.params))
         # The cache as built (its dtype, an int8 cache's scales): measured, not derived from the config.
@@ -132,6 +134,7 @@ class Engine:
         self.compile_s = time.perf_counter() - start
         self.compiles_before_serving = _compile_count()
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.started = time.perf_counter()  # stats()' counters count from here
         self.thread.start()
 
     # ------------------------------------------------------------------------- programs
@@ -204,7 +207,8 @@ class Engine:
         with self.wake:
             return {"slots": self.slots, "busy": sum(r is not None for r in self.running),
                     "queued": len(self.queue), "tokens": self.tokens_out, "steps": self.steps, "aborted": self.aborted,
-                    "seconds": dict(self.seconds),
+                    "seconds": {**self.seconds, "idle": self.seconds["idle"] + (
+                        0.0 if self.idle_since is None else time.perf_counter() - self.idle_since)},
                     "compiles_while_serving": _compile_count() - self.compiles_before_serving}
 
     # ------------------------------------------------------------------------- the loop
@@ -225,7 +229,10 @@ class Engine:
         while True:
             with self.wake:
                 while not self.stopping and not self.queue and not any(self.running):
+                    self.idle_since = time.perf_counter()
                     self.wake.wait()
+                    self.seconds["idle"] += time.perf_counter() - self.idle_since
+                    self.idle_since = None
                 if self.stopping:
                     for request in [*self.queue, *filter(None, self.running)]:
                         self._finish(request, "abort")

@@ -139,10 +139,19 @@ class TextStream:
         """The text that can be passed on now."""
         self.ids.append(token)
         self._decode_new(finished=False)
-        # a stop string cannot start in the text already sent (add() held back any tail that could start one)
+        return self._release_unless_stopped(finished=False)
+
+    def finish(self) -> str:
+        """The rest of the text (up to a stop string in it: the last tokens may complete one)."""
+        self._decode_new(finished=True)
+        return self._release_unless_stopped(finished=True)
+
+    def _release_unless_stopped(self, finished: bool) -> str:
+        # a stop string cannot start in the text already sent (what could start one was held back)
         found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
         if found:
             self.text, self.stopped = self.text[:min(found)], True
+        if found or finished:
             return self._release(len(self.text))
         safe = len(self.text)
         for s in self.stop:
@@ -151,10 +160,6 @@ class TextStream:
                     safe -= k
                     break
         return self._release(safe)
-
-    def finish(self) -> str:
-        self._decode_new(finished=True)
-        return self._release(len(self.text))
 
     def _decode_new(self, finished: bool) -> None:
         """Append the text of the ids not decoded yet: only whole characters, unless finished."""
@@ -206,8 +211,8 @@ class Generation:
                 items.append(self.queue.get_nowait())
             for item in items:
                 if isinstance(item, tuple):
-                    self.finish_reason = "stop" if self.text.stopped else item[1]
                     piece += self.text.finish()
+                    self.finish_reason = "stop" if self.text.stopped else item[1]
                     if piece or tokens:
                         yield piece, tokens
                     return

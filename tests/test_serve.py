@@ -561,3 +561,13 @@ def test_text_stream_ends_before_a_stop_string_that_spans_tokens():
     stream = app.TextStream(tok, ["quick brown", "zebra"])
     pieces = [stream.add(i) for i in tok.encode("The quick brown fox jumps")]
     assert "".join(pieces) + stream.finish() == "The " and stream.stopped
+
+
+def test_a_stop_string_completed_by_tokens_that_end_inside_a_character_still_stops():
+    """The request ends (max_tokens) after ' \\xe2\\x80', the first bytes of '“': finish() decodes the
+    held-back tokens and still ends the text before the stop string they complete."""
+    tok = tokenizer.gpt2_tokenizer()
+    ids = tok.encode("Hello “quoted”")[:2]
+    assert tok.decode(ids) == "Hello \ufffd"  # the last token ends inside a character
+    stream = app.TextStream(tok, [" "])
+    assert "".join(stream.add(i) for i in ids) + stream.finish() == "Hello" and stream.stopped
