@@ -139,14 +139,14 @@ class TextStream:
         """The text that can be passed on now."""
         self.ids.append(token)
         self._decode_new(finished=False)
-        return self._release_unless_stopped(finished=False)
+        return self._release_before_stop(finished=False)
 
     def finish(self) -> str:
         """The rest of the text (up to a stop string in it: the last tokens may complete one)."""
         self._decode_new(finished=True)
-        return self._release_unless_stopped(finished=True)
+        return self._release_before_stop(finished=True)
 
-    def _release_unless_stopped(self, finished: bool) -> str:
+    def _release_before_stop(self, finished: bool) -> str:
         # a stop string cannot start in the text already sent (what could start one was held back)
         found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
         if found:
