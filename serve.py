@@ -63,6 +63,8 @@ class ServeConfig:
     #                where no TCP port may be opened); '' = host:port
     slots: int = 8  # requests decoding at once: rows of one KV cache
     max_queue: int = 64  # requests waiting for a slot; past that, 429
+    decode_steps: int = 8  # tokens per slot per decode program: fewer host round trips per token; a new request
+    #                        waits for the one in flight, and a stream's tokens arrive in groups of about this many
     max_body_bytes: int = 8 * 2**20  # a request body past this gets a 413 before it is read whole (8 MiB: a
     #                                  prompt of about 2M tokens of text, or 1M as a JSON list of ids)
     model_name: str = ""  # the id clients send as "model"; '' = out_dir's or init_from's last part
@@ -83,7 +85,7 @@ class ServeConfig:
 
     def __post_init__(self):
         configurator.check_init_from(self.init_from, choices=("resume",))
-        for key in ("slots", "max_queue", "mesh_data", "mesh_tensor", "max_body_bytes"):
+        for key in ("slots", "max_queue", "decode_steps", "mesh_data", "mesh_tensor", "max_body_bytes"):
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if len(os.fsencode(self.uds)) > MAX_SOCKET_PATH:
@@ -141,7 +143,7 @@ class Server:
             with memory.refusing_out_of_memory("serving", list(self.setup.mesh.devices.flat),
                                                memory.serving_remedies(self.cfg, len(jax.devices())), self.params):
                 e = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue,
-                                  vocab=self.tok.vocab_size)
+                                  vocab=self.tok.vocab_size, decode_steps=self.cfg.decode_steps)
         except configurator.ConfigError as error:
             return fail(error)
         if self.cfg.memory_check:
@@ -157,13 +159,10 @@ class Server:
               flush=True)
 
     def check_memory(self, e: engine.Engine) -> dict:
-        """memory.check of the engine's programs: a decode step holds the weights and every slot's
-        cache (its arguments); a prompt's prefill runs beside that cache, which it does not take."""
+        """memory.check of the engine's programs: each holds the weights and every slot's cache (its
+        arguments, donated back); an admission also its prompts' activations."""
         devices = list(e.mesh.devices.flat)
-        platform = devices[0].platform
-        cache_bytes = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(e.state))
-        need = max(memory.needed([e.step_program, *e.insert_programs.values()], platform),
-                   memory.needed(e.prefill_programs.values(), platform) + cache_bytes)
+        need = memory.needed([e.step_program, *e.admit_programs.values()], devices[0].platform)
         return memory.check("serving", need, devices, self.cfg.memory_limit_gib,
                             memory.serving_remedies(self.cfg, len(jax.devices())))
 

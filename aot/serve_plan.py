@@ -4,8 +4,8 @@ here, and what serving costs there, before anyone pays for it.
     python compile_aot.py config/llama3_1b.py --serve --topology=v5e-8 --mesh_tensor=8 --mesh_data=1 \
         --slots=32 --context=8192 --kv_cache_dtype=int8
 
-The programs are the engine's own (its empty state, a prefill of `context` tokens, one decode step
-for all slots), lowered with abstract sharded weights, nothing allocated. The report, per chip:
+The programs are the engine's own (its empty state, the admission of one prompt of `context` tokens,
+one decode step for all slots), lowered with abstract sharded weights, nothing allocated. The report, per chip:
 the weights, the KV cache per token and per slot (next to the arithmetic: 2 x layers x KV heads x
 head size x bytes per token), the most slots that fit next to the weights and the step's
 temporaries, the decode step's FLOPs and the bytes it reads, the memory-bound step time (those
@@ -153,18 +153,19 @@ def compile_serving(config: configurator.Config, target, vocab_size: int, slots:
                                        f"({sharding.batch_shards(mesh)}): use a multiple of it")
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     one = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
-    settings = (one(jnp.int32), one(jnp.float32), one(jnp.int32), one(jnp.float32))
     oom, step_memory, prefill_temporaries = "", {}, 0
     with sharding.activate(mesh):
         params = serving_params(setup, weight_dtype)
         lowered = engine.empty_state_program(c, slots, c.block_size).lower()
         state = abstract_outputs(lowered.compile(), lowered)
         try:
-            step = engine.step_program(setup.graphdef, c.vocab_size).lower(
+            step = engine.decode_program(setup.graphdef, c.vocab_size).lower(
                 params, state, one(jnp.bool_, (slots,))).compile()
             step_memory = xla_memory(step, target.devices[0].platform)
-            prefill = engine.prefill_program(setup.graphdef, c.vocab_size).lower(
-                params, one(jnp.int32, (1, c.block_size)), one(jnp.int32), *settings).compile()
+            row = lambda dtype: one(dtype, (1,))
+            prefill = engine.admit_program(setup.graphdef, c.vocab_size).lower(
+                params, state, one(jnp.int32, (1, c.block_size)), row(jnp.int32), row(jnp.int32), row(jnp.int32),
+                row(jnp.float32), row(jnp.int32), row(jnp.float32), row(jnp.bool_)).compile()
             prefill_temporaries = prefill.memory_analysis().temp_size_in_bytes
         except Exception as e:  # XLA:TPU refuses a program that can't fit; anything else is a bug
             if "RESOURCE_EXHAUSTED" not in str(e):

@@ -1,17 +1,21 @@
 """Serving without HTTP: decode slots over one KV cache, refilled as requests finish (continuous
 batching), in the shape of MaxText's engine (JetStream):
 
-    prefill  one request's prompt, right-padded to a bucket of lengths (powers of two up to
-             block_size), through the model into a cache of the bucket's length; samples the
-             request's first token
-    insert   that cache and token into a free slot: a row of the engine's (L, slots, S, K·H) cache
-    step     one new token for every slot at once; a slot nobody uses computes too (the shapes
-             never change) and its token is dropped. The step reads the cache's first `attend`
-             positions, the smallest of generate.attend_buckets that holds every running slot's
-             cached positions
+    admit    waiting requests' prompts, right-padded to a bucket of lengths (powers of two up to
+             block_size), up to ADMIT_ROWS of them in one program: their prefill through the model,
+             their first tokens sampled, and their caches written into free slots (rows of the
+             engine's (L, slots, S, K·H) cache)
+    decode   `decode_steps` new tokens for every slot at once, in one program; a slot nobody uses
+             computes too (the shapes never change) and its tokens are dropped, as are a request's
+             tokens past its end (a stop token, max_tokens). Each step reads the cache's first
+             `attend` positions, the smallest of generate.attend_buckets that holds every running
+             slot's positions up to the last step's
 
-Every program is compiled ahead of time at start-up (a prefill and an insert per prompt bucket,
-a step per attend bucket), so serving never compiles. Sampling settings (temperature, top_k, top_p) and keys live
+One call makes several tokens per slot because the host's part of a step (a program's dispatch,
+fetching its tokens, handing them out) cost about as much as the step itself on a TPU (bench/NOTES.md).
+
+Every program is compiled ahead of time at start-up (an admit per prompt bucket and row count, a
+decode per attend bucket), so serving never compiles. Sampling settings (temperature, top_k, top_p) and keys live
 in per-slot arrays, so requests with different settings share one step. A request's i-th token
 is drawn with the key fold_in(fold_in(key(seed), i), 0), as inference/generate.py draws its first row's:
 what a request gets does not depend on what runs beside it.
@@ -97,17 +101,32 @@ def prompt_buckets(block_size: int, smallest: int = 16) -> list[int]:
     return buckets + [block_size]
 
 
+# Prompts admitted in one program: one, or up to 8 of a bucket (padded with rows that write nothing) where
+# 8 x the bucket's length stays within ADMIT_TOKENS, so that a burst of arrivals costs one prefill, not 8.
+ADMIT_ROWS, ADMIT_TOKENS = (1, 8), 4096
+
+
+def admit_rows(bucket: int, slots: int) -> list[int]:
+    """The row counts compiled for a prompt bucket (1 always)."""
+    return [r for r in ADMIT_ROWS if r == 1 or (r <= slots and r * bucket <= ADMIT_TOKENS)]
+
+
 class Engine:
     """`slots` requests decode at once; more wait in a queue of at most max_queue."""
 
-    def __init__(self, setup, params, slots: int = 8, max_queue: int = 64, log=print, vocab: int | None = None):
-        """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary)."""
+    def __init__(self, setup, params, slots: int = 8, max_queue: int = 64, log=print, vocab: int | None = None,
+                 decode_steps: int = 8):
+        """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary).
+        decode_steps: tokens per slot per decode program (more: less host work per token; a request
+        that ends or arrives waits for the call in flight)."""
         self.config, self.mesh, self.graphdef = setup.model_config, setup.mesh, setup.graphdef
         if slots % sharding.batch_shards(self.mesh):  # the slots are the cache's rows, split like a batch
             raise EngineError(f"slots={slots} is not divisible by the mesh's batch axes (mesh_data = "
                               f"{sharding.batch_shards(self.mesh)}): use a multiple of it")
+        if decode_steps < 1:
+            raise EngineError(f"decode_steps must be >= 1, got {decode_steps}")
         self.vocab = generate.drawable_ids(setup, vocab)
-        self.slots, self.max_queue, self.log = slots, max_queue, log
+        self.slots, self.max_queue, self.log, self.decode_steps = slots, max_queue, log, decode_steps
         self.context = self.config.block_size
         self.buckets = prompt_buckets(self.context)
         self.params = generate.weights_in_compute_dtype(setup.graphdef, params)
@@ -117,9 +136,9 @@ class Engine:
         self.wake = threading.Condition()
         self.accepting, self.stopping, self.failure = True, False, None
         self.tokens_out, self.steps, self.aborted = 0, 0, 0
-        # where the loop's time goes (stats(), serve.py's summary line): the step programs (dispatch and
-        # the wait for their tokens), handing the tokens out (the callbacks), admitting requests (prefill,
-        # insert), and waiting for work
+        # where the loop's time goes (stats(), serve.py's summary line): the decode programs (dispatch and
+        # the wait for their tokens), handing the tokens out (the callbacks), admitting requests (their
+        # programs, first tokens), and waiting for work
         self.seconds = {"step": 0.0, "tokens": 0.0, "admit": 0.0, "idle": 0.0}
         self.idle_since: float | None = None  # when the loop began its current wait for work
         c = self.config
@@ -143,24 +162,22 @@ class Engine:
         S, replicated = self.context, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         cfg, graphdef = self.config, self.graphdef
         one = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
-        settings = (one(jnp.int32), one(jnp.float32), one(jnp.int32), one(jnp.float32))  # seed, temp, top_k, top_p
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params)
         with sharding.activate(self.mesh):
             self.state = empty_state_program(cfg, self.slots, S)()
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
             active = one(jnp.bool_, (self.slots,))
-            # one step per cache prefix it reads: a step reads only the bucket its slots have filled
-            self.step_programs = {attend: step_program(graphdef, self.vocab, attend).lower(params, state, active).compile()
-                                  for attend in generate.attend_buckets(S)}
+            # one decode per cache prefix it reads: a step reads only the bucket its slots have filled
+            self.step_programs = {attend: decode_program(graphdef, self.vocab, self.decode_steps, attend).lower(
+                params, state, active).compile() for attend in generate.attend_buckets(S)}
             self.step_program = self.step_programs[S]  # reads the whole cache: the largest, for memory checks
-            self.prefill_programs, self.insert_programs = {}, {}
+            self.admit_programs = {}  # (prompt bucket, rows): the program
             for P in self.buckets:
-                prefill = prefill_program(graphdef, self.vocab).lower(
-                    params, one(jnp.int32, (1, P)), one(jnp.int32), *settings).compile()
-                drawn, prefix = prefill.out_info
-                insert = jax.jit(_insert, donate_argnums=0).lower(
-                    state, prefix, drawn["token"], one(jnp.int32), one(jnp.int32), *settings, one(jnp.bool_)).compile()
-                self.prefill_programs[P], self.insert_programs[P] = prefill, insert
+                for R in admit_rows(P, self.slots):
+                    rows = lambda dtype: one(dtype, (R,))
+                    self.admit_programs[P, R] = admit_program(graphdef, self.vocab).lower(
+                        params, state, one(jnp.int32, (R, P)), rows(jnp.int32), rows(jnp.int32), rows(jnp.int32),
+                        rows(jnp.float32), rows(jnp.int32), rows(jnp.float32), rows(jnp.bool_)).compile()
 
     # ------------------------------------------------------------------------- requests
 
@@ -244,41 +261,76 @@ class Engine:
                     slot = self.running.index(None)
                     self.running[slot] = self.queue.popleft()
                     admitted.append(slot)
+            # Device work outside the lock (submit() never waits for it), dispatched before any wait:
+            # the admissions, then the decode that starts from their first tokens; the host hands the
+            # first tokens out while the decode runs.
             start = time.perf_counter()
-            for slot in admitted:  # device work outside the lock: submit() never waits for it
-                self._start(slot)
-            self.seconds["admit"] += time.perf_counter() - start
-            self._step()
+            admissions = self._admit(admitted)
+            decoding = self._decode()
+            dispatched = time.perf_counter()
+            for slots, drawn in admissions:
+                for row, slot in enumerate(slots):
+                    self._take(slot, *_on_host(drawn, row, self.running[slot].logprobs))
+            admitted = time.perf_counter()
+            self.seconds["admit"] += admitted - dispatched
+            if decoding is not None:
+                self._hand_out(*decoding, dispatched - start, admitted)
 
-    def _start(self, slot: int) -> None:
-        request = self.running[slot]
-        P = len(request.prompt)
-        bucket = next(b for b in self.buckets if b >= P)
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, :P] = request.prompt
-        settings = (np.int32(request.seed), np.float32(request.temperature), np.int32(request.top_k),
-                    np.float32(request.top_p))
-        drawn, prefix = self.prefill_programs[bucket](self.params, tokens, np.int32(P), *settings)
-        self.state = self.insert_programs[bucket](self.state, prefix, drawn["token"], np.int32(slot), np.int32(P),
-                                                  *settings, np.bool_(request.logprobs))
-        self._take(slot, *_on_host(drawn, 0, request.logprobs))
+    def _admit(self, slots: list) -> list:
+        """Dispatch the programs that admit the requests just put in these slots, each prompt bucket's
+        in groups of up to 8; returns [(the group's slots, its first tokens on the device)]."""
+        by_bucket = collections.defaultdict(list)
+        for slot in slots:
+            by_bucket[next(b for b in self.buckets if b >= len(self.running[slot].prompt))].append(slot)
+        dispatched = []
+        for P, waiting in by_bucket.items():
+            options = admit_rows(P, self.slots)
+            while waiting:
+                R = next((r for r in options if r >= len(waiting)), options[-1])
+                group, waiting = waiting[:R], waiting[R:]
+                requests = [self.running[slot] for slot in group]
+                tokens = np.zeros((R, P), np.int32)
+                for row, request in enumerate(requests):
+                    tokens[row, :len(request.prompt)] = request.prompt
+                # rows past the group's are padding: their slot index (self.slots) is out of range, so they write nothing
+                column = lambda values, dtype, pad: np.array(values + [pad] * (R - len(group)), dtype)
+                self.state, drawn = self.admit_programs[P, R](
+                    self.params, self.state, tokens, column([len(r.prompt) for r in requests], np.int32, 1),
+                    column(group, np.int32, self.slots), column([r.seed for r in requests], np.int32, 0),
+                    column([r.temperature for r in requests], np.float32, 0), column([r.top_k for r in requests], np.int32, 0),
+                    column([r.top_p for r in requests], np.float32, 1), column([r.logprobs for r in requests], np.bool_, False))
+                dispatched.append((group, drawn))
+        return dispatched
 
-    def _step(self) -> None:
-        active = np.array([r is not None for r in self.running])
-        if not active.any():
-            return
-        # A running request's newest token (fed now) sits at position prompt + tokens so far - 1:
-        # the step reads the cached positions before it, in the smallest bucket that holds them.
-        newest = max(len(r.prompt) + len(r.tokens) - 1 for r in self.running if r is not None)
-        attend = next(b for b in self.step_programs if b >= newest)
-        start = time.perf_counter()
+    def _decode(self):
+        """Dispatch a decode of every running slot; returns (the running requests, the tokens on the
+        device), or None when no slot runs."""
+        running = list(self.running)
+        if not any(running):
+            return None
+        # A running request's newest token (fed first) sits at position prompt + tokens so far - 1 (the
+        # prompt's length for one just admitted, whose first token is not handed out yet): the steps read
+        # the cached positions before their last one, in the smallest bucket that holds them.
+        newest = max(len(r.prompt) + max(len(r.tokens), 1) - 1 for r in running if r is not None)
+        last = min(newest + self.decode_steps - 1, self.context - 1)
+        attend = next(b for b in self.step_programs if b >= last)
+        active = np.array([r is not None for r in running])
         self.state, drawn = self.step_programs[attend](self.params, self.state, active)
-        drawn = jax.tree.map(np.asarray, drawn)  # waits for the step: the host needs the tokens to stream them
+        return running, drawn
+
+    def _hand_out(self, running: list, drawn: dict, dispatch_s: float, start: float) -> None:
+        """A decode's tokens, step by step, to the requests that were running when it was dispatched:
+        a request that ended at an earlier step (or before) gets no more."""
+        logprobs = any(r is not None and r.logprobs for r in running)
+        drawn = jax.device_get(drawn if logprobs else {"token": drawn["token"]})  # waits for the decode
         tokens = time.perf_counter()
-        self.steps += 1
-        for slot in np.flatnonzero(active):
-            self._take(int(slot), *_on_host(drawn, slot, self.running[slot].logprobs))
-        self.seconds["step"] += tokens - start
+        for step in range(self.decode_steps):
+            drawn_at_step = {name: values[step] for name, values in drawn.items()}
+            for slot, request in enumerate(running):
+                if request is not None and self.running[slot] is request:
+                    self._take(slot, *_on_host(drawn_at_step, slot, request.logprobs))
+        self.steps += self.decode_steps
+        self.seconds["step"] += dispatch_s + tokens - start
         self.seconds["tokens"] += time.perf_counter() - tokens
 
     def _take(self, slot: int, token: int, info: Token) -> None:
@@ -319,16 +371,18 @@ def empty_state_program(config, slots: int, length: int):
     return jax.jit(functools.partial(_empty_state, config, slots, length))
 
 
-def step_program(graphdef, vocab: int, attend: int | None = None):
-    """(params, state, active_B) -> (state, drawn): one decode step of every slot, reading the cache's
-    first `attend` positions (default all: every slot's newest position must be <= attend); donates
-    the state."""
-    return jax.jit(functools.partial(_step, graphdef, vocab, attend=attend), donate_argnums=1)
+def decode_program(graphdef, vocab: int, steps: int = 1, attend: int | None = None):
+    """(params, state, active_B) -> (state, drawn with a leading axis of `steps`): `steps` decode steps
+    of every slot, reading the cache's first `attend` positions (default all: every active slot's
+    last position must be <= attend); donates the state."""
+    return jax.jit(functools.partial(_decode, graphdef, vocab, steps, attend=attend), donate_argnums=1)
 
 
-def prefill_program(graphdef, vocab: int):
-    """(params, tokens_1xP, length, seed, temperature, top_k, top_p) -> (drawn, the prompt's cache)."""
-    return jax.jit(functools.partial(_prefill, graphdef, vocab))
+def admit_program(graphdef, vocab: int):
+    """(params, state, tokens_RxP, length_R, slot_R, seed_R, temperature_R, top_k_R, top_p_R, logprobs_R)
+    -> (state, drawn): R prompts right-padded to P prefilled into their slots (a slot index out of
+    range writes nothing); donates the state."""
+    return jax.jit(functools.partial(_admit, graphdef, vocab), donate_argnums=1)
 
 
 def _empty_state(config, slots: int, length: int) -> dict:
@@ -372,42 +426,53 @@ def _on_host(drawn: dict, row: int, logprobs: bool) -> tuple:
     return token, Token(token, float(drawn["logprob"]), top)
 
 
-def _prefill(graphdef, vocab: int, params, tokens_1xP, length, seed, temperature, top_k, top_p):
-    """(_draw's first token (1,) and its log-probabilities, the prompt's cache (L, 1, P, K·H)) for a
-    prompt right-padded to P."""
+def _admit(graphdef, vocab: int, params, state, tokens_RxP, length_R, slot_R, seed_R, temperature_R, top_k_R,
+           top_p_R, logprobs_R):
+    """Prefill R prompts through the training path's attention, draw each one's first token (its
+    number 0), and make each slot's row of the cache start with its prompt's, its newest token the
+    drawn one at position length, its next one number 1."""
     gpt = nnx.merge(graphdef, params)
-    logits_1xV, cache = gpt.prefill(tokens_1xP, tokens_1xP.shape[1], last_B=(length - 1)[None])
-    row = lambda x: x[None]
-    drawn = _draw(logits_1xV[:, :vocab], row(seed), jnp.zeros(1, jnp.int32), row(temperature),
-                  row(top_k), row(top_p))
-    return drawn, cache
+    P = tokens_RxP.shape[1]
+    logits_RxV, prefix = gpt.prefill(tokens_RxP, P, last_B=length_R - 1)
+    drawn = _draw(logits_RxV[:, :vocab], seed_R, jnp.zeros_like(seed_R), temperature_R, top_k_R, top_p_R,
+                  logprobs=jnp.any(logprobs_R))
+    # keys and values (and an int8 cache's scales), (L, R, P, ...) into (L, slots, S, ...)
+    put = lambda big, small: big.at[:, slot_R, :P].set(small.astype(big.dtype), mode="drop")
+    at = lambda name, values: state[name].at[slot_R].set(values, mode="drop")
+    return _pinned({"cache": jax.tree.map(put, state["cache"], prefix), "token": at("token", drawn["token"]),
+                    "position": at("position", length_R), "index": at("index", jnp.ones_like(length_R)),
+                    "seed": at("seed", seed_R), "temperature": at("temperature", temperature_R),
+                    "top_k": at("top_k", top_k_R), "top_p": at("top_p", top_p_R),
+                    "logprobs": at("logprobs", logprobs_R)}), drawn
 
 
-def _insert(state, prefix, token_1, slot, length, seed, temperature, top_k, top_p, logprobs) -> dict:
-    """The slot's row of the cache starts with the prompt's; its newest token is the prefill's (at
-    position `length`), its next one is token number 1."""
-    put = lambda big, small: jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (0, slot, 0, 0))
-    cache = jax.tree.map(put, state["cache"], prefix)  # keys and values (and an int8 cache's scales)
-    return {**state, "cache": cache, "token": state["token"].at[slot].set(token_1[0]),
-            "position": state["position"].at[slot].set(length),
-            "index": state["index"].at[slot].set(1), "seed": state["seed"].at[slot].set(seed),
-            "temperature": state["temperature"].at[slot].set(temperature),
-            "top_k": state["top_k"].at[slot].set(top_k), "top_p": state["top_p"].at[slot].set(top_p),
-            "logprobs": state["logprobs"].at[slot].set(logprobs)}
-
-
-def _step(graphdef, vocab: int, params, state, active_B, attend: int | None = None):
-    """Feed each slot's newest token, sample the next; slots not in use keep their place (their
-    positions, stale, stay inside the cache: what they compute is dropped)."""
+def _decode(graphdef, vocab: int, steps: int, params, state, active_B, attend: int | None = None):
+    """`steps` times: feed each slot's newest token, sample the next. An active slot stops moving at
+    the cache's last position (its request ends there: what it computes after is dropped), and slots
+    not in use keep their place (their positions, stale, stay inside the cache)."""
     gpt = nnx.merge(graphdef, params)
-    logits_BxV, cache = gpt.decode(state["token"][:, None], state["cache"], state["position"], attend=attend)
-    drawn = _draw(logits_BxV[:, :vocab], state["seed"], state["index"], state["temperature"],
-                  state["top_k"], state["top_p"], logprobs=jnp.any(state["logprobs"] & active_B))
-    step = active_B.astype(jnp.int32)
-    # The per-slot arrays stay replicated, as _empty_state made them (the programs were compiled for that).
-    replicated = lambda x_B: constrain(x_B, (None,))
-    return {**state, "cache": cache, "token": replicated(jnp.where(active_B, drawn["token"], state["token"])),
-            "position": replicated(state["position"] + step), "index": replicated(state["index"] + step)}, drawn
+    last = state["cache"].length - 1
+
+    def step(state, _):
+        position_B = jnp.minimum(state["position"], last)
+        logits_BxV, cache = gpt.decode(state["token"][:, None], state["cache"], position_B, attend=attend)
+        drawn = _draw(logits_BxV[:, :vocab], state["seed"], state["index"], state["temperature"],
+                      state["top_k"], state["top_p"], logprobs=jnp.any(state["logprobs"] & active_B))
+        moving_B = active_B & (state["position"] <= last)
+        step_B = moving_B.astype(jnp.int32)
+        return _pinned({**state, "cache": cache, "token": jnp.where(moving_B, drawn["token"], state["token"]),
+                        "position": state["position"] + step_B, "index": state["index"] + step_B}), drawn
+
+    state, drawn = jax.lax.scan(step, state, length=steps)
+    return _pinned(state), drawn
+
+
+def _pinned(state: dict) -> dict:
+    """The state laid out as _empty_state made it (every program was compiled for that layout): the
+    cache split as kv_cache.init_cache splits it, the per-slot arrays replicated."""
+    axes = kv_cache.cache_axes(state["cache"].kv_heads)
+    return {name: jax.tree.map(lambda a: constrain(a, axes), value) if name == "cache" else constrain(value, (None,))
+            for name, value in state.items()}
 
 
 def _compile_count() -> int:

@@ -95,3 +95,54 @@ def test_log_probabilities_are_computed_for_the_requests_that_ask_whatever_runs_
         np.testing.assert_allclose([lp for _, lp in b.top], [lp for _, lp in a.top], atol=1e-5)
     assert all(t.logprob is None and t.top is None for t in without_tokens)
     assert without.tokens == generate.generate(setup, params, [RAGGED[1]], 6, temperature=0).tokens[0]
+
+
+def test_requests_that_arrive_together_are_admitted_together_and_decode_as_alone():
+    """Five requests queued before the loop looks: one program admits each prompt bucket's (three of
+    16 positions padded to 8 rows, two of 32), and every request's greedy tokens are generate.py's."""
+    setup, params = long_context("gqa")
+    prompts = [RAGGED[0], RAGGED[1], list(range(40, 60)), RAGGED[2], [7] * 12]  # buckets 16, 16, 32, 32, 16
+    e = engine.Engine(setup, params, slots=8, max_queue=8, log=lambda line: None)
+    admitted = []
+
+    def counting(key, program):
+        def admit(*args):
+            admitted.append(key)
+            return program(*args)
+        return admit
+    e.admit_programs = {key: counting(key, program) for key, program in e.admit_programs.items()}
+    done = threading.Semaphore(0)
+    with e.wake:  # the loop waits for this lock: it sees all five at once
+        requests = [e.submit(engine.Request(ids, 10, temperature=0, on_finish=lambda _: done.release()))
+                    for ids in prompts]
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    e.shutdown()
+    assert sorted(admitted) == [(16, 8), (32, 8)]
+    expected = [generate.generate(setup, params, [ids], 10, temperature=0).tokens[0] for ids in prompts]
+    assert [r.tokens for r in requests] == expected
+
+
+def test_requests_end_inside_a_decode_call_at_max_tokens_a_stop_token_and_the_context():
+    """With 3 tokens per decode call, requests end between a call's steps: at max_tokens (5), at a stop
+    token, and at the context's end (a 120-token prompt in a context of 128); the slot's later tokens
+    are dropped, and what each request got is generate.py's, cut where it ended."""
+    setup, params = long_context("gpt2")
+    greedy = lambda ids, n: generate.generate(setup, params, [ids], n, temperature=0).tokens[0]
+    long_prompt = list(range(3, 123))
+    stop_at = greedy(RAGGED[1], 10)
+    stop_id = next(t for t in stop_at[2:] if t not in stop_at[:2])  # the first token not among the first two
+    e = engine.Engine(setup, params, slots=2, max_queue=8, log=lambda line: None, decode_steps=3)
+    done = threading.Semaphore(0)
+    finish = lambda _: done.release()
+    requests = [e.submit(engine.Request(RAGGED[0], 5, temperature=0, on_finish=finish)),
+                e.submit(engine.Request(RAGGED[1], 10, temperature=0, stop_ids=(stop_id,), on_finish=finish)),
+                e.submit(engine.Request(long_prompt, 50, temperature=0, on_finish=finish))]
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    e.shutdown()
+    assert [r.finish_reason for r in requests] == ["length", "stop", "length"]
+    assert requests[0].tokens == greedy(RAGGED[0], 5)
+    assert requests[1].tokens == stop_at[:stop_at.index(stop_id)]
+    assert requests[2].tokens == greedy(long_prompt, 8)  # 128 - 120
+    assert e.stats()["tokens"] == 5 + len(requests[1].tokens) + 8
