@@ -469,7 +469,9 @@ class GPT(nnx.Module):
 
         A decode step is T = 1. The tokens attend to the cache's positions before start_B[b] and
         to each other; only the cache's first `attend` positions are read (default: all), so the
-        caller that knows every start_B[b] <= attend reads no more than it must. Returns float32
+        caller that knows every start_B[b] <= attend reads no more than it must. The cache may hold
+        more rows than B: the tokens are its first B rows, and the others are neither read nor
+        written (a serving engine's busy slots, when they fit a smaller program). Returns float32
         logits (B, padded vocab) of each row's token at index last_B[b] (default: the last) and
         the cache with the new tokens' keys and values written in. No dropout; positions must
         stay below block_size (the caller checks: a gather here would clamp silently).
@@ -565,7 +567,7 @@ class GPT(nnx.Module):
                 # The cache is read, never carried: the layer's first `attend` positions, sliced in one
                 # go so that XLA reads them inside the attention (a slice of the layer's whole cache
                 # first was materialised: a copy per layer and step on TPUs).
-                layer_cache = None if cache is None else cache.layer(layer_index, attend)
+                layer_cache = None if cache is None else cache.layer(layer_index, attend, batch_size)
                 x_BTxD, new, stats = nnx.merge(graphdef, layer_state)(
                     x_BTxD, batch_size, start_B, layer_key, layer_cache, segments)
                 return x_BTxD, (new, stats)

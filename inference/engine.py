@@ -2,23 +2,25 @@
 batching), in the shape of MaxText's engine (JetStream):
 
     admit    waiting requests' prompts, right-padded to a bucket of lengths (powers of two up to
-             block_size), up to ADMIT_ROWS of them in one program: their prefill through the model,
+             block_size), up to 8 of them (ADMIT_ROWS) in one program: their prefill through the model,
              their first tokens sampled, and their caches written into free slots (rows of the
              engine's (L, slots, S, K·H) cache)
     decode   `decode_steps` new tokens for every slot at once, in one program; a slot nobody uses
              computes too (the shapes never change) and its tokens are dropped, as are a request's
              tokens past its end (a stop token, max_tokens). Each step reads the cache's first
              `attend` positions, the smallest of generate.attend_buckets that holds every running
-             slot's positions up to the last step's
+             slot's positions up to the last step's, and runs the first quarter of the slots when
+             every busy one is there (requests take the lowest free slot), else all of them
 
 One call makes several tokens per slot because the host's part of a step (a program's dispatch,
 fetching its tokens, handing them out) cost about as much as the step itself on a TPU (bench/NOTES.md).
 
 Every program is compiled ahead of time at start-up (an admit per prompt bucket and row count, a
-decode per attend bucket), so serving never compiles. Sampling settings (temperature, top_k, top_p) and keys live
-in per-slot arrays, so requests with different settings share one step. A request's i-th token
-is drawn with the key fold_in(fold_in(key(seed), i), 0), as inference/generate.py draws its first row's:
-what a request gets does not depend on what runs beside it.
+decode per attend bucket and row bucket), so serving never compiles. Sampling settings (temperature,
+top_k, top_p) and keys live in per-slot arrays, so requests with different settings share one step.
+A request's i-th token is drawn with the key fold_in(fold_in(key(seed), i), 0), as
+inference/generate.py draws its first row's: what a request gets does not depend on what runs
+beside it.
 
 The engine's loop runs in a thread of its own. submit() queues a request from any thread; the
 request's on_token and on_finish callbacks are called from the engine's thread.
@@ -111,6 +113,13 @@ def admit_rows(bucket: int, slots: int) -> list[int]:
     return [r for r in ADMIT_ROWS if r == 1 or (r <= slots and r * bucket <= ADMIT_TOKENS)]
 
 
+def row_buckets(slots: int, batch_shards: int = 1) -> list[int]:
+    """The numbers of slots a decode program runs: a quarter of them (when that is 8 or more), so that
+    a light load costs a quarter of a step, and all. All only when the slots are split over devices
+    (a program of the first rows would leave the other devices idle)."""
+    return [slots // 4, slots] if batch_shards == 1 and slots % 4 == 0 and slots // 4 >= 8 else [slots]
+
+
 class Engine:
     """`slots` requests decode at once; more wait in a queue of at most max_queue."""
 
@@ -129,6 +138,7 @@ class Engine:
         self.slots, self.max_queue, self.log, self.decode_steps = slots, max_queue, log, decode_steps
         self.context = self.config.block_size
         self.buckets = prompt_buckets(self.context)
+        self.row_buckets = row_buckets(slots, sharding.batch_shards(self.mesh))
         self.params = generate.weights_in_compute_dtype(setup.graphdef, params)
         self.ids = itertools.count(1)
         self.queue: collections.deque = collections.deque()
@@ -167,10 +177,12 @@ class Engine:
             self.state = empty_state_program(cfg, self.slots, S)()
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
             active = one(jnp.bool_, (self.slots,))
-            # one decode per cache prefix it reads: a step reads only the bucket its slots have filled
-            self.step_programs = {attend: decode_program(graphdef, self.vocab, self.decode_steps, attend).lower(
-                params, state, active).compile() for attend in generate.attend_buckets(S)}
-            self.step_program = self.step_programs[S]  # reads the whole cache: the largest, for memory checks
+            # one decode per cache prefix it reads (a step reads only the bucket its slots have filled)
+            # and per number of slots it runs (the busy ones, which take the lowest free slots)
+            self.step_programs = {(attend, rows): decode_program(graphdef, self.vocab, self.decode_steps, attend,
+                                                                 rows).lower(params, state, active).compile()
+                                  for attend in generate.attend_buckets(S) for rows in self.row_buckets}
+            self.step_program = self.step_programs[S, self.slots]  # the largest, for memory checks
             self.admit_programs = {}  # (prompt bucket, rows): the program
             for P in self.buckets:
                 for R in admit_rows(P, self.slots):
@@ -292,13 +304,14 @@ class Engine:
                 tokens = np.zeros((R, P), np.int32)
                 for row, request in enumerate(requests):
                     tokens[row, :len(request.prompt)] = request.prompt
-                # rows past the group's are padding: their slot index (self.slots) is out of range, so they write nothing
+                # rows past the group's are padding: their slot index (self.slots) is out of range: they write nothing
                 column = lambda values, dtype, pad: np.array(values + [pad] * (R - len(group)), dtype)
+                setting = lambda name, dtype, pad: column([getattr(r, name) for r in requests], dtype, pad)
                 self.state, drawn = self.admit_programs[P, R](
                     self.params, self.state, tokens, column([len(r.prompt) for r in requests], np.int32, 1),
-                    column(group, np.int32, self.slots), column([r.seed for r in requests], np.int32, 0),
-                    column([r.temperature for r in requests], np.float32, 0), column([r.top_k for r in requests], np.int32, 0),
-                    column([r.top_p for r in requests], np.float32, 1), column([r.logprobs for r in requests], np.bool_, False))
+                    column(group, np.int32, self.slots), setting("seed", np.int32, 0),
+                    setting("temperature", np.float32, 0), setting("top_k", np.int32, 0),
+                    setting("top_p", np.float32, 1), setting("logprobs", np.bool_, False))
                 dispatched.append((group, drawn))
         return dispatched
 
@@ -313,9 +326,11 @@ class Engine:
         # the cached positions before their last one, in the smallest bucket that holds them.
         newest = max(len(r.prompt) + max(len(r.tokens), 1) - 1 for r in running if r is not None)
         last = min(newest + self.decode_steps - 1, self.context - 1)
-        attend = next(b for b in self.step_programs if b >= last)
+        attend = next(b for b in generate.attend_buckets(self.context) if b >= last)
+        busy = max(slot for slot, r in enumerate(running) if r is not None) + 1
+        rows = next(r for r in self.row_buckets if r >= busy)
         active = np.array([r is not None for r in running])
-        self.state, drawn = self.step_programs[attend](self.params, self.state, active)
+        self.state, drawn = self.step_programs[attend, rows](self.params, self.state, active)
         return running, drawn
 
     def _hand_out(self, running: list, drawn: dict, dispatch_s: float, start: float) -> None:
@@ -371,11 +386,12 @@ def empty_state_program(config, slots: int, length: int):
     return jax.jit(functools.partial(_empty_state, config, slots, length))
 
 
-def decode_program(graphdef, vocab: int, steps: int = 1, attend: int | None = None):
-    """(params, state, active_B) -> (state, drawn with a leading axis of `steps`): `steps` decode steps
-    of every slot, reading the cache's first `attend` positions (default all: every active slot's
-    last position must be <= attend); donates the state."""
-    return jax.jit(functools.partial(_decode, graphdef, vocab, steps, attend=attend), donate_argnums=1)
+def decode_program(graphdef, vocab: int, steps: int = 1, attend: int | None = None, rows: int | None = None):
+    """(params, state, active_B) -> (state, drawn (steps, rows, ...)): `steps` decode steps of the
+    first `rows` slots (default all: every active slot must be one of them), reading the cache's
+    first `attend` positions (default all: every active slot's last position must be <= attend);
+    donates the state."""
+    return jax.jit(functools.partial(_decode, graphdef, vocab, steps, attend=attend, rows=rows), donate_argnums=1)
 
 
 def admit_program(graphdef, vocab: int):
@@ -446,21 +462,27 @@ def _admit(graphdef, vocab: int, params, state, tokens_RxP, length_R, slot_R, se
                     "logprobs": at("logprobs", logprobs_R)}), drawn
 
 
-def _decode(graphdef, vocab: int, steps: int, params, state, active_B, attend: int | None = None):
-    """`steps` times: feed each slot's newest token, sample the next. An active slot stops moving at
-    the cache's last position (its request ends there: what it computes after is dropped), and slots
-    not in use keep their place (their positions, stale, stay inside the cache)."""
+def _decode(graphdef, vocab: int, steps: int, params, state, active_B, attend: int | None = None,
+            rows: int | None = None):
+    """`steps` times: feed each of the first `rows` slots' newest token, sample the next. An active
+    slot stops moving at the cache's last position (its request ends there: what it computes after
+    is dropped), and slots not in use keep their place (their positions, stale, stay inside the
+    cache); the slots past `rows` are not touched."""
     gpt = nnx.merge(graphdef, params)
-    last = state["cache"].length - 1
+    last, B = state["cache"].length - 1, active_B.shape[0]
+    R = rows or B
+    first = lambda x_B: x_B[:R]
+    padded = lambda x_R: jnp.pad(x_R, (0, B - R))  # back to every slot's: the rows past R do not move
 
     def step(state, _):
-        position_B = jnp.minimum(state["position"], last)
-        logits_BxV, cache = gpt.decode(state["token"][:, None], state["cache"], position_B, attend=attend)
-        drawn = _draw(logits_BxV[:, :vocab], state["seed"], state["index"], state["temperature"],
-                      state["top_k"], state["top_p"], logprobs=jnp.any(state["logprobs"] & active_B))
-        moving_B = active_B & (state["position"] <= last)
+        position_R = jnp.minimum(first(state["position"]), last)
+        logits_RxV, cache = gpt.decode(first(state["token"])[:, None], state["cache"], position_R, attend=attend)
+        drawn = _draw(logits_RxV[:, :vocab], *map(first, (state["seed"], state["index"], state["temperature"],
+                                                          state["top_k"], state["top_p"])),
+                      logprobs=jnp.any(first(state["logprobs"] & active_B)))
+        moving_B = padded(first(active_B & (state["position"] <= last)))
         step_B = moving_B.astype(jnp.int32)
-        return _pinned({**state, "cache": cache, "token": jnp.where(moving_B, drawn["token"], state["token"]),
+        return _pinned({**state, "cache": cache, "token": jnp.where(moving_B, padded(drawn["token"]), state["token"]),
                         "position": state["position"] + step_B, "index": state["index"] + step_B}), drawn
 
     state, drawn = jax.lax.scan(step, state, length=steps)

@@ -55,12 +55,12 @@ class KVCache:
         """S, the positions it holds."""
         return self.k.shape[-2]
 
-    def layer(self, index, n: int | None = None) -> "KVCache":
-        """Layer `index`'s slice (B, n, K·H) of the whole cache: its first n positions (default all),
-        in one dynamic slice (index may be traced: the layer scan's)."""
+    def layer(self, index, n: int | None = None, rows: int | None = None) -> "KVCache":
+        """Layer `index`'s slice (rows, n, K·H) of the whole cache: its first n positions and rows
+        (default all), in one dynamic slice (index may be traced: the layer scan's)."""
         n = self.length if n is None else min(n, self.length)
         return jax.tree.map(lambda a: jax.lax.dynamic_slice(a, (index,) + (0,) * (a.ndim - 1),
-                                                            (1, a.shape[1], n) + a.shape[3:])[0], self)
+                                                            (1, rows or a.shape[1], n) + a.shape[3:])[0], self)
 
     def encode(self, k_BxTxKxH, v_BxTxKxH) -> "KVCache":
         """New tokens' keys and values (B, T, K·H) as this cache stores them: cast, or rounded to int8
@@ -126,10 +126,10 @@ class KVCache:
         return o_BxTxKxGxH.reshape(B, T, N, H).astype(dtype)
 
     def write(self, new: "KVCache", start_B) -> "KVCache":
-        """The whole cache (L, B, S, K·H) with every layer's T new tokens per row (`new`, (L, B, T,
-        K·H), as encode stored them) written at positions start_B[b] + [0, T). One token per row
-        (a decode step) is one scatter per array in place (one per layer at large batches), and an
-        int8 cache's scales a select; longer runs go row by row."""
+        """The whole cache (L, rows, S, K·H) with every layer's T new tokens per row (`new`, (L, B, T,
+        K·H), as encode stored them) written at positions start_B[b] + [0, T) of its first B rows.
+        One token per row (a decode step) is one scatter per array in place (one per layer at large
+        batches), and an int8 cache's scales a select; longer runs go row by row."""
         L, B, T = new.k.shape[:3]
         if T > 1:
             per_row = jax.vmap(lambda cache, x, start: jax.lax.dynamic_update_slice_in_dim(cache, x, start, axis=1),
@@ -159,9 +159,12 @@ class KVCache:
             # A scatter of the scales' K-wide rows wanted K as their minor axis (10.7x padded on a
             # TPU) and relayouts each step; a select over all of them keeps positions minor, as
             # the attention reads them (a head's scale is 4 bytes beside its H int8 keys).
-            at_start_1xBxSx1 = (jnp.arange(self.length) == start_B[:, None])[None, :, :, None]
-            arrays.update(k_scale=jnp.where(at_start_1xBxSx1, new.k_scale, self.k_scale),
-                          v_scale=jnp.where(at_start_1xBxSx1, new.v_scale, self.v_scale))
+            rows = self.k.shape[1]  # rows past B are not written: position -1 matches none
+            start_R = jnp.pad(start_B, (0, rows - B), constant_values=-1)
+            at_start_1xRxSx1 = (jnp.arange(self.length) == start_R[:, None])[None, :, :, None]
+            padded = lambda scale_LxBx1xK: jnp.pad(scale_LxBx1xK, ((0, 0), (0, rows - B), (0, 0), (0, 0)))
+            arrays.update(k_scale=jnp.where(at_start_1xRxSx1, padded(new.k_scale), self.k_scale),
+                          v_scale=jnp.where(at_start_1xRxSx1, padded(new.v_scale), self.v_scale))
         return self._constrained(**arrays)
 
     def _names(self):

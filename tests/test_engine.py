@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from test_generate import RAGGED, long_context, sharded_model
 
-from inference import engine, generate
+from inference import engine, generate, loader
 
 
 def engine_tokens(setup, params, prompts, max_tokens):
@@ -42,7 +42,7 @@ def test_slots_at_different_positions_read_their_buckets_and_decode_as_generate(
     setup, params = long_context(style)
     prompts = [RAGGED[2], RAGGED[0], list(range(3, 43)), RAGGED[1]]  # 25, 3, 40 and 9 tokens
     e = engine.Engine(setup, params, slots=2, max_queue=8, log=lambda line: None)
-    assert list(e.step_programs) == [32, 64, 128]
+    assert list(e.step_programs) == [(32, 2), (64, 2), (128, 2)]  # (attend, rows): 2 slots, one row bucket
     called = dict.fromkeys(e.step_programs, 0)
 
     def counting(attend, program):
@@ -146,3 +146,37 @@ def test_requests_end_inside_a_decode_call_at_max_tokens_a_stop_token_and_the_co
     assert requests[1].tokens == stop_at[:stop_at.index(stop_id)]
     assert requests[2].tokens == greedy(long_prompt, 8)  # 128 - 120
     assert e.stats()["tokens"] == 5 + len(requests[1].tokens) + 8
+
+
+@pytest.mark.parametrize("style, cache", [("gpt2", "auto"), ("gqa", "int8")])
+def test_a_light_load_runs_only_the_first_quarter_of_the_slots(style, cache):
+    """32 slots: while the busy slots are among the first 8, an 8-row program decodes them (the
+    cache's other rows, and an int8 cache's scales, left out); once the 9th slot is busy, the 32-row
+    one runs. Every request's greedy tokens are generate.py's alone."""
+    setup, params = long_context(style)
+    setup = loader.model_setup(setup.config, setup.mesh, setup.config.vocab_size, cache)
+    e = engine.Engine(setup, params, slots=32, max_queue=16, log=lambda line: None)
+    assert e.row_buckets == [8, 32]
+    ran = []
+
+    def counting(key, program):
+        def step(*args):
+            ran.append(key[1])
+            return program(*args)
+        return step
+    e.step_programs = {key: counting(key, program) for key, program in e.step_programs.items()}
+    prompts = [RAGGED[i % 3] for i in range(10)]
+    done = threading.Semaphore(0)
+    submit = lambda ids: e.submit(engine.Request(ids, 12, temperature=0, on_finish=lambda _: done.release()))
+    first = [submit(ids) for ids in prompts[:2]]
+    for _ in first:
+        assert done.acquire(timeout=120)
+    light = list(ran)
+    with e.wake:  # ten at once: slots 0-9
+        rest = [submit(ids) for ids in prompts]
+    for _ in rest:
+        assert done.acquire(timeout=120)
+    e.shutdown()
+    assert set(light) == {8} and 32 in ran[len(light):]
+    expected = {i: generate.generate(setup, params, [RAGGED[i]], 12, temperature=0).tokens[0] for i in range(3)}
+    assert [r.tokens for r in first + rest] == [expected[i % 3] for i in [0, 1, *range(10)]]
