@@ -63,11 +63,11 @@ if part serve; then
   run timeout 200 "$PY" train.py $GPT2 --block_size=256 --data_dir=/tmp --dataset=nanomax-tpu-check-text --batch_size=8 $TRAIN \
       --max_iters=2 --eval_interval=2 --eval_iters=1 --out_dir=$CKPT --overwrite_out_dir=True
   rm -f $SOCKET
-  timeout 540 "$PY" serve.py --out_dir=$CKPT --uds=$SOCKET --slots=$SLOTS --max_queue=1024 > "$OUT/serve.log" 2>&1 &
+  timeout 660 "$PY" serve.py --out_dir=$CKPT --uds=$SOCKET --slots=$SLOTS --max_queue=1024 > "$OUT/serve.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 120); do [ -S $SOCKET ] || ! kill -0 $SERVER 2>/dev/null && break; sleep 1; done
-  # the first waits for the programs to compile (GET /health: 503 until then; 92 s on a v5e)
-  run timeout 240 "$PY" bench_serve.py --uds=$SOCKET --url=http://localhost/v1 --concurrency=1,16 --requests=32 \
+  # the first waits for the programs to compile (GET /health: 503 until then; 151 s on a v5e at aeec991, more with the row buckets since)
+  run timeout 360 "$PY" bench_serve.py --uds=$SOCKET --url=http://localhost/v1 --concurrency=1,16 --requests=32 \
       --max_tokens=128 --json="$OUT/serve_1_16.json"
   run timeout 120 "$PY" bench_serve.py --uds=$SOCKET --url=http://localhost/v1 --concurrency=64,$SLOTS \
       --requests=$((2 * SLOTS)) --max_tokens=128 --json="$OUT/serve_64_$SLOTS.json"
