@@ -469,9 +469,9 @@ class GPT(nnx.Module):
 
         A decode step is T = 1. The tokens attend to the cache's positions before start_B[b] and
         to each other; only the cache's first `attend` positions are read (default: all), so the
-        caller that knows every start_B[b] <= attend reads no more than it must. The cache may hold
-        more rows than B: the tokens are its first B rows, and the others are neither read nor
-        written (a serving engine's busy slots, when they fit a smaller program). Returns float32
+        caller that knows every start_B[b] <= attend reads no more than it must. A step's (T = 1)
+        cache may hold more rows than B: the tokens are its first B rows, and the others are neither
+        read nor written (a serving engine's busy slots, when they fit a smaller program). Returns float32
         logits (B, padded vocab) of each row's token at index last_B[b] (default: the last) and
         the cache with the new tokens' keys and values written in. No dropout; positions must
         stay below block_size (the caller checks: a gather here would clamp silently).

@@ -63,8 +63,9 @@ class ServeConfig:
     #                where no TCP port may be opened); '' = host:port
     slots: int = 8  # requests decoding at once: rows of one KV cache
     max_queue: int = 64  # requests waiting for a slot; past that, 429
-    decode_steps: int = 8  # tokens per slot per decode program: fewer host round trips per token; a new request
-    #                        waits for the one in flight, and a stream's tokens arrive in groups of about this many
+    decode_steps: int = engine.DECODE_STEPS  # tokens per slot per decode program: fewer host round trips
+    #                                          per token; a new request waits for the one in flight, and a
+    #                                          stream's tokens arrive in groups of about this many
     max_body_bytes: int = 8 * 2**20  # a request body past this gets a 413 before it is read whole (8 MiB: a
     #                                  prompt of about 2M tokens of text, or 1M as a JSON list of ids)
     model_name: str = ""  # the id clients send as "model"; '' = out_dir's or init_from's last part

@@ -4,10 +4,10 @@ here, and what serving costs there, before anyone pays for it.
     python compile_aot.py config/llama3_1b.py --serve --topology=v5e-8 --mesh_tensor=8 --mesh_data=1 \
         --slots=32 --context=8192 --kv_cache_dtype=int8
 
-The programs are the engine's own (its empty state, the admission of one prompt of `context` tokens,
-one decode step for all slots), lowered with abstract sharded weights, nothing allocated. The report, per chip:
+The programs are the engine's own (its empty state, its largest admissions of prompts, a decode of
+all slots), lowered with abstract sharded weights, nothing allocated. The report, per chip:
 the weights, the KV cache per token and per slot (next to the arithmetic: 2 x layers x KV heads x
-head size x bytes per token), the most slots that fit next to the weights and the step's
+head size x bytes per token), the most slots that fit next to the weights and the programs'
 temporaries, the decode step's FLOPs and the bytes it reads, the memory-bound step time (those
 bytes / the chip's bandwidth, devices/hardware.py) and the tokens/s it allows, and whether it fits.
 """
@@ -45,8 +45,8 @@ class ServeResult:
     weight_bytes_per_chip: int
     kv_bytes_per_token: int  # one copy, all layers
     cache_bytes_per_chip: int  # the whole (slots, context) cache's share of one chip
-    step_memory: dict  # XLA's per-chip bytes of the decode step: arguments, temporaries, peak
-    prefill_temporaries: int
+    step_memory: dict  # XLA's per-chip bytes of the decode program: arguments, temporaries, peak
+    prefill_temporaries: int  # the largest admission's (prompts prefilled into slots), on the same arguments
     oom: str  # XLA's out-of-memory message; '' when it compiled
 
     @property
@@ -59,9 +59,16 @@ class ServeResult:
         return self.cache_bytes_per_chip // self.rows_per_chip
 
     @property
+    def temporaries(self) -> int:
+        """The most that a program adds to its arguments (the weights and the cache): a decode's or
+        an admission's."""
+        return max(self.step_memory.get("temporaries", 0), self.prefill_temporaries)
+
+    @property
     def needed(self) -> int:
         m = self.step_memory
-        return m.get("peak") or m.get("arguments", 0) + m.get("temporaries", 0)
+        admitting = m.get("arguments", 0) + self.prefill_temporaries
+        return max(m.get("peak") or m.get("arguments", 0) + m.get("temporaries", 0), admitting)
 
     @property
     def fits(self) -> bool | None:
@@ -69,11 +76,11 @@ class ServeResult:
 
     @property
     def most_slots(self) -> int | None:
-        """Slots on the whole mesh: each data shard's chips fill what the weights and the step's
+        """Slots on the whole mesh: each data shard's chips fill what the weights and the programs'
         temporaries leave with cache rows."""
         if self.hbm is None:
             return None
-        free = self.hbm - self.weight_bytes_per_chip - self.step_memory.get("temporaries", 0)
+        free = self.hbm - self.weight_bytes_per_chip - self.temporaries
         return max(free // self.slot_bytes_per_chip, 0) * sharding.batch_shards(self.setup.mesh)
 
     @property
@@ -159,14 +166,18 @@ def compile_serving(config: configurator.Config, target, vocab_size: int, slots:
         lowered = engine.empty_state_program(c, slots, c.block_size).lower()
         state = abstract_outputs(lowered.compile(), lowered)
         try:
-            step = engine.decode_program(setup.graphdef, c.vocab_size).lower(
+            step = engine.decode_program(setup.graphdef, c.vocab_size, engine.DECODE_STEPS).lower(
                 params, state, one(jnp.bool_, (slots,))).compile()
             step_memory = xla_memory(step, target.devices[0].platform)
-            row = lambda dtype: one(dtype, (1,))
-            prefill = engine.admit_program(setup.graphdef, c.vocab_size).lower(
-                params, state, one(jnp.int32, (1, c.block_size)), row(jnp.int32), row(jnp.int32), row(jnp.int32),
-                row(jnp.float32), row(jnp.int32), row(jnp.float32), row(jnp.bool_)).compile()
-            prefill_temporaries = prefill.memory_analysis().temp_size_in_bytes
+            # the admissions with the most tokens: one prompt of the whole context, and the most rows of a bucket
+            widest = max(((P, R) for P in engine.prompt_buckets(c.block_size) for R in engine.admit_rows(P, slots)),
+                         key=lambda bucket_rows: (bucket_rows[1], bucket_rows[0]))
+            for P, R in {(c.block_size, 1), widest}:
+                rows = lambda dtype: one(dtype, (R,))
+                admit = engine.admit_program(setup.graphdef, c.vocab_size).lower(
+                    params, state, one(jnp.int32, (R, P)), rows(jnp.int32), rows(jnp.int32), rows(jnp.int32),
+                    rows(jnp.float32), rows(jnp.int32), rows(jnp.float32), rows(jnp.bool_)).compile()
+                prefill_temporaries = max(prefill_temporaries, admit.memory_analysis().temp_size_in_bytes)
         except Exception as e:  # XLA:TPU refuses a program that can't fit; anything else is a bug
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -219,9 +230,10 @@ def serve_report(r: ServeResult) -> str:
         m = r.step_memory
         lines.append(f"  decode step     arguments {size(m['arguments'])} + temporaries {size(m['temporaries'])}"
                      + (f", peak {size(m['peak'])}" if "peak" in m else "")
-                     + f"; prefill of {r.context} tokens: temporaries {size(r.prefill_temporaries)}")
+                     + f"; admitting prompts: temporaries {size(r.prefill_temporaries)}")
     if r.most_slots is not None:
-        lines.append(f"  most slots      {r.most_slots} ({size(r.hbm)} HBM per chip - weights - the step's temporaries)")
+        lines.append(f"  most slots      {r.most_slots} ({size(r.hbm)} HBM per chip - weights - the programs' "
+                     f"temporaries)")
     lines.append(f"  per decode step {r.step_flops:.3e} FLOP (all chips), {size(r.step_bytes_per_chip)} read per chip "
                  f"(weights + every slot's full cache)")
     if r.bandwidth:

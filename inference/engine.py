@@ -81,7 +81,7 @@ class Request:
     submitted_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
-    cancelled: bool = False  # set by cancel(): the loop frees its slot at the next step
+    cancelled: bool = False  # set by cancel(): the loop frees its slot once the decode program in flight ends
 
 
 TOP_LOGPROBS = 5  # alternatives reported with each token (OpenAI's most)
@@ -106,6 +106,7 @@ def prompt_buckets(block_size: int, smallest: int = 16) -> list[int]:
 # Prompts admitted in one program: one, or up to 8 of a bucket (padded with rows that write nothing) where
 # 8 x the bucket's length stays within ADMIT_TOKENS, so that a burst of arrivals costs one prefill, not 8.
 ADMIT_ROWS, ADMIT_TOKENS = (1, 8), 4096
+DECODE_STEPS = 8  # tokens per slot per decode program, by default
 
 
 def admit_rows(bucket: int, slots: int) -> list[int]:
@@ -124,7 +125,7 @@ class Engine:
     """`slots` requests decode at once; more wait in a queue of at most max_queue."""
 
     def __init__(self, setup, params, slots: int = 8, max_queue: int = 64, log=print, vocab: int | None = None,
-                 decode_steps: int = 8):
+                 decode_steps: int = DECODE_STEPS):
         """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary).
         decode_steps: tokens per slot per decode program (more: less host work per token; a request
         that ends or arrives waits for the call in flight)."""
@@ -213,7 +214,7 @@ class Engine:
         return request
 
     def cancel(self, request: Request) -> None:
-        """Stop a request (its client went away): its slot is free by the next step."""
+        """Stop a request (its client went away): its slot is free once the decode program in flight ends."""
         with self.wake:
             request.cancelled = True
             if request in self.queue:
@@ -278,15 +279,16 @@ class Engine:
             # first tokens out while the decode runs.
             start = time.perf_counter()
             admissions = self._admit(admitted)
+            admitting = time.perf_counter()
             decoding = self._decode()
             dispatched = time.perf_counter()
             for slots, drawn in admissions:
                 for row, slot in enumerate(slots):
                     self._take(slot, *_on_host(drawn, row, self.running[slot].logprobs))
             admitted = time.perf_counter()
-            self.seconds["admit"] += admitted - dispatched
+            self.seconds["admit"] += (admitting - start) + (admitted - dispatched)
             if decoding is not None:
-                self._hand_out(*decoding, dispatched - start, admitted)
+                self._hand_out(*decoding, dispatched - admitting, admitted)
 
     def _admit(self, slots: list) -> list:
         """Dispatch the programs that admit the requests just put in these slots, each prompt bucket's

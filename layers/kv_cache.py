@@ -126,10 +126,11 @@ class KVCache:
         return o_BxTxKxGxH.reshape(B, T, N, H).astype(dtype)
 
     def write(self, new: "KVCache", start_B) -> "KVCache":
-        """The whole cache (L, rows, S, K·H) with every layer's T new tokens per row (`new`, (L, B, T,
-        K·H), as encode stored them) written at positions start_B[b] + [0, T) of its first B rows.
-        One token per row (a decode step) is one scatter per array in place (one per layer at large
-        batches), and an int8 cache's scales a select; longer runs go row by row."""
+        """The whole cache (L, B, S, K·H) with every layer's T new tokens per row (`new`, (L, B, T,
+        K·H), as encode stored them) written at positions start_B[b] + [0, T). One token per row
+        (a decode step) is one scatter per array in place (one per layer at large batches), and an
+        int8 cache's scales a select; longer runs go row by row. A decode step's cache may hold more
+        rows than B: the tokens are its first B rows, the others untouched."""
         L, B, T = new.k.shape[:3]
         if T > 1:
             per_row = jax.vmap(lambda cache, x, start: jax.lax.dynamic_update_slice_in_dim(cache, x, start, axis=1),
@@ -159,12 +160,12 @@ class KVCache:
             # A scatter of the scales' K-wide rows wanted K as their minor axis (10.7x padded on a
             # TPU) and relayouts each step; a select over all of them keeps positions minor, as
             # the attention reads them (a head's scale is 4 bytes beside its H int8 keys).
-            rows = self.k.shape[1]  # rows past B are not written: position -1 matches none
-            start_R = jnp.pad(start_B, (0, rows - B), constant_values=-1)
-            at_start_1xRxSx1 = (jnp.arange(self.length) == start_R[:, None])[None, :, :, None]
-            padded = lambda scale_LxBx1xK: jnp.pad(scale_LxBx1xK, ((0, 0), (0, rows - B), (0, 0), (0, 0)))
-            arrays.update(k_scale=jnp.where(at_start_1xRxSx1, padded(new.k_scale), self.k_scale),
-                          v_scale=jnp.where(at_start_1xRxSx1, padded(new.v_scale), self.v_scale))
+            at_start_1xBxSx1 = (jnp.arange(self.length) == start_B[:, None])[None, :, :, None]
+
+            def put_scales(scales, new_LxBx1xK):  # the first B rows' scales only
+                selected = jnp.where(at_start_1xBxSx1, new_LxBx1xK, scales[:, :B])
+                return jax.lax.dynamic_update_slice(scales, selected, (0, 0, 0, 0))
+            arrays.update(k_scale=put_scales(self.k_scale, new.k_scale), v_scale=put_scales(self.v_scale, new.v_scale))
         return self._constrained(**arrays)
 
     def _names(self):

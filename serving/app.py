@@ -567,7 +567,7 @@ class Reply:
                 yield chunk(choices=[], usage=self.usage())
             yield "data: [DONE]\n\n"
             self.server.log_request(self.generations)
-        finally:  # also when the client went away: the engine frees the slots at its next step
+        finally:  # also when the client went away: the engine frees the slots after its decode program in flight
             for g in self.generations:
                 g.cancel()
             for t in tasks:

@@ -26,7 +26,8 @@ def test_sizes_equal_the_arithmetic(kv_cache_dtype, per_head):
     assert abs(r.weight_bytes / weights - 1) < 0.01
     assert weights / 2 < r.weight_bytes_per_chip < weights  # the matrices split over tensor, the norms not
     assert r.fits and r.step_memory["temporaries"] > 0
-    assert r.most_slots == (80 * 10**9 - r.weight_bytes_per_chip - r.step_memory["temporaries"]) // (
+    assert r.prefill_temporaries > 0 and r.temporaries == max(r.step_memory["temporaries"], r.prefill_temporaries)
+    assert r.most_slots == (80 * 10**9 - r.weight_bytes_per_chip - r.temporaries) // (
         32 * kv_per_token // 2) * 2
     text = serve_plan.serve_report(r)
     assert f"KV per token    {kv_per_token:,} B (analytic {kv_per_token:,} B)" in text
