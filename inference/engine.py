@@ -335,9 +335,10 @@ class Engine:
         self.state, drawn = self.step_programs[attend, rows](self.params, self.state, active)
         return running, drawn
 
-    def _hand_out(self, running: list, drawn: dict, dispatch_s: float, start: float) -> None:
+    def _hand_out(self, running: list, drawn: dict, dispatch_s: float, waiting_from: float) -> None:
         """A decode's tokens, step by step, to the requests that were running when it was dispatched:
-        a request that ended at an earlier step (or before) gets no more."""
+        a request that ended at an earlier step (or before) gets no more. The decode's time is its
+        dispatch (dispatch_s) and the wait for its tokens from waiting_from."""
         logprobs = any(r is not None and r.logprobs for r in running)
         drawn = jax.device_get(drawn if logprobs else {"token": drawn["token"]})  # waits for the decode
         tokens = time.perf_counter()
@@ -347,7 +348,7 @@ class Engine:
                 if request is not None and self.running[slot] is request:
                     self._take(slot, *_on_host(drawn_at_step, slot, request.logprobs))
         self.steps += self.decode_steps
-        self.seconds["step"] += dispatch_s + tokens - start
+        self.seconds["step"] += dispatch_s + tokens - waiting_from
         self.seconds["tokens"] += time.perf_counter() - tokens
 
     def _take(self, slot: int, token: int, info: Token) -> None:
