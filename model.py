@@ -43,7 +43,7 @@ from layers.attention import (Segments, causal_attention, permuted_segments, pos
                               splash_attention_heads_major, splash_fits)
 from layers.blocks import (MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis,
                            splits)
-from layers.kv_cache import KVCache, init_cache
+from layers.kv_cache import FILLED, KVCache, init_cache
 from layers.moe import MoE
 
 
@@ -464,18 +464,22 @@ class GPT(nnx.Module):
         """Float32 logits (N, padded vocab) of final-norm outputs, by the matrix features() gave."""
         return self._mask_padding(self._unembed(x_NxD, w_DxV))
 
-    def decode(self, idx_BxT, cache: KVCache, start_B, last_B=None, attend: int | None = None):
+    def decode(self, idx_BxT, cache: KVCache, start_B, last_B=None, attend: int | str | None = None):
         """Run T new tokens per row, at positions start_B[b] + [0, T), against the cache.
 
         A decode step is T = 1. The tokens attend to the cache's positions before start_B[b] and
         to each other; only the cache's first `attend` positions are read (default: all), so the
-        caller that knows every start_B[b] <= attend reads no more than it must. A step's (T = 1)
+        caller that knows every start_B[b] <= attend reads no more than it must. attend=FILLED (T = 1
+        only) reads each row's own positions instead, through layers/decode_attention.py's kernel:
+        the cheaper step when rows differ in length (a serving engine's slots). A step's (T = 1)
         cache may hold more rows than B: the tokens are its first B rows, and the others are neither
         read nor written (a serving engine's busy slots, when they fit a smaller program). Returns float32
         logits (B, padded vocab) of each row's token at index last_B[b] (default: the last) and
         the cache with the new tokens' keys and values written in. No dropout; positions must
         stay below block_size (the caller checks: a gather here would clamp silently).
         """
+        if attend == FILLED and idx_BxT.shape[1] != 1:
+            raise ValueError(f"attend={FILLED!r} is for one token per row; got {idx_BxT.shape[1]}")
         logits_BxV, new = self._cached_forward(idx_BxT, cache, start_B, last_B, attend)
         return logits_BxV, cache.write(new, start_B)
 
@@ -560,6 +564,8 @@ class GPT(nnx.Module):
     def _run_stack(self, blocks, x_BTxD, batch_size: int, start_B, layer_keys, cache, segments=None, attend=None):
         config = self.config
         graphdef, stacked_state = nnx.split(blocks)
+        # a decode step through the attention kernel reads the whole cache in place (one token per row)
+        in_place = attend == FILLED and cache is not None and cache.length > 0
 
         def one_layer(batch_size: int, start_B, segments):
             def layer(x_BTxD, layer_inputs):
@@ -567,7 +573,12 @@ class GPT(nnx.Module):
                 # The cache is read, never carried: the layer's first `attend` positions, sliced in one
                 # go so that XLA reads them inside the attention (a slice of the layer's whole cache
                 # first was materialised: a copy per layer and step on TPUs).
-                layer_cache = None if cache is None else cache.layer(layer_index, attend, batch_size)
+                if cache is None:
+                    layer_cache = None
+                elif in_place:
+                    layer_cache = cache.in_place(layer_index)
+                else:
+                    layer_cache = cache.layer(layer_index, attend, batch_size)
                 x_BTxD, new, stats = nnx.merge(graphdef, layer_state)(
                     x_BTxD, batch_size, start_B, layer_key, layer_cache, segments)
                 return x_BTxD, (new, stats)

@@ -4,7 +4,8 @@ model.GPT.decode reads and extends. `config` is a model.GPTConfig (read by name,
 A decode step reads the cache and writes one token per row, so its cost should follow the bytes
 it must read: the layer stack only reads each layer's slice (the cache is not carried through
 the layer scan, which would copy it), attention covers the filled prefix the caller names
-(`attend`: inference/generate.py and inference/engine.py bucket it), and the new tokens of every layer are written
+(`attend`: inference/generate.py buckets it) or, through layers/decode_attention.py's kernel, each
+row's own filled positions (inference/engine.py's slots), and the new tokens of every layer are written
 after the stack, in one scatter per array (one per layer at large batches; an int8 cache's scales
 with a select).
 """
@@ -14,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from layers import quantization
+from layers import decode_attention, quantization
 from layers.blocks import constrain, splits
 
 # Keys and values (L, B, S, K·H): a kv head's H lanes are contiguous, so splitting the last axis over
@@ -23,6 +24,8 @@ CACHE_AXES = ("layers", "batch", "seq", "heads")
 # A decode step writes its new keys (values) in one scatter up to this many (layer, row) pairs, and
 # in one scatter per layer past it (KVCache.write: the v5e's measurements).
 ONE_SCATTER_MAX_PAIRS = 768
+# model.decode's `attend` that reads each row's filled positions through the kernel (KVCache.in_place)
+FILLED = "filled"
 
 
 @jax.tree_util.register_dataclass
@@ -49,6 +52,8 @@ class KVCache:
     kv_heads: int = dataclasses.field(metadata=dict(static=True))  # K: the last axis is K·H
     k_scale: jax.Array | None = None  # int8 caches only
     v_scale: jax.Array | None = None
+    # Set (a traced layer number) on the whole cache that a decode step's attention kernel reads in place
+    layer_index: jax.Array | None = None
 
     @property
     def length(self) -> int:
@@ -61,6 +66,11 @@ class KVCache:
         n = self.length if n is None else min(n, self.length)
         return jax.tree.map(lambda a: jax.lax.dynamic_slice(a, (index,) + (0,) * (a.ndim - 1),
                                                             (1, rows or a.shape[1], n) + a.shape[3:])[0], self)
+
+    def in_place(self, index) -> "KVCache":
+        """Layer `index` for the decode-attention kernel, which reads the whole cache's arrays in
+        place: each row's filled positions only, so no prefix needs slicing first."""
+        return dataclasses.replace(self, layer_index=index)
 
     def encode(self, k_BxTxKxH, v_BxTxKxH) -> "KVCache":
         """New tokens' keys and values (B, T, K·H) as this cache stores them: cast, or rounded to int8
@@ -93,12 +103,50 @@ class KVCache:
         gives each query head all K heads' outputs, of which it keeps its own block.
 
         An int8 cache is read as int8: its key scales multiply the scores and its value scales the
-        probabilities, (q·k)·s = q·(k·s), so no dequantized copy of the cache is made."""
-        (B, T, N, H), K, S = q_BxTxNxH.shape, self.kv_heads, self.length
+        probabilities, (q·k)·s = q·(k·s), so no dequantized copy of the cache is made.
+
+        A decode step's layer of the whole cache (in_place) goes through layers/decode_attention.py's
+        kernel instead, which reads each row's filled positions only."""
+        (B, T, N, H), K = q_BxTxNxH.shape, self.kv_heads
         G, KH, dtype = N // K, K * H, q_BxTxNxH.dtype
         # own_NxKH[n, d]: lane d belongs to query head n's kv head
         own_NxKH = (jnp.arange(KH) // H)[None, :] == (jnp.arange(N) // G)[:, None]
         q_BxTxNxKH = jnp.where(own_NxKH, jnp.tile(q_BxTxNxH * H ** -0.5, (1, 1, 1, K)), 0).astype(dtype)
+        attend = self._attend_in_place if self.layer_index is not None else self._attend_prefix
+        o_BxTxNxKH = attend(q_BxTxNxKH, new, start_B)
+        # Each query head keeps its own kv head's block: summing over the K groups of query heads
+        # leaves o_BxTxGxKH[b, t, g, (k, h)] = head k·G + g's output, lane h.
+        o_BxTxGxKH = jnp.where(own_NxKH, o_BxTxNxKH, 0).reshape(B, T, K, G, KH).sum(2)
+        o_BxTxKxGxH = o_BxTxGxKH.reshape(B, T, G, K, H).transpose(0, 1, 3, 2, 4)  # no-op for G = 1
+        return o_BxTxKxGxH.reshape(B, T, N, H).astype(dtype)
+
+    def _attend_in_place(self, q_BxTxNxKH, new: "KVCache", start_B):
+        """One new query per row through the kernel (the cached positions' partial softmax), merged
+        with its own key's score here: float32 (B, 1, N, K·H), normalised."""
+        q_BxNxKH, f32 = q_BxTxNxKH[:, 0], jnp.float32
+        B, S = q_BxNxKH.shape[0], self.length
+        blocks = dict(block_rows=max(d for d in range(1, 9) if B % d == 0),
+                      block_positions=128 if S % 128 == 0 else S)
+
+        def kernel(interpret: bool):
+            return lambda q_BxNxKH, cache, start_B: decode_attention.cached_attention(
+                q_BxNxKH, cache.k, cache.v, cache.layer_index, start_B, cache.kv_heads, cache.k_scale,
+                cache.v_scale, interpret=interpret, **blocks)
+        # Mosaic's kernel where the program is for a TPU, Pallas's interpreter elsewhere (tests)
+        o_BxNxKH, max_BxN, sum_BxN = jax.lax.platform_dependent(q_BxNxKH, self, start_B, tpu=kernel(False),
+                                                                default=kernel(True))
+        new_k_BxKH, new_v_BxKH = (x[:, 0] for x in new.read(q_BxNxKH.dtype))
+        own_BxN = jnp.einsum("bnd,bd->bn", q_BxNxKH, new_k_BxKH, preferred_element_type=f32)
+        top_BxN = jnp.maximum(max_BxN, own_BxN)  # finite: every query sees its own key
+        cached_BxN, own_BxN = jnp.exp(max_BxN - top_BxN), jnp.exp(own_BxN - top_BxN)
+        o_BxNxKH = o_BxNxKH * cached_BxN[..., None] + own_BxN[..., None] * new_v_BxKH[:, None].astype(f32)
+        return (o_BxNxKH / (sum_BxN * cached_BxN + own_BxN)[..., None])[:, None]
+
+    def _attend_prefix(self, q_BxTxNxKH, new: "KVCache", start_B):
+        """Attention over the whole of this (sliced) cache and the new tokens, written out for XLA:
+        float32 (B, T, N, K·H), normalised."""
+        T, G = q_BxTxNxKH.shape[1], q_BxTxNxKH.shape[2] // self.kv_heads
+        S, dtype = self.length, q_BxTxNxKH.dtype
         s_BxNxTxS = jnp.einsum("btnd,bsd->bnts", q_BxTxNxKH, self.k.astype(dtype), preferred_element_type=jnp.float32)
         if self.k_scale is not None:
             s_BxNxTxS = s_BxNxTxS * per_query_head(self.k_scale, G)[:, :, None, :]
@@ -118,12 +166,7 @@ class KVCache:
                       + jnp.einsum("bntu,bud->bntd", p_BxNxTxT.astype(dtype), new_v_BxTxKH,
                                    preferred_element_type=jnp.float32))
         o_BxTxNxKH = o_BxNxTxKH.transpose(0, 2, 1, 3)  # (B, T, N) out of the product made XLA:CPU's bf16 dot fail
-        o_BxTxNxKH = o_BxTxNxKH / sum_BxNxT.transpose(0, 2, 1)[..., None]
-        # Each query head keeps its own kv head's block: summing over the K groups of query heads
-        # leaves o_BxTxGxKH[b, t, g, (k, h)] = head k·G + g's output, lane h.
-        o_BxTxGxKH = jnp.where(own_NxKH, o_BxTxNxKH, 0).reshape(B, T, K, G, KH).sum(2)
-        o_BxTxKxGxH = o_BxTxGxKH.reshape(B, T, G, K, H).transpose(0, 1, 3, 2, 4)  # no-op for G = 1
-        return o_BxTxKxGxH.reshape(B, T, N, H).astype(dtype)
+        return o_BxTxNxKH / sum_BxNxT.transpose(0, 2, 1)[..., None]
 
     def write(self, new: "KVCache", start_B) -> "KVCache":
         """The whole cache (L, B, S, K·H) with every layer's T new tokens per row (`new`, (L, B, T,
