@@ -66,6 +66,9 @@ class ServeConfig:
     decode_steps: int = engine.DECODE_STEPS  # tokens per slot per decode program: fewer host round trips
     #                                          per token; a new request waits for the one in flight, and a
     #                                          stream's tokens arrive in groups of about this many
+    decode_attention: str = "auto"  # a decode step's attention: 'auto' (the kernel on one TPU chip, XLA's
+    #                                 elsewhere) | 'pallas' (layers/decode_attention.py's kernel: each slot's own
+    #                                 filled positions; one device) | 'xla' (the smallest prefix holding every slot's)
     max_body_bytes: int = 8 * 2**20  # a request body past this gets a 413 before it is read whole (8 MiB: a
     #                                  prompt of about 2M tokens of text, or 1M as a JSON list of ids)
     model_name: str = ""  # the id clients send as "model"; '' = out_dir's or init_from's last part
@@ -98,6 +101,10 @@ class ServeConfig:
         configurator.check_choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
         configurator.check_choice("weight_dtype", self.weight_dtype, loader.WEIGHT_DTYPES)
         configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, loader.KV_CACHE_DTYPES)
+        configurator.check_choice("decode_attention", self.decode_attention, engine.DECODE_ATTENTION)
+        if self.decode_attention == "pallas" and self.mesh_data * self.mesh_tensor > 1:
+            raise configurator.ConfigError("decode_attention='pallas' runs on one device: use mesh_data=1 and "
+                                           "mesh_tensor=1, or decode_attention='auto' or 'xla'")
         if self.slots % self.mesh_data:
             raise configurator.ConfigError(f"slots={self.slots} is not divisible by mesh_data={self.mesh_data}: "
                                            f"the slots are split over it; use a multiple of {self.mesh_data}")
@@ -144,7 +151,8 @@ class Server:
             with memory.refusing_out_of_memory("serving", list(self.setup.mesh.devices.flat),
                                                memory.serving_remedies(self.cfg, len(jax.devices())), self.params):
                 e = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue,
-                                  vocab=self.tok.vocab_size, decode_steps=self.cfg.decode_steps)
+                                  vocab=self.tok.vocab_size, decode_steps=self.cfg.decode_steps,
+                                  decode_attention=self.cfg.decode_attention)
         except configurator.ConfigError as error:
             return fail(error)
         if self.cfg.memory_check:

@@ -27,6 +27,7 @@ from devices import hardware
 from devices.hardware import GiB
 from devices.memory import size
 from inference import engine, loader
+from layers import kv_cache
 from layers.quantization import Int8Weight
 from model import count_params, flops_per_token
 
@@ -166,7 +167,8 @@ def compile_serving(config: configurator.Config, target, vocab_size: int, slots:
         lowered = engine.empty_state_program(c, slots, c.block_size).lower()
         state = abstract_outputs(lowered.compile(), lowered)
         try:
-            step = engine.decode_program(setup.graphdef, c.vocab_size, engine.DECODE_STEPS).lower(
+            attend = kv_cache.FILLED if engine.reads_filled_positions("auto", mesh) else None  # as the engine will
+            step = engine.decode_program(setup.graphdef, c.vocab_size, engine.DECODE_STEPS, attend).lower(
                 params, state, one(jnp.bool_, (slots,))).compile()
             step_memory = xla_memory(step, target.devices[0].platform)
             # the admissions with the most tokens: one prompt of the whole context, and the most rows of a bucket

@@ -7,16 +7,18 @@ batching), in the shape of MaxText's engine (JetStream):
              engine's (L, slots, S, K·H) cache)
     decode   `decode_steps` new tokens for every slot at once, in one program; a slot nobody uses
              computes too (the shapes never change) and its tokens are dropped, as are a request's
-             tokens past its end (a stop token, max_tokens). Each step reads the cache's first
-             `attend` positions, the smallest of generate.attend_buckets that holds every running
-             slot's positions up to the last step's, and runs the first quarter of the slots when
-             every busy one is there (requests take the lowest free slot), else all of them
+             tokens past its end (a stop token, max_tokens). On one TPU chip each step's attention
+             reads each slot's own filled positions (layers/decode_attention.py's kernel); elsewhere
+             the cache's first `attend` positions, the smallest of generate.attend_buckets that
+             holds every running slot's positions up to the last step's. A step runs the first
+             quarter of the slots when every busy one is there (requests take the lowest free
+             slot), else all of them
 
 One call makes several tokens per slot because the host's part of a step (a program's dispatch,
 fetching its tokens, handing them out) cost about as much as the step itself on a TPU (bench/NOTES.md).
 
 Every program is compiled ahead of time at start-up (an admit per prompt bucket and row count, a
-decode per attend bucket and row bucket), so serving never compiles. Sampling settings (temperature,
+decode per row bucket and attend bucket), so serving never compiles. Sampling settings (temperature,
 top_k, top_p) and keys live in per-slot arrays, so requests with different settings share one step.
 A request's i-th token is drawn with the key fold_in(fold_in(key(seed), i), 0), as
 inference/generate.py draws its first row's: what a request gets does not depend on what runs
@@ -114,6 +116,25 @@ def admit_rows(bucket: int, slots: int) -> list[int]:
     return [r for r in ADMIT_ROWS if r == 1 or (r <= slots and r * bucket <= ADMIT_TOKENS)]
 
 
+DECODE_ATTENTION = ("auto", "xla", "pallas")
+
+
+def reads_filled_positions(decode_attention: str, mesh) -> bool:
+    """Whether decode steps attend through the kernel (kv_cache.FILLED: each slot's own filled
+    positions) rather than XLA's attention over a prefix bucket. 'auto': the kernel on one TPU chip,
+    where it measured 2.3x faster a step than the bucket when one slot in 64 was long and 5-11%
+    slower when every slot was as long (bench/NOTES.md). The kernel runs on one device."""
+    if decode_attention not in DECODE_ATTENTION:
+        raise EngineError(f"decode_attention={decode_attention!r}: use one of {', '.join(DECODE_ATTENTION)}")
+    one_device = mesh.devices.size == 1
+    if decode_attention == "pallas" and not one_device:
+        raise EngineError(f"decode_attention='pallas' runs on one device, and this mesh has {mesh.devices.size}: "
+                          "use 'xla' or 'auto'")
+    if decode_attention == "auto":
+        return one_device and mesh.devices.flat[0].platform == "tpu"
+    return decode_attention == "pallas"
+
+
 def row_buckets(slots: int, batch_shards: int = 1) -> list[int]:
     """The numbers of slots a decode program runs: a quarter of them (when that is 8 or more), so that
     a light load costs a quarter of a step, and all. All only when the slots are split over devices
@@ -125,10 +146,11 @@ class Engine:
     """`slots` requests decode at once; more wait in a queue of at most max_queue."""
 
     def __init__(self, setup, params, slots: int = 8, max_queue: int = 64, log=print, vocab: int | None = None,
-                 decode_steps: int = DECODE_STEPS):
+                 decode_steps: int = DECODE_STEPS, decode_attention: str = "auto"):
         """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary).
         decode_steps: tokens per slot per decode program (more: less host work per token; a request
-        that ends or arrives waits for the call in flight)."""
+        that ends or arrives waits for the call in flight). decode_attention: one of DECODE_ATTENTION
+        (reads_filled_positions)."""
         self.config, self.mesh, self.graphdef = setup.model_config, setup.mesh, setup.graphdef
         if slots % sharding.batch_shards(self.mesh):  # the slots are the cache's rows, split like a batch
             raise EngineError(f"slots={slots} is not divisible by the mesh's batch axes (mesh_data = "
@@ -140,6 +162,8 @@ class Engine:
         self.context = self.config.block_size
         self.buckets = prompt_buckets(self.context)
         self.row_buckets = row_buckets(slots, sharding.batch_shards(self.mesh))
+        self.attend_buckets = ([kv_cache.FILLED] if reads_filled_positions(decode_attention, self.mesh)
+                               else generate.attend_buckets(self.context))
         self.params = generate.weights_in_compute_dtype(setup.graphdef, params)
         self.ids = itertools.count(1)
         self.queue: collections.deque = collections.deque()
@@ -178,12 +202,14 @@ class Engine:
             self.state = empty_state_program(cfg, self.slots, S)()
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
             active = one(jnp.bool_, (self.slots,))
-            # one decode per cache prefix it reads (a step reads only the bucket its slots have filled)
-            # and per number of slots it runs (the busy ones, which take the lowest free slots)
+            # one decode per cache prefix it reads (a step reads only the bucket its slots have filled;
+            # the kernel, each slot's own positions) and per number of slots it runs (the busy ones,
+            # which take the lowest free slots)
             self.step_programs = {(attend, rows): decode_program(graphdef, self.vocab, self.decode_steps, attend,
                                                                  rows).lower(params, state, active).compile()
-                                  for attend in generate.attend_buckets(S) for rows in self.row_buckets}
-            self.step_program = self.step_programs[S, self.slots]  # the largest, for memory checks
+                                  for attend in self.attend_buckets for rows in self.row_buckets}
+            # the largest, for memory checks
+            self.step_program = self.step_programs[self.attend_buckets[-1], self.slots]
             self.admit_programs = {}  # (prompt bucket, rows): the program
             for P in self.buckets:
                 for R in admit_rows(P, self.slots):
@@ -325,10 +351,11 @@ class Engine:
             return None
         # A running request's newest token (fed first) sits at position prompt + tokens so far - 1 (the
         # prompt's length for one just admitted, whose first token is not handed out yet): the steps read
-        # the cached positions before their last one, in the smallest bucket that holds them.
+        # the cached positions before their last one, in the smallest bucket that holds them (the
+        # kernel: each slot's own).
         newest = max(len(r.prompt) + max(len(r.tokens), 1) - 1 for r in running if r is not None)
         last = min(newest + self.decode_steps - 1, self.context - 1)
-        attend = next(b for b in generate.attend_buckets(self.context) if b >= last)
+        attend = next(b for b in self.attend_buckets if b == kv_cache.FILLED or b >= last)
         busy = max(slot for slot, r in enumerate(running) if r is not None) + 1
         rows = next(r for r in self.row_buckets if r >= busy)
         active = np.array([r is not None for r in running])
@@ -389,11 +416,11 @@ def empty_state_program(config, slots: int, length: int):
     return jax.jit(functools.partial(_empty_state, config, slots, length))
 
 
-def decode_program(graphdef, vocab: int, steps: int = 1, attend: int | None = None, rows: int | None = None):
+def decode_program(graphdef, vocab: int, steps: int = 1, attend: int | str | None = None, rows: int | None = None):
     """(params, state, active_B) -> (state, drawn (steps, rows, ...)): `steps` decode steps of the
     first `rows` slots (default all: every active slot must be one of them), reading the cache's
-    first `attend` positions (default all: every active slot's last position must be <= attend);
-    donates the state."""
+    first `attend` positions (default all: every active slot's last position must be <= attend; or
+    kv_cache.FILLED: each slot's own, through the kernel); donates the state."""
     return jax.jit(functools.partial(_decode, graphdef, vocab, steps, attend=attend, rows=rows), donate_argnums=1)
 
 
@@ -465,7 +492,7 @@ def _admit(graphdef, vocab: int, params, state, tokens_RxP, length_R, slot_R, se
                     "logprobs": at("logprobs", logprobs_R)}), drawn
 
 
-def _decode(graphdef, vocab: int, steps: int, params, state, active_B, attend: int | None = None,
+def _decode(graphdef, vocab: int, steps: int, params, state, active_B, attend: int | str | None = None,
             rows: int | None = None):
     """`steps` times: feed each of the first `rows` slots' newest token, sample the next. An active
     slot stops moving at the cache's last position (its request ends there: what it computes after

@@ -8,6 +8,7 @@ import pytest
 from test_generate import RAGGED, long_context, sharded_model
 
 from inference import engine, generate, loader
+from layers import kv_cache
 
 
 def engine_tokens(setup, params, prompts, max_tokens):
@@ -59,6 +60,29 @@ def test_slots_at_different_positions_read_their_buckets_and_decode_as_generate(
     assert all(called.values()), called  # every bucket served some steps (the 40-token prompt reaches 89)
     expected = [generate.generate(setup, params, [ids], 50, temperature=0).tokens[0] for ids in prompts]
     assert [r.tokens for r in requests] == expected
+
+
+@pytest.mark.parametrize("style, cache", [("gpt2", "auto"), ("gqa", "int8")])
+def test_through_the_attention_kernel_slots_read_their_own_positions_and_decode_as_generate(style, cache):
+    """decode_attention='pallas' (Pallas's interpreter here): one decode program whatever the slots'
+    positions, and each request's greedy tokens are generate.py's (XLA's attention) for it alone."""
+    setup, params = long_context(style)
+    setup = loader.model_setup(setup.config, setup.mesh, setup.config.vocab_size, cache)
+    prompts = [RAGGED[2], RAGGED[0], list(range(3, 43)), RAGGED[1]]  # 25, 3, 40 and 9 tokens
+    e = engine.Engine(setup, params, slots=2, max_queue=8, log=lambda line: None, decode_attention="pallas")
+    assert list(e.step_programs) == [(kv_cache.FILLED, 2)]
+    done = threading.Semaphore(0)
+    requests = [e.submit(engine.Request(ids, 50, temperature=0, on_finish=lambda _: done.release())) for ids in prompts]
+    for _ in requests:
+        assert done.acquire(timeout=300)
+    e.shutdown()
+    expected = [generate.generate(setup, params, [ids], 50, temperature=0).tokens[0] for ids in prompts]
+    assert [r.tokens for r in requests] == expected
+
+
+def test_the_attention_kernel_runs_on_one_device_only():
+    with pytest.raises(engine.EngineError, match="'pallas' runs on one device"):
+        engine.Engine(*sharded_model("gqa", 2, 4), slots=2, decode_attention="pallas")
 
 
 def test_log_probabilities_are_computed_for_the_requests_that_ask_whatever_runs_beside_them():
