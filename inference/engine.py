@@ -401,7 +401,8 @@ class Engine:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason, request.finished_at = reason, time.perf_counter()
-        self.aborted += reason == "abort"
+        with self.wake:  # cancel() finishes queued requests from other threads
+            self.aborted += reason == "abort"
         if request.on_finish:
             request.on_finish(reason)
 
