@@ -203,8 +203,10 @@ class Generation:
     async def pieces(self):
         """(new text, the engine.Tokens it came from), piece by piece, until the request ends
         (finish_reason is then set). Tokens that arrived while the last piece was being sent go
-        out as one piece: when the server falls behind the engine, it sends fewer, longer events."""
-        tokens, piece = [], ""
+        out as one piece: when the server falls behind the engine, it sends fewer, longer events.
+        A token goes out with the text it starts in, so one held back (it may begin a stop string)
+        waits with its text; the tokens of a stop string itself never go out."""
+        tokens, starts, piece = [], [], ""  # the tokens not passed on yet, and where each one's text starts
         while True:
             items = [await self.queue.get()]
             while not self.queue.empty():
@@ -213,18 +215,22 @@ class Generation:
                 if isinstance(item, tuple):
                     piece += self.text.finish()
                     self.finish_reason = "stop" if self.text.stopped else item[1]
+                    if self.text.stopped:
+                        tokens = [t for t, start in zip(tokens, starts) if start < len(self.text.text)]
                     if piece or tokens:
                         yield piece, tokens
                     return
                 if self.text.stopped:
                     continue  # past a stop string: the engine is being told to stop
                 tokens.append(item)
+                starts.append(len(self.text.text))
                 piece += self.text.add(item.id)
                 if self.text.stopped:
                     self.server.engine.cancel(self.request)
             if piece:
-                yield piece, tokens
-                tokens, piece = [], ""
+                passed_on = sum(start < self.text.sent for start in starts)
+                yield piece, tokens[:passed_on]
+                tokens, starts, piece = tokens[passed_on:], starts[passed_on:], ""
 
     def cancel(self):
         if self.finish_reason is None:

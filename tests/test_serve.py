@@ -200,6 +200,20 @@ def test_stop_strings_end_the_text_before_them(client):
             cut, "stop")
 
 
+def test_logprobs_end_with_the_text_before_a_stop_string(client):
+    """The tokens of the stop string itself are not the reply's: the logprobs' tokens join to its text."""
+    full = client.completions.create(model="out", prompt="abc", max_tokens=20, temperature=0, logprobs=1)
+    tokens = full.choices[0].logprobs.tokens
+    stop = "".join(tokens[3:5])  # two whole tokens: a stop string that spans tokens
+    cut = full.choices[0].text[:full.choices[0].text.find(stop)]
+    for stream in (False, True):
+        reply = client.completions.create(model="out", prompt="abc", max_tokens=20, temperature=0, stop=[stop],
+                                          stream=stream, logprobs=1)
+        chunks = list(reply) if stream else [reply]
+        assert "".join(c.choices[0].text for c in chunks) == cut
+        assert "".join(t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens) == cut
+
+
 def test_chat_renders_the_template_and_streams_the_role_first(client, server, loaded):
     _, _, _, tok = loaded
     messages = [{"role": "user", "content": "hi there"}]
