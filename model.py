@@ -199,8 +199,9 @@ class Attention(nnx.Module):
     def __call__(self, x_BTxD, batch_size: int, start_B, dropout_key=None, cache=None, segments=None):
         """Row b's T tokens sit at positions start_B[b] + [0, T). Without a cache: causal
         self-attention over them (training: start_B = 0), or with `segments` (packed rows, no
-        cache) within each segment, at the segments' positions. With a layer's cache (B, S, K·H):
-        they attend to its positions before their own and to each other (causally). Returns
+        cache) within each segment, at the segments' positions. With a layer's cache (B, S, K·H), or
+        the whole cache in place (KVCache.in_place, one token per row: the kernel): they attend to
+        its positions before their own and to each other (causally). Returns
         (output, None), or with a cache (output, their keys and values as the cache stores them),
         which the caller writes into it. An empty cache (S = 0) is a prefill from position 0: the
         training path's attention, which only hands its keys and values on."""
@@ -469,9 +470,10 @@ class GPT(nnx.Module):
 
         A decode step is T = 1. The tokens attend to the cache's positions before start_B[b] and
         to each other; only the cache's first `attend` positions are read (default: all), so the
-        caller that knows every start_B[b] <= attend reads no more than it must. attend=FILLED (T = 1
-        only) reads each row's own positions instead, through layers/decode_attention.py's kernel:
-        the cheaper step when rows differ in length (a serving engine's slots). A step's (T = 1)
+        caller that knows every start_B[b] <= attend reads no more than it must. attend=FILLED (T = 1,
+        one device) reads each block of rows' filled positions instead, through
+        layers/decode_attention.py's kernel: the cheaper step when rows differ in length (a serving
+        engine's slots). A step's (T = 1)
         cache may hold more rows than B: the tokens are its first B rows, and the others are neither
         read nor written (a serving engine's busy slots, when they fit a smaller program). Returns float32
         logits (B, padded vocab) of each row's token at index last_B[b] (default: the last) and
@@ -546,26 +548,34 @@ class GPT(nnx.Module):
 
     def _run_blocks(self, x_BTxD, batch_size: int, start_B, dropout_key, cache=None, segments=None, attend=None):
         """The layer stacks in order; with a cache (L, B, S, K·H), each layer reads its slice (the
-        first `attend` positions). Returns (x, the new tokens' keys and values of every layer (L, B,
-        T, K·H) when there is a cache, else None, the sparse layers' router stats)."""
+        first `attend` positions; with attend=FILLED the kernel reads the whole cache in place).
+        Returns (x, the new tokens' keys and values of every layer (L, B, T, K·H) when there is a
+        cache, else None, the sparse layers' router stats)."""
         config = self.config
         layer_keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
         if self.dense_blocks is None:
             return self._run_stack(self.blocks, x_BTxD, batch_size, start_B, layer_keys, cache, segments, attend)
         n = config.n_layer - config.sparse_layers  # the dense stack comes first
         part = lambda tree, lo, hi: None if tree is None else jax.tree.map(lambda a: a[lo:hi], tree)
+        # the kernel takes the whole cache and a layer number (a slice of the cache would be a copy)
+        in_place = attend == FILLED
+        stack_cache = lambda lo, hi: cache if in_place else part(cache, lo, hi)
         x_BTxD, dense_new, _ = self._run_stack(self.dense_blocks, x_BTxD, batch_size, start_B,
-                                               part(layer_keys, 0, n), part(cache, 0, n), segments, attend)
+                                               part(layer_keys, 0, n), stack_cache(0, n), segments, attend)
         x_BTxD, sparse_new, stats = self._run_stack(self.blocks, x_BTxD, batch_size, start_B,
-                                                    part(layer_keys, n, None), part(cache, n, None), segments, attend)
+                                                    part(layer_keys, n, None), stack_cache(n, None), segments, attend,
+                                                    first_layer=n if in_place else 0)
         new = None if cache is None else jax.tree.map(lambda a, b: jnp.concatenate([a, b]), dense_new, sparse_new)
         return x_BTxD, new, stats
 
-    def _run_stack(self, blocks, x_BTxD, batch_size: int, start_B, layer_keys, cache, segments=None, attend=None):
+    def _run_stack(self, blocks, x_BTxD, batch_size: int, start_B, layer_keys, cache, segments=None, attend=None,
+                   first_layer: int = 0):
+        """The stack of `blocks`, whose layers are the cache's from first_layer on."""
         config = self.config
         graphdef, stacked_state = nnx.split(blocks)
         # a decode step through the attention kernel reads the whole cache in place (one token per row)
         in_place = attend == FILLED and cache is not None and cache.length > 0
+        prefix = None if attend == FILLED else attend
 
         def one_layer(batch_size: int, start_B, segments):
             def layer(x_BTxD, layer_inputs):
@@ -578,7 +588,7 @@ class GPT(nnx.Module):
                 elif in_place:
                     layer_cache = cache.in_place(layer_index)
                 else:
-                    layer_cache = cache.layer(layer_index, attend, batch_size)
+                    layer_cache = cache.layer(layer_index, prefix, batch_size)
                 x_BTxD, new, stats = nnx.merge(graphdef, layer_state)(
                     x_BTxD, batch_size, start_B, layer_key, layer_cache, segments)
                 return x_BTxD, (new, stats)
@@ -597,7 +607,8 @@ class GPT(nnx.Module):
             return x_BTxD, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
         if config.pipeline_stages == 1 or cache is not None:  # decoding never pipelines
-            layer_indices = None if cache is None else jnp.arange(cache.k.shape[0])
+            layers_here = jax.tree.leaves(stacked_state)[0].shape[0]
+            layer_indices = None if cache is None else first_layer + jnp.arange(layers_here)
             x_BTxD, (new, stats) = run_layers(x_BTxD, (stacked_state, layer_keys, layer_indices), batch_size,
                                               start_B, segments)
             return x_BTxD, new, stats

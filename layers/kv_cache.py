@@ -5,7 +5,7 @@ A decode step reads the cache and writes one token per row, so its cost should f
 it must read: the layer stack only reads each layer's slice (the cache is not carried through
 the layer scan, which would copy it), attention covers the filled prefix the caller names
 (`attend`: inference/generate.py buckets it) or, through layers/decode_attention.py's kernel, each
-row's own filled positions (inference/engine.py's slots), and the new tokens of every layer are written
+block of rows' filled positions (inference/engine.py's slots on one TPU chip), and the new tokens of every layer are written
 after the stack, in one scatter per array (one per layer at large batches; an int8 cache's scales
 with a select).
 """
@@ -42,8 +42,9 @@ class KVCache:
     2.67x the bytes for every read (bench/NOTES.md). Attention never splits that axis (a relayout on
     a TPU): it multiplies by a block-diagonal copy of the queries instead (attend).
 
-    The same class holds one layer's slice (B, S, K·H) inside the layer stack, and the new tokens'
-    keys and values as stored (encode). The cache does not know how much of itself is filled: the
+    The same class holds one layer's slice (B, S, K·H) inside the layer stack (or, for the kernel,
+    the whole cache and the layer's number: in_place), and the new tokens' keys and values as
+    stored (encode). The cache does not know how much of itself is filled: the
     caller says where new tokens go (start_B) and attention sees only the positions before them,
     so stale entries past them are harmless.
     """
@@ -123,6 +124,8 @@ class KVCache:
     def _attend_in_place(self, q_BxTxNxKH, new: "KVCache", start_B):
         """One new query per row through the kernel (the cached positions' partial softmax), merged
         with its own key's score here: float32 (B, 1, N, K·H), normalised."""
+        if q_BxTxNxKH.shape[1] != 1:
+            raise ValueError(f"the kernel takes one new token per row, not {q_BxTxNxKH.shape[1]}")
         q_BxNxKH, f32 = q_BxTxNxKH[:, 0], jnp.float32
         B, S = q_BxNxKH.shape[0], self.length
         blocks = dict(block_rows=max(d for d in range(1, 9) if B % d == 0),

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import model
 from layers import decode_attention, kv_cache
 
 # A value no correct read of the cache meets: written where the kernel must not look (positions
@@ -196,3 +197,29 @@ def test_compiled_on_the_chip_matches_the_reference(dtype):
         empty = np.asarray(lengths_B) == 0
         np.testing.assert_array_equal(got[1][empty], -np.inf)
         np.testing.assert_allclose(got[0] / got[2][..., None], want[0] / want[2][..., None], atol=2e-2, rtol=2e-2)
+
+
+MODELS = {"gpt2": {}, "gqa-int8": dict(n_kv_head=2, pos_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False,
+                                      kv_cache_dtype="int8"),
+          "moe": dict(n_layer=3, n_experts=4, moe_dense_layers=1, capacity_factor=0.0)}
+
+
+@pytest.mark.parametrize("style", MODELS)
+def test_model_decode_through_the_kernel_equals_xla(style):
+    """model.decode with attend=FILLED (the kernel, interpreted) gives XLA's logits, step after step,
+    for rows at different positions: GPT-2, grouped-query heads with an int8 cache, and a mixture of
+    experts whose dense first layer is its own stack (the kernel reads its layers in the whole cache)."""
+    config = model.GPTConfig(**{**dict(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=64, dtype="float32"),
+                                **MODELS[style]})
+    gpt = model.GPT(config, jax.random.key(0))
+    tokens_Bx12 = jax.random.randint(jax.random.key(1), (3, 12), 0, 97)
+    step = jax.jit(lambda gpt, cache, token_Bx1, start_B, attend: gpt.decode(token_Bx1, cache, start_B, attend=attend),
+                   static_argnums=4)
+    logits = {}
+    for attend in (None, kv_cache.FILLED):
+        cache, start_B, steps = kv_cache.init_cache(config, 4, 64), jnp.array([0, 5, 17]), []
+        for t in range(12):
+            step_logits, cache = step(gpt, cache, tokens_Bx12[:, t:t + 1], start_B + t, attend)
+            steps.append(step_logits)
+        logits[attend] = np.stack(steps)
+    np.testing.assert_allclose(logits[kv_cache.FILLED], logits[None], atol=1e-5, rtol=1e-5)
