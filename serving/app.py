@@ -133,6 +133,7 @@ class TextStream:
     def __init__(self, tok, stop: list):
         self.tok, self.stop, self.ids, self.sent, self.stopped = tok, stop, [], 0, False
         self.text = ""
+        self.starts = []  # where each decoded id's text starts in text (ids of an unfinished character wait)
         self.window_start = self.window_read = 0  # ids[window_start:window_read]: decoded into text already
 
     def add(self, token: int) -> str:
@@ -169,6 +170,9 @@ class TextStream:
         after = self.tok.decode(self.ids[self.window_start:])
         if after.endswith("\ufffd") and not finished:  # a character whose bytes are not all there yet
             return
+        # the window's text starts len(before) before the end of text; each new id where the ids before it end
+        self.starts += [len(self.text) + len(self.tok.decode(self.ids[self.window_start:k])) - len(before)
+                        if k > self.window_read else len(self.text) for k in range(self.window_read, len(self.ids))]
         self.text += after[len(before):]
         self.window_start, self.window_read = self.window_read, len(self.ids)
 
@@ -206,7 +210,7 @@ class Generation:
         out as one piece: when the server falls behind the engine, it sends fewer, longer events.
         A token goes out with the text it starts in, so one held back (it may begin a stop string)
         waits with its text; the tokens of a stop string itself never go out."""
-        tokens, starts, piece = [], [], ""  # the tokens not passed on yet, and where each one's text starts
+        tokens, piece = [], ""  # the tokens not passed on yet (the i-th of the request is the text's ids[i])
         while True:
             items = [await self.queue.get()]
             while not self.queue.empty():
@@ -216,21 +220,25 @@ class Generation:
                     piece += self.text.finish()
                     self.finish_reason = "stop" if self.text.stopped else item[1]
                     if self.text.stopped:
-                        tokens = [t for t, start in zip(tokens, starts) if start < len(self.text.text)]
+                        tokens = tokens[:self._starting_before(len(self.text.text), len(tokens))]
                     if piece or tokens:
                         yield piece, tokens
                     return
                 if self.text.stopped:
                     continue  # past a stop string: the engine is being told to stop
                 tokens.append(item)
-                starts.append(len(self.text.text))
                 piece += self.text.add(item.id)
                 if self.text.stopped:
                     self.server.engine.cancel(self.request)
             if piece:
-                passed_on = sum(start < self.text.sent for start in starts)
+                passed_on = self._starting_before(self.text.sent, len(tokens))
                 yield piece, tokens[:passed_on]
-                tokens, starts, piece = tokens[passed_on:], starts[passed_on:], ""
+                tokens, piece = tokens[passed_on:], ""
+
+    def _starting_before(self, end: int, pending: int) -> int:
+        """How many of the last `pending` ids have text that starts before `end` (decoded ones only)."""
+        first = len(self.text.ids) - pending
+        return sum(start < end for start in self.text.starts[first:])
 
     def cancel(self):
         if self.finish_reason is None:

@@ -585,3 +585,23 @@ def test_a_stop_string_completed_by_tokens_that_end_inside_a_character_still_sto
     assert tok.decode(ids) == "Hello \ufffd"  # the last token ends inside a character
     stream = app.TextStream(tok, [" "])
     assert "".join(stream.add(i) for i in ids) + stream.finish() == "Hello" and stream.stopped
+
+
+class ByteTokens:
+    """A tokenizer whose ids are byte strings (a byte-level model can emit half a character)."""
+    pieces = [b"x", b"\xc3", b"STOP", b"\xa9"]
+
+    def decode(self, ids):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_knows_where_each_token_starts_across_an_unfinished_character():
+    """The text of 'x', a lone lead byte, 'STOP' is 'x\\ufffd' + the stop string: the stop's token
+    starts at 2, past the text kept, though it was decoded together with the lead byte (so serve.py
+    leaves it out of logprobs); a completed character belongs to the token that began it."""
+    stream = app.TextStream(ByteTokens(), ["STOP"])
+    for i in (0, 1, 2):
+        stream.add(i)
+    assert stream.stopped and stream.text == "x\ufffd" and stream.starts == [0, 1, 2]
+    stream = app.TextStream(ByteTokens(), ["STOP"])
+    assert "".join(stream.add(i) for i in (0, 1, 3)) + stream.finish() == "xé" and stream.starts == [0, 1, 2]
