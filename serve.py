@@ -66,9 +66,10 @@ class ServeConfig:
     decode_steps: int = engine.DECODE_STEPS  # tokens per slot per decode program: fewer host round trips
     #                                          per token; a new request waits for the one in flight, and a
     #                                          stream's tokens arrive in groups of about this many
-    decode_attention: str = "auto"  # a decode step's attention: 'auto' (the kernel on one TPU chip, XLA's
-    #                                 elsewhere) | 'pallas' (layers/decode_attention.py's kernel: each slot's own
-    #                                 filled positions; one device) | 'xla' (the smallest prefix holding every slot's)
+    decode_attention: str = "auto"  # a decode step's attention: 'auto' (the kernel on one TPU chip with a bf16 or
+    #                                 float32 cache, XLA's elsewhere) | 'pallas' (layers/decode_attention.py's kernel:
+    #                                 each block of 8 slots' filled positions; one TPU chip) | 'xla' (the smallest
+    #                                 prefix holding every slot's)
     max_body_bytes: int = 8 * 2**20  # a request body past this gets a 413 before it is read whole (8 MiB: a
     #                                  prompt of about 2M tokens of text, or 1M as a JSON list of ids)
     model_name: str = ""  # the id clients send as "model"; '' = out_dir's or init_from's last part
@@ -153,7 +154,7 @@ class Server:
                 e = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue,
                                   vocab=self.tok.vocab_size, decode_steps=self.cfg.decode_steps,
                                   decode_attention=self.cfg.decode_attention)
-        except configurator.ConfigError as error:
+        except (configurator.ConfigError, engine.EngineError) as error:
             return fail(error)
         if self.cfg.memory_check:
             try:
@@ -164,7 +165,9 @@ class Server:
         self.engine = e
         print(f"ready: {e.slots} slots x {self.context} tokens, KV cache {e.kv_bytes / 2**20:,.1f} MiB "
               f"({e.kv_bytes_per_token:,} bytes per token), weights {e.weight_bytes / 2**20:,.1f} MiB; "
-              f"{len(e.buckets)} prompt buckets ({', '.join(map(str, e.buckets))}) compiled in {e.compile_s:.1f} s",
+              f"{len(e.buckets)} prompt buckets ({', '.join(map(str, e.buckets))}); decode attention: "
+              f"{'the kernel' if e.reads_filled else 'XLA over prefix buckets'}; "
+              f"compiled in {e.compile_s:.1f} s",
               flush=True)
 
     def check_memory(self, e: engine.Engine) -> dict:

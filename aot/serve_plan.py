@@ -167,7 +167,7 @@ def compile_serving(config: configurator.Config, target, vocab_size: int, slots:
         lowered = engine.empty_state_program(c, slots, c.block_size).lower()
         state = abstract_outputs(lowered.compile(), lowered)
         try:
-            attend = kv_cache.FILLED if engine.reads_filled_positions("auto", mesh) else None  # as the engine will
+            attend = kv_cache.FILLED if engine.reads_filled_positions("auto", mesh, c) else None  # as the engine will
             step = engine.decode_program(setup.graphdef, c.vocab_size, engine.DECODE_STEPS, attend).lower(
                 params, state, one(jnp.bool_, (slots,))).compile()
             step_memory = xla_memory(step, target.devices[0].platform)

@@ -8,9 +8,9 @@ batching), in the shape of MaxText's engine (JetStream):
     decode   `decode_steps` new tokens for every slot at once, in one program; a slot nobody uses
              computes too (the shapes never change) and its tokens are dropped, as are a request's
              tokens past its end (a stop token, max_tokens). On one TPU chip each step's attention
-             reads each slot's own filled positions (layers/decode_attention.py's kernel); elsewhere
-             the cache's first `attend` positions, the smallest of generate.attend_buckets that
-             holds every running slot's positions up to the last step's. A step runs the first
+             reads each block of 8 slots' filled positions (layers/decode_attention.py's kernel;
+             reads_filled_positions); elsewhere the cache's first `attend` positions, the smallest
+             of generate.attend_buckets that holds every running slot's positions up to the last step's. A step runs the first
              quarter of the slots when every busy one is there (requests take the lowest free
              slot), else all of them
 
@@ -119,19 +119,23 @@ def admit_rows(bucket: int, slots: int) -> list[int]:
 DECODE_ATTENTION = ("auto", "xla", "pallas")
 
 
-def reads_filled_positions(decode_attention: str, mesh) -> bool:
-    """Whether decode steps attend through the kernel (kv_cache.FILLED: each slot's own filled
-    positions) rather than XLA's attention over a prefix bucket. 'auto': the kernel on one TPU chip,
-    where it measured 2.3x faster a step than the bucket when one slot in 64 was long and 5-11%
-    slower when every slot was as long (bench/NOTES.md). The kernel runs on one device."""
+def reads_filled_positions(decode_attention: str, mesh, config) -> bool:
+    """Whether decode steps attend through the kernel (kv_cache.FILLED: each block of 8 slots' filled
+    positions, up to its longest) rather than XLA's attention over a prefix bucket that holds every
+    slot's. 'auto': the kernel on one TPU chip, for a bf16 or float32 cache of a multiple of 128
+    positions (its blocks). There a whole step measured 2.3x faster than the bucket when one slot
+    in 64 was long, and 5-11% slower when every slot was as long; with an int8 cache the attention
+    alone measured slower (bench/NOTES.md). 'pallas' runs on one device: a TPU, or a CPU through
+    Pallas's interpreter (tests)."""
     if decode_attention not in DECODE_ATTENTION:
         raise EngineError(f"decode_attention={decode_attention!r}: use one of {', '.join(DECODE_ATTENTION)}")
-    one_device = mesh.devices.size == 1
-    if decode_attention == "pallas" and not one_device:
-        raise EngineError(f"decode_attention='pallas' runs on one device, and this mesh has {mesh.devices.size}: "
-                          "use 'xla' or 'auto'")
+    devices, platform = mesh.devices.size, mesh.devices.flat[0].platform
+    if decode_attention == "pallas" and (devices > 1 or platform not in ("tpu", "cpu")):
+        raise EngineError(f"decode_attention='pallas' runs on one TPU chip (a CPU interprets it, for tests), and "
+                          f"this mesh has {devices} {platform} device(s): use 'xla' or 'auto'")
     if decode_attention == "auto":
-        return one_device and mesh.devices.flat[0].platform == "tpu"
+        return (devices == 1 and platform == "tpu" and config.kv_cache_dtype != "int8"
+                and config.block_size % 128 == 0)
     return decode_attention == "pallas"
 
 
@@ -162,8 +166,8 @@ class Engine:
         self.context = self.config.block_size
         self.buckets = prompt_buckets(self.context)
         self.row_buckets = row_buckets(slots, sharding.batch_shards(self.mesh))
-        self.attend_buckets = ([kv_cache.FILLED] if reads_filled_positions(decode_attention, self.mesh)
-                               else generate.attend_buckets(self.context))
+        self.reads_filled = reads_filled_positions(decode_attention, self.mesh, self.config)
+        self.attend_buckets = [kv_cache.FILLED] if self.reads_filled else generate.attend_buckets(self.context)
         self.params = generate.weights_in_compute_dtype(setup.graphdef, params)
         self.ids = itertools.count(1)
         self.queue: collections.deque = collections.deque()
@@ -203,8 +207,8 @@ class Engine:
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
             active = one(jnp.bool_, (self.slots,))
             # one decode per cache prefix it reads (a step reads only the bucket its slots have filled;
-            # the kernel, each slot's own positions) and per number of slots it runs (the busy ones,
-            # which take the lowest free slots)
+            # the kernel, each block of slots' filled positions) and per number of slots it runs (the
+            # busy ones, which take the lowest free slots)
             self.step_programs = {(attend, rows): decode_program(graphdef, self.vocab, self.decode_steps, attend,
                                                                  rows).lower(params, state, active).compile()
                                   for attend in self.attend_buckets for rows in self.row_buckets}
@@ -352,10 +356,13 @@ class Engine:
         # A running request's newest token (fed first) sits at position prompt + tokens so far - 1 (the
         # prompt's length for one just admitted, whose first token is not handed out yet): the steps read
         # the cached positions before their last one, in the smallest bucket that holds them (the
-        # kernel: each slot's own).
-        newest = max(len(r.prompt) + max(len(r.tokens), 1) - 1 for r in running if r is not None)
-        last = min(newest + self.decode_steps - 1, self.context - 1)
-        attend = next(b for b in self.attend_buckets if b == kv_cache.FILLED or b >= last)
+        # kernel reads each block of slots' filled positions).
+        if self.reads_filled:
+            attend = kv_cache.FILLED
+        else:
+            newest = max(len(r.prompt) + max(len(r.tokens), 1) - 1 for r in running if r is not None)
+            last = min(newest + self.decode_steps - 1, self.context - 1)
+            attend = next(b for b in self.attend_buckets if b >= last)
         busy = max(slot for slot, r in enumerate(running) if r is not None) + 1
         rows = next(r for r in self.row_buckets if r >= busy)
         active = np.array([r is not None for r in running])
@@ -421,7 +428,7 @@ def decode_program(graphdef, vocab: int, steps: int = 1, attend: int | str | Non
     """(params, state, active_B) -> (state, drawn (steps, rows, ...)): `steps` decode steps of the
     first `rows` slots (default all: every active slot must be one of them), reading the cache's
     first `attend` positions (default all: every active slot's last position must be <= attend; or
-    kv_cache.FILLED: each slot's own, through the kernel); donates the state."""
+    kv_cache.FILLED: each block of slots' filled positions, through the kernel); donates the state."""
     return jax.jit(functools.partial(_decode, graphdef, vocab, steps, attend=attend, rows=rows), donate_argnums=1)
 
 
@@ -506,7 +513,8 @@ def _decode(graphdef, vocab: int, steps: int, params, state, active_B, attend: i
     padded = lambda x_R: jnp.pad(x_R, (0, B - R))  # back to every slot's: the rows past R do not move
 
     def step(state, _):
-        position_R = jnp.minimum(first(state["position"]), last)
+        # a free slot reads nothing (its last request's position would have the kernel read that far)
+        position_R = jnp.where(first(active_B), jnp.minimum(first(state["position"]), last), 0)
         logits_RxV, cache = gpt.decode(first(state["token"])[:, None], state["cache"], position_R, attend=attend)
         drawn = _draw(logits_RxV[:, :vocab], *map(first, (state["seed"], state["index"], state["temperature"],
                                                           state["top_k"], state["top_p"])),

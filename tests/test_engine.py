@@ -81,7 +81,7 @@ def test_through_the_attention_kernel_slots_read_their_own_positions_and_decode_
 
 
 def test_the_attention_kernel_runs_on_one_device_only():
-    with pytest.raises(engine.EngineError, match="'pallas' runs on one device"):
+    with pytest.raises(engine.EngineError, match="'pallas' runs on one TPU chip"):
         engine.Engine(*sharded_model("gqa", 2, 4), slots=2, decode_attention="pallas")
 
 
