@@ -473,12 +473,12 @@ class GPT(nnx.Module):
         caller that knows every start_B[b] <= attend reads no more than it must. attend=FILLED (T = 1,
         one device) reads each block of rows' filled positions instead, through
         layers/decode_attention.py's kernel: the cheaper step when rows differ in length (a serving
-        engine's slots). A step's (T = 1)
-        cache may hold more rows than B: the tokens are its first B rows, and the others are neither
-        read nor written (a serving engine's busy slots, when they fit a smaller program). Returns float32
-        logits (B, padded vocab) of each row's token at index last_B[b] (default: the last) and
-        the cache with the new tokens' keys and values written in. No dropout; positions must
-        stay below block_size (the caller checks: a gather here would clamp silently).
+        engine's slots). A step's (T = 1) cache may hold more rows than B: the tokens are its first
+        B rows, and the others are neither read nor written (a serving engine's busy slots, when
+        they fit a smaller program). Returns float32 logits (B, padded vocab) of each row's token at
+        index last_B[b] (default: the last) and the cache with the new tokens' keys and values
+        written in. No dropout; positions must stay below block_size (the caller checks: a gather
+        here would clamp silently).
         """
         if attend == FILLED and idx_BxT.shape[1] != 1:
             raise ValueError(f"attend={FILLED!r} is for one token per row; got {idx_BxT.shape[1]}")

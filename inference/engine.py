@@ -10,9 +10,9 @@ batching), in the shape of MaxText's engine (JetStream):
              tokens past its end (a stop token, max_tokens). On one TPU chip each step's attention
              reads each block of 8 slots' filled positions (layers/decode_attention.py's kernel;
              reads_filled_positions); elsewhere the cache's first `attend` positions, the smallest
-             of generate.attend_buckets that holds every running slot's positions up to the last step's. A step runs the first
-             quarter of the slots when every busy one is there (requests take the lowest free
-             slot), else all of them
+             of generate.attend_buckets that holds every running slot's positions up to the last
+             step's. A step runs the first quarter of the slots when every busy one is there
+             (requests take the lowest free slot), else all of them
 
 One call makes several tokens per slot because the host's part of a step (a program's dispatch,
 fetching its tokens, handing them out) cost about as much as the step itself on a TPU (bench/NOTES.md).

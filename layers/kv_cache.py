@@ -5,9 +5,9 @@ A decode step reads the cache and writes one token per row, so its cost should f
 it must read: the layer stack only reads each layer's slice (the cache is not carried through
 the layer scan, which would copy it), attention covers the filled prefix the caller names
 (`attend`: inference/generate.py buckets it) or, through layers/decode_attention.py's kernel, each
-block of rows' filled positions (inference/engine.py's slots on one TPU chip), and the new tokens of every layer are written
-after the stack, in one scatter per array (one per layer at large batches; an int8 cache's scales
-with a select).
+block of rows' filled positions (inference/engine.py's slots on one TPU chip), and the new tokens
+of every layer are written after the stack, in one scatter per array (one per layer at large
+batches; an int8 cache's scales with a select).
 """
 
 import dataclasses
