@@ -205,7 +205,8 @@ class Generation:
             raise APIError(400, str(e), "prompt") from None
 
     async def pieces(self):
-        """(new text, the engine.Tokens it came from), piece by piece, until the request ends
+        """(new text, the engine.Tokens it came from, where each one's text starts in the request's
+        text), piece by piece, until the request ends
         (finish_reason is then set). Tokens that arrived while the last piece was being sent go
         out as one piece: when the server falls behind the engine, it sends fewer, longer events.
         A token goes out with the text it starts in, so one held back (it may begin a stop string)
@@ -219,10 +220,12 @@ class Generation:
                 if isinstance(item, tuple):
                     piece += self.text.finish()
                     self.finish_reason = "stop" if self.text.stopped else item[1]
-                    if self.text.stopped:
-                        tokens = tokens[:self._starting_before(len(self.text.text), len(tokens))]
+                    starts = self._starts(len(tokens))
+                    if self.text.stopped:  # the stop string's own tokens start past the text kept
+                        kept = self._starting_before(len(self.text.text), len(tokens))
+                        tokens, starts = tokens[:kept], starts[:kept]
                     if piece or tokens:
-                        yield piece, tokens
+                        yield piece, tokens, starts
                     return
                 if self.text.stopped:
                     continue  # past a stop string: the engine is being told to stop
@@ -232,13 +235,16 @@ class Generation:
                     self.server.engine.cancel(self.request)
             if piece:
                 passed_on = self._starting_before(self.text.sent, len(tokens))
-                yield piece, tokens[:passed_on]
+                yield piece, tokens[:passed_on], self._starts(len(tokens))[:passed_on]
                 tokens, piece = tokens[passed_on:], ""
 
     def _starting_before(self, end: int, pending: int) -> int:
         """How many of the last `pending` ids have text that starts before `end` (decoded ones only)."""
-        first = len(self.text.ids) - pending
-        return sum(start < end for start in self.text.starts[first:])
+        return sum(start < end for start in self._starts(pending))
+
+    def _starts(self, pending: int) -> list:
+        """Where the texts of the last `pending` ids start (of those decoded)."""
+        return self.text.starts[len(self.text.ids) - pending:]
 
     def cancel(self):
         if self.finish_reason is None:
@@ -500,8 +506,13 @@ class Reply:
         """The prompt's engine.Tokens that choice i's logprobs start with (echo and logprobs)."""
         return self.prompt_tokens[i // self.sampling.n] if self.echo else []
 
-    def choice(self, i: int, text: str, finish_reason, tokens=(), offset=0, first=False, streaming=False) -> dict:
-        logprobs = self.logprobs(tokens, offset)
+    def echoed_offsets(self, i: int) -> list:
+        """Where each echoed prompt token's text starts in the choice's text (it begins with the prompt)."""
+        lengths = [len(self.server.tok.decode([t.id])) for t in self.echoed(i)]
+        return [sum(lengths[:j]) for j in range(len(lengths))]
+
+    def choice(self, i: int, text: str, finish_reason, tokens=(), offsets=(), first=False, streaming=False) -> dict:
+        logprobs = self.logprobs(tokens, offsets)
         if not self.chat:
             return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if not streaming:
@@ -510,9 +521,10 @@ class Reply:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def logprobs(self, tokens, offset: int) -> dict | None:
+    def logprobs(self, tokens, offsets) -> dict | None:
         """OpenAI's logprobs of these tokens: chat's list of {token, logprob, bytes, top_logprobs},
-        or completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+        or completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset: `offsets`,
+        where each token's text starts in the choice's text)."""
         k = self.sampling.logprobs
         if k is None:
             return None
@@ -521,18 +533,19 @@ class Reply:
             entry = lambda i, lp: {"token": text(i), "logprob": lp, "bytes": list(text(i).encode())}
             return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top[:k]]}
                                 for t in tokens]}
-        offsets = [offset + sum(len(text(t.id)) for t in tokens[:j]) for j in range(len(tokens))]
         return {"tokens": [text(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
                 "top_logprobs": [None if t.top is None else {text(i): lp for i, lp in t.top[:k]} for t in tokens],
-                "text_offset": offsets}
+                "text_offset": list(offsets)}
 
     async def whole(self):
         texts, tokens = [""] * len(self.generations), [[] for _ in self.generations]
+        offsets = [self.echoed_offsets(i) for i in range(len(self.generations))]
 
         async def collect(i, g):
-            async for piece, piece_tokens in g.pieces():
+            async for piece, piece_tokens, starts in g.pieces():
                 texts[i] += piece
                 tokens[i] += piece_tokens
+                offsets[i] += [len(self.prefix(i)) + start for start in starts]
 
         try:
             await asyncio.gather(*(collect(i, g) for i, g in enumerate(self.generations)))
@@ -540,8 +553,7 @@ class Reply:
             for g in self.generations:
                 g.cancel()
         self.server.log_request(self.generations)
-        choices = [self.choice(i, self.prefix(i) + t, g.finish_reason, self.echoed(i) + tokens[i],
-                               0 if self.echoed(i) else len(self.prefix(i)))
+        choices = [self.choice(i, self.prefix(i) + t, g.finish_reason, self.echoed(i) + tokens[i], offsets[i])
                    for i, (g, t) in enumerate(zip(self.generations, texts))]
         return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
                              "model": self.server.name, "choices": choices, "usage": self.usage()})
@@ -556,26 +568,27 @@ class Reply:
 
         async def pump(i, g):
             try:
-                first, offset = True, len(self.prefix(i))
+                first = True
                 if self.echo:
-                    await queue.put((i, self.prefix(i), None, self.echoed(i), 0, False))
-                async for piece, tokens in g.pieces():
-                    await queue.put((i, piece, None, tokens, offset, first))
-                    first, offset = False, offset + len(piece)
-                await queue.put((i, "", g.finish_reason, [], offset, first))
+                    await queue.put((i, self.prefix(i), None, self.echoed(i), self.echoed_offsets(i), False))
+                async for piece, tokens, starts in g.pieces():
+                    offsets = [len(self.prefix(i)) + start for start in starts]
+                    await queue.put((i, piece, None, tokens, offsets, first))
+                    first = False
+                await queue.put((i, "", g.finish_reason, [], [], first))
             except Exception as e:  # noqa: BLE001 - reaches the client as an error event
-                await queue.put((i, None, str(e), [], 0, False))
+                await queue.put((i, None, str(e), [], [], False))
 
         tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self.generations)]
         try:
             open_choices = len(self.generations)
             while open_choices:
-                i, text, finish, tokens, offset, first = await queue.get()
+                i, text, finish, tokens, offsets, first = await queue.get()
                 if text is None:
                     yield "data: " + json.dumps(APIError(500, f"generation failed: {finish}").body()) + "\n\n"
                     open_choices -= 1
                     continue
-                yield chunk(choices=[self.choice(i, text, finish, tokens, offset, first, streaming=True)])
+                yield chunk(choices=[self.choice(i, text, finish, tokens, offsets, first, streaming=True)])
                 open_choices -= finish is not None
             if self.sampling.include_usage:
                 yield chunk(choices=[], usage=self.usage())

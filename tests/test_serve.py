@@ -201,7 +201,8 @@ def test_stop_strings_end_the_text_before_them(client):
 
 
 def test_logprobs_end_with_the_text_before_a_stop_string(client):
-    """The tokens of the stop string itself are not the reply's: the logprobs' tokens join to its text."""
+    """The tokens of the stop string itself are not the reply's: the logprobs' tokens join to its
+    text, and each one's text_offset is where its text sits in the reply's (streamed too)."""
     full = client.completions.create(model="out", prompt="abc", max_tokens=20, temperature=0, logprobs=1)
     tokens = full.choices[0].logprobs.tokens
     stop = "".join(tokens[3:5])  # two whole tokens: a stop string that spans tokens
@@ -211,7 +212,10 @@ def test_logprobs_end_with_the_text_before_a_stop_string(client):
                                           stream=stream, logprobs=1)
         chunks = list(reply) if stream else [reply]
         assert "".join(c.choices[0].text for c in chunks) == cut
-        assert "".join(t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens) == cut
+        logprobs = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        tokens = [t for lp in logprobs for t in lp.tokens]
+        offsets = [o for lp in logprobs for o in lp.text_offset]
+        assert "".join(tokens) == cut and [cut[o:o + len(t)] for t, o in zip(tokens, offsets)] == tokens
 
 
 def test_chat_renders_the_template_and_streams_the_role_first(client, server, loaded):
