@@ -31,6 +31,7 @@ from data import dataset
 from devices import hardware
 from devices.hardware import GiB
 from devices.memory import compiler_memory, parse_out_of_memory, size
+from inference import engine
 from layers import pipeline
 from model import describe_params, flops_per_token
 from training import compiled_step
@@ -51,11 +52,13 @@ class Options:
     context: int = 0  # tokens per slot; 0 = block_size
     weight_dtype: str = "auto"  # 'auto' (the compute dtype) | 'int8' (weight-only, as sample.py/serve.py)
     kv_cache_dtype: str = "auto"  # 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
+    decode_attention: str = "auto"  # 'auto' | 'xla' | 'pallas': as serve.py's (the kernel on one TPU chip)
     chip: str = ""  # with a cpu:N topology: take HBM and bandwidth of this chip of devices/hardware.py (H100, ...)
 
     def __post_init__(self):
         configurator.check_choice("weight_dtype", self.weight_dtype, ("auto", "int8"))
         configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "bfloat16", "float32", "int8"))
+        configurator.check_choice("decode_attention", self.decode_attention, engine.DECODE_ATTENTION)
         if self.slots < 1 or self.context < 0:
             raise configurator.ConfigError(f"slots must be >= 1 and context >= 0, got {self.slots} and {self.context}")
 
@@ -508,11 +511,11 @@ def main(argv: list[str]) -> None:
         if options.serve:
             served = serve_plan.compile_serving(config, target, vocab_size, options.slots, options.context,
                                                    options.weight_dtype, options.kv_cache_dtype, options.chip,
-                                                   options.hbm_gib)
+                                                   options.hbm_gib, options.decode_attention)
             print(serve_plan.serve_report(served))
             sys.exit(1 if served.fits is False else 0)
         result = compile_step(config, target, vocab_size)
-    except (AotError, configurator.ConfigError, sharding.MeshError, dataset.DataError) as e:
+    except (AotError, configurator.ConfigError, sharding.MeshError, dataset.DataError, engine.EngineError) as e:
         sys.exit(f"error: {e}")
     print(report(result))
     if options.save and result.compiled is not None:

@@ -152,13 +152,14 @@ def chip_numbers(target, chip: str, hbm_gib: float) -> tuple[str, int | None, fl
 
 def compile_serving(config: configurator.Config, target, vocab_size: int, slots: int, context: int = 0,
                     weight_dtype: str = "auto", kv_cache_dtype: str = "auto", chip: str = "",
-                    hbm_gib: float = 0.0) -> ServeResult:
+                    hbm_gib: float = 0.0, decode_attention: str = "auto") -> ServeResult:
     """Lower and compile the engine's programs for `target` (compile_aot.Target)."""
     setup = serving_setup(config, target.devices, vocab_size, context, kv_cache_dtype)
     c, mesh = setup.model_config, setup.mesh
     if slots % sharding.batch_shards(mesh):
         raise configurator.ConfigError(f"slots={slots} is not divisible by the mesh's batch axes "
                                        f"({sharding.batch_shards(mesh)}): use a multiple of it")
+    attend = kv_cache.FILLED if engine.reads_filled_positions(decode_attention, mesh, c) else None  # as the engine's
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     one = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
     oom, step_memory, prefill_temporaries = "", {}, 0
@@ -167,7 +168,6 @@ def compile_serving(config: configurator.Config, target, vocab_size: int, slots:
         lowered = engine.empty_state_program(c, slots, c.block_size).lower()
         state = abstract_outputs(lowered.compile(), lowered)
         try:
-            attend = kv_cache.FILLED if engine.reads_filled_positions("auto", mesh, c) else None  # as the engine will
             step = engine.decode_program(setup.graphdef, c.vocab_size, engine.DECODE_STEPS, attend).lower(
                 params, state, one(jnp.bool_, (slots,))).compile()
             step_memory = xla_memory(step, target.devices[0].platform)

@@ -1,6 +1,9 @@
 """aot/serve_plan.py (compile_aot.py --serve): the engine's programs compiled for a mesh of 4 CPU devices, their
 weight and KV cache sizes against the arithmetic, and the report."""
 
+import subprocess
+import sys
+
 import pytest
 
 import compile_aot
@@ -32,3 +35,12 @@ def test_sizes_equal_the_arithmetic(kv_cache_dtype, per_head):
     text = serve_plan.serve_report(r)
     assert f"KV per token    {kv_per_token:,} B (analytic {kv_per_token:,} B)" in text
     assert "verdict: fits" in text and "tokens/s" in text
+
+
+def test_the_attention_kernel_on_several_devices_is_one_line():
+    """--decode_attention=pallas plans the kernel, which runs on one device: one line, no traceback."""
+    flags = [f"--{key}={value}" for key, value in MODEL.items()]
+    run = subprocess.run([sys.executable, "compile_aot.py", "--topology=cpu:4", "--serve=True", "--slots=4",
+                          "--decode_attention=pallas", *flags], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("error: decode_attention='pallas' runs on one TPU chip")
