@@ -10,6 +10,7 @@ when the queue is full, 503 while starting or stopping.
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import time
@@ -222,7 +223,7 @@ class Generation:
                     self.finish_reason = "stop" if self.text.stopped else item[1]
                     starts = self._starts(len(tokens))
                     if self.text.stopped:  # the stop string's own tokens start past the text kept
-                        kept = self._starting_before(len(self.text.text), len(tokens))
+                        kept = sum(start < len(self.text.text) for start in starts)
                         tokens, starts = tokens[:kept], starts[:kept]
                     if piece or tokens:
                         yield piece, tokens, starts
@@ -234,13 +235,10 @@ class Generation:
                 if self.text.stopped:
                     self.server.engine.cancel(self.request)
             if piece:
-                passed_on = self._starting_before(self.text.sent, len(tokens))
-                yield piece, tokens[:passed_on], self._starts(len(tokens))[:passed_on]
+                starts = self._starts(len(tokens))
+                passed_on = sum(start < self.text.sent for start in starts)
+                yield piece, tokens[:passed_on], starts[:passed_on]
                 tokens, piece = tokens[passed_on:], ""
-
-    def _starting_before(self, end: int, pending: int) -> int:
-        """How many of the last `pending` ids have text that starts before `end` (decoded ones only)."""
-        return sum(start < end for start in self._starts(pending))
 
     def _starts(self, pending: int) -> list:
         """Where the texts of the last `pending` ids start (of those decoded)."""
@@ -509,7 +507,7 @@ class Reply:
     def echoed_offsets(self, i: int) -> list:
         """Where each echoed prompt token's text starts in the choice's text (it begins with the prompt)."""
         lengths = [len(self.server.tok.decode([t.id])) for t in self.echoed(i)]
-        return [sum(lengths[:j]) for j in range(len(lengths))]
+        return [0, *itertools.accumulate(lengths)][:len(lengths)]
 
     def choice(self, i: int, text: str, finish_reason, tokens=(), offsets=(), first=False, streaming=False) -> dict:
         logprobs = self.logprobs(tokens, offsets)
