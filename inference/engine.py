@@ -286,9 +286,13 @@ class Engine:
                 self._finish(request, "abort")
 
     def _serve(self):
+        # A decode program is dispatched before the previous one's tokens are handed out, so the device
+        # runs the next program while the host hands out the last one's tokens (the device sat idle
+        # while the host worked). in_flight: that previous decode.
+        in_flight = None
         while True:
             with self.wake:
-                while not self.stopping and not self.queue and not any(self.running):
+                while in_flight is None and not self.stopping and not self.queue and not any(self.running):
                     self.idle_since = time.perf_counter()
                     self.wake.wait()
                     self.seconds["idle"] += time.perf_counter() - self.idle_since
@@ -305,20 +309,22 @@ class Engine:
                     self.running[slot] = self.queue.popleft()
                     admitted.append(slot)
             # Device work outside the lock (submit() never waits for it), dispatched before any wait:
-            # the admissions, then the decode that starts from their first tokens; the host hands the
-            # first tokens out while the decode runs.
+            # the admissions, then the decode that starts from their first tokens; the host hands out
+            # the previous decode's tokens (they come first on the device) and the first tokens while
+            # this decode runs.
             start = time.perf_counter()
             admissions = self._admit(admitted)
             admitting = time.perf_counter()
-            decoding = self._decode()
+            decoding = self._decode(in_flight[0] if in_flight else [])
             dispatched = time.perf_counter()
+            if in_flight is not None:
+                self._hand_out(*in_flight, dispatched)
+            handed_out = time.perf_counter()
             for slots, drawn in admissions:
                 for row, slot in enumerate(slots):
                     self._take(slot, *_on_host(drawn, row, self.running[slot].logprobs))
-            admitted = time.perf_counter()
-            self.seconds["admit"] += (admitting - start) + (admitted - dispatched)
-            if decoding is not None:
-                self._hand_out(*decoding, dispatched - admitting, admitted)
+            self.seconds["admit"] += (admitting - start) + (time.perf_counter() - handed_out)
+            in_flight = None if decoding is None else (*decoding, dispatched - admitting)
 
     def _admit(self, slots: list) -> list:
         """Dispatch the programs that admit the requests just put in these slots, each prompt bucket's
@@ -347,10 +353,17 @@ class Engine:
                 dispatched.append((group, drawn))
         return dispatched
 
-    def _decode(self):
-        """Dispatch a decode of every running slot; returns (the running requests, the tokens on the
-        device), or None when no slot runs."""
-        running = list(self.running)
+    def _decode(self, in_flight: list):
+        """Dispatch a decode of the running slots that need more tokens than the decode in flight (its
+        running requests: in_flight) will give them; returns (those requests by slot, the tokens on the
+        device), or None when none does."""
+        flying = {id(r) for r in in_flight if r is not None}
+
+        def wants_more(request) -> bool:  # its tokens once those on the device are out (a new one's first: 1)
+            tokens = max(len(request.tokens), 1) + self.decode_steps * (id(request) in flying)
+            return tokens < request.max_tokens and len(request.prompt) + tokens < self.context
+
+        running = [r if r is not None and wants_more(r) else None for r in self.running]
         if not any(running):
             return None
         # A running request's newest token (fed first) sits at position prompt + tokens so far - 1 (the
@@ -360,7 +373,8 @@ class Engine:
         if self.reads_filled:
             attend = kv_cache.FILLED
         else:
-            newest = max(len(r.prompt) + max(len(r.tokens), 1) - 1 for r in running if r is not None)
+            newest = max(len(r.prompt) + max(len(r.tokens), 1) - 1 + self.decode_steps * (id(r) in flying)
+                         for r in running if r is not None)
             last = min(newest + self.decode_steps - 1, self.context - 1)
             attend = next(b for b in self.attend_buckets if b >= last)
         busy = max(slot for slot, r in enumerate(running) if r is not None) + 1
@@ -370,17 +384,18 @@ class Engine:
         return running, drawn
 
     def _hand_out(self, running: list, drawn: dict, dispatch_s: float, waiting_from: float) -> None:
-        """A decode's tokens, step by step, to the requests that were running when it was dispatched:
+        """A decode's tokens, request by request, to the requests that were running when it was dispatched:
         a request that ended at an earlier step (or before) gets no more. The decode's time is its
         dispatch (dispatch_s) and the wait for its tokens from waiting_from."""
         logprobs = any(r is not None and r.logprobs for r in running)
         drawn = jax.device_get(drawn if logprobs else {"token": drawn["token"]})  # waits for the decode
         tokens = time.perf_counter()
-        for step in range(self.decode_steps):
-            drawn_at_step = {name: values[step] for name, values in drawn.items()}
-            for slot, request in enumerate(running):
-                if request is not None and self.running[slot] is request:
-                    self._take(slot, *_on_host(drawn_at_step, slot, request.logprobs))
+        drawn_at = [{name: values[step] for name, values in drawn.items()} for step in range(self.decode_steps)]
+        for slot, request in enumerate(running):  # a request's tokens one after another (they are sent together)
+            for step in range(self.decode_steps):
+                if request is None or self.running[slot] is not request:
+                    break
+                self._take(slot, *_on_host(drawn_at[step], slot, request.logprobs))
         self.steps += self.decode_steps
         self.seconds["step"] += dispatch_s + tokens - waiting_from
         self.seconds["tokens"] += time.perf_counter() - tokens

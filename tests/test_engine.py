@@ -172,6 +172,30 @@ def test_requests_end_inside_a_decode_call_at_max_tokens_a_stop_token_and_the_co
     assert e.stats()["tokens"] == 5 + len(requests[1].tokens) + 8
 
 
+def test_the_next_decode_is_dispatched_before_the_last_ones_tokens_are_handed_out_and_none_past_the_end():
+    """With 8 tokens per decode call, a request of 17 tokens (its first from its prefill) takes two calls:
+    the second is dispatched before the first's tokens reach the request (the device runs while the host
+    hands them out), and no third runs for tokens the request will never take."""
+    setup, params = long_context("gpt2")
+    e = engine.Engine(setup, params, slots=2, max_queue=8, log=lambda line: None, decode_steps=8)
+    events = []
+
+    def recording(program):
+        def step(*args):
+            events.append("decode")
+            return program(*args)
+        return step
+    e.step_programs = {key: recording(program) for key, program in e.step_programs.items()}
+    done = threading.Semaphore(0)
+    request = e.submit(engine.Request(RAGGED[0], 17, temperature=0, on_token=lambda token: events.append("token"),
+                                      on_finish=lambda _: done.release()))
+    assert done.acquire(timeout=120)
+    e.shutdown()
+    assert events == ["decode", "token", "decode"] + ["token"] * 16
+    assert request.tokens == generate.generate(setup, params, [RAGGED[0]], 17, temperature=0).tokens[0]
+    assert e.stats()["steps"] == 16
+
+
 @pytest.mark.parametrize("style, cache", [("gpt2", "auto"), ("gqa", "int8")])
 def test_a_light_load_runs_only_the_first_quarter_of_the_slots(style, cache):
     """32 slots: while the busy slots are among the first 8, an 8-row program decodes them (the
