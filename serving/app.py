@@ -9,6 +9,7 @@ when the queue is full, 503 while starting or stopping.
 """
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import json
@@ -184,11 +185,19 @@ class TextStream:
 
 
 class Generation:
-    """One engine request seen from the event loop: its tokens arrive on an asyncio queue."""
+    """One engine request seen from the event loop. Its tokens arrive from the engine's thread in a
+    deque, with one wake-up of the event loop for all that arrive before it runs (a decode program's
+    tokens come together) rather than one per token."""
 
     def __init__(self, server, prompt: list, sampling: Sampling, index: int):
-        loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
-        put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        loop, self.arrived, self.ready = asyncio.get_running_loop(), collections.deque(), asyncio.Event()
+        self.wake_sent = False  # a wake-up is on its way to the event loop
+
+        def put(item):  # in the engine's thread: an engine.Token, or ("finish", reason)
+            self.arrived.append(item)
+            if not self.wake_sent:
+                self.wake_sent = True
+                loop.call_soon_threadsafe(self.ready.set)
         seed = None if sampling.seed is None else sampling.seed + index  # n > 1: each its own
         self.server, self.text = server, TextStream(server.tok, sampling.stop)
         self.request = engine.Request(prompt, min(sampling.max_tokens, server.context - len(prompt)),
@@ -214,9 +223,10 @@ class Generation:
         waits with its text; the tokens of a stop string itself never go out."""
         tokens, piece = [], ""  # the tokens not passed on yet (the i-th of the request is the text's ids[i])
         while True:
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
+            await self.ready.wait()
+            self.ready.clear()
+            self.wake_sent = False  # before taking what arrived: a token put after this sends a wake-up
+            items = [self.arrived.popleft() for _ in range(len(self.arrived))]
             for item in items:
                 if isinstance(item, tuple):
                     piece += self.text.finish()
