@@ -39,7 +39,6 @@ def sample_logits(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B):
     masked, not removed, so every row draws over the whole vocabulary in its own order: its token
     depends on its own settings and key alone, never on the other rows'."""
     V = logits_BxV.shape[-1]
-    scaled_BxV = logits_BxV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
 
     def filtered(scaled_BxV):
         sorted_BxV = jax.lax.top_k(scaled_BxV, V)[0]  # most likely first
@@ -51,12 +50,15 @@ def sample_logits(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B):
         lowest_kept_Bx1 = jnp.take_along_axis(sorted_BxV, kept_B[:, None] - 1, axis=-1)
         return jnp.where(scaled_BxV >= lowest_kept_Bx1, scaled_BxV, -jnp.inf)
 
-    any_filter = jnp.any((top_k_B > 0) | (top_p_B < 1))  # the sort is skipped when no row filters
-    scaled_BxV = jax.lax.cond(any_filter, filtered, lambda x: x, scaled_BxV)
+    def drawn():
+        scaled_BxV = logits_BxV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+        any_filter = jnp.any((top_k_B > 0) | (top_p_B < 1))  # the sort is skipped when no row filters
+        scaled_BxV = jax.lax.cond(any_filter, filtered, lambda x: x, scaled_BxV)
+        return jax.vmap(jax.random.categorical)(keys_B, scaled_BxV)
+
     greedy_B = jnp.argmax(logits_BxV, axis=-1)
-    # the draw (random bits for every logit) is skipped when every row is greedy
-    drawn_B = jax.lax.cond(jnp.any(temperature_B > 0), lambda: jax.vmap(jax.random.categorical)(keys_B, scaled_BxV),
-                           lambda: greedy_B)
+    # the draw (the scaling, filters and random bits for every logit) is skipped when every row is greedy
+    drawn_B = jax.lax.cond(jnp.any(temperature_B > 0), drawn, lambda: greedy_B)
     return jnp.where(temperature_B > 0, drawn_B, greedy_B)
 
 
