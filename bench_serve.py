@@ -5,6 +5,7 @@
     python bench_serve.py --concurrency=1,8 --requests=64 --max_tokens=128 --json=serve.json
     python bench_serve.py --url=http://127.0.0.1:8000/v1 --rate=4   # also Poisson arrivals, 4 per second
     python bench_serve.py --uds=/tmp/nanomax.sock            # a server on a unix socket (serve.py --uds)
+    python bench_serve.py --concurrency=64 --processes=4     # four client processes share each level
 
 At each --concurrency level, --requests streamed POST /v1/completions go out with at most that
 many in flight; with --rate > 0 one more level starts them at Poisson arrival times (exponential
@@ -19,14 +20,16 @@ If GET /health reports weight_bytes, kv_bytes_per_token, memory_bandwidth and co
 does), the decode roofline those allow is printed first; a 503 there (still compiling) is waited out.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import httpx2
 import numpy as np
@@ -54,6 +57,8 @@ class Options:
     seed: int = 1337  # of the Poisson gaps; request i also sends seed + i
     json: str = ""  # also write the results here as JSON ('' = don't)
     timeout: float = 300.0  # seconds: a request's limit, and the longest wait for /health to say ready
+    processes: int = 1  # client processes sharing each level's requests and concurrency (each with its own
+    #                     interpreter lock: the openai client's parsing of chunks holds it)
 
     def __post_init__(self):
         for key in ("rate", "temperature", "timeout"):
@@ -65,7 +70,7 @@ class Options:
         if not all(s.strip().isdigit() and int(s) > 0 for s in self.concurrency.split(",")):
             raise configurator.ConfigError(f"--concurrency must be positive integers separated by commas "
                                            f"(e.g. 1,4,16), got {self.concurrency!r}")
-        for key in ("requests", "max_tokens"):
+        for key in ("requests", "max_tokens", "processes"):
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
         if self.rate < 0 or self.temperature < 0 or self.timeout <= 0:
@@ -237,10 +242,30 @@ def stream_completion(client, options: Options, model: str, seed: int, max_token
     return request_metrics(sent, token_times, end, len(token_times) if usage_tokens is None else usage_tokens)
 
 
-def run_level(client, options: Options, model: str, concurrency: int | None,
+def run_level(clients, options: Options, model: str, concurrency: int | None,
               offsets: list[float] | None = None) -> dict:
     """options.requests requests, at most `concurrency` in flight (None: no bound), each sent at
-    once or, given offsets, at its offset in seconds from the level's start."""
+    once or, given offsets, at its offset in seconds from the level's start. clients: an openai
+    client, or a pool of client processes (--processes) that share the requests and the concurrency."""
+    if not isinstance(clients, ProcessPoolExecutor):
+        outcomes, start, end = send(clients, options, model, list(range(options.requests)), concurrency, offsets)
+    else:
+        n = min(options.processes, concurrency or options.requests, options.requests)
+        start_at = time.perf_counter() + 0.1  # every process's clock: perf_counter is the system's monotonic clock
+        share_of = lambda p: None if concurrency is None else concurrency // n + (p < concurrency % n)
+        shares = [clients.submit(_send_share, model, list(range(p, options.requests, n)), share_of(p),
+                                 None if offsets is None else offsets[p::n], start_at) for p in range(n)]
+        results = [share.result() for share in shares]
+        outcomes = [o for share_outcomes, _, _ in results for o in share_outcomes]
+        start, end = min(r[1] for r in results), max(r[2] for r in results)
+    return summarize([o for o in outcomes if isinstance(o, dict)], end - start,
+                     [o for o in outcomes if isinstance(o, str)])
+
+
+def send(client, options: Options, model: str, indices: list[int], concurrency: int | None,
+         offsets: list[float] | None, start_at: float | None = None) -> tuple[list, float, float]:
+    """Requests number `indices` (their seeds), at most `concurrency` in flight, each at once or at its
+    offset from start_at (default now); returns (each one's metrics or error, start, end)."""
 
     def one(i: int):
         try:
@@ -251,16 +276,38 @@ def run_level(client, options: Options, model: str, concurrency: int | None,
     # Threads, not asyncio: the client is thread-safe, a pool of `concurrency` workers bounds the
     # requests in flight exactly, and each waits on its own socket, so a chunk is timed when it
     # arrives; one event loop would time it only once the loop got round to it.
-    with ThreadPoolExecutor(max_workers=concurrency or options.requests) as pool:
+    with ThreadPoolExecutor(max_workers=concurrency or len(indices)) as pool:
+        time.sleep(max(0.0, (start_at or 0.0) - time.perf_counter()))
         start = time.perf_counter()
         futures = []
-        for i in range(options.requests):
+        for k, i in enumerate(indices):
             if offsets is not None:
-                time.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+                time.sleep(max(0.0, start + offsets[k] - time.perf_counter()))
             futures.append(pool.submit(one, i))
         outcomes = [f.result() for f in futures]
-        wall = time.perf_counter() - start
-    return summarize([o for o in outcomes if isinstance(o, dict)], wall, [o for o in outcomes if isinstance(o, str)])
+    return outcomes, start, time.perf_counter()
+
+
+_process_options: list = []  # a client process's (options, client), set when it starts
+
+
+def _start_client_process(options: Options) -> None:
+    _process_options[:] = [options, make_client(options, http_client(options))]
+
+
+def _send_share(model: str, indices: list[int], concurrency: int | None, offsets: list[float] | None,
+                start_at: float) -> tuple[list, float, float]:
+    options, client = _process_options
+    return send(client, options, model, indices, concurrency, offsets, start_at)
+
+
+def client_processes(options: Options) -> ProcessPoolExecutor:
+    """--processes client processes, each with its own connections (started fresh: a fork would copy
+    this process's threads' locks), started and connected before any level is timed."""
+    pool = ProcessPoolExecutor(options.processes, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start_client_process, initargs=(options,))
+    list(pool.map(time.sleep, [0.0] * options.processes))  # every process up
+    return pool
 
 
 # ----------------------------------------------------------------------------- output
@@ -335,15 +382,19 @@ def run(argv: list[str]) -> dict:
     except (openai.OpenAIError, ValueError) as e:
         raise BenchError(f"the first request failed: {type(e).__name__}: {e}") from None
     print(f"bench_serve: {model} at {where(options)}; {options.requests} requests per level, prompt "
-          f"{options.prompt!r}, max_tokens {options.max_tokens}, temperature {options.temperature:g}")
+          f"{options.prompt!r}, max_tokens {options.max_tokens}, temperature {options.temperature:g}"
+          + (f", {options.processes} client processes" if options.processes > 1 else ""))
     if roofline:
         print(format_roofline(health, roofline))
     levels = []
-    for concurrency in options.levels:
-        levels.append({"concurrency": concurrency, "rate": None} | run_level(client, options, model, concurrency))
-    if options.rate > 0:
-        offsets = poisson_offsets(options.requests, options.rate, options.seed)
-        levels.append({"concurrency": None, "rate": options.rate} | run_level(client, options, model, None, offsets))
+    with contextlib.ExitStack() as stack:
+        clients = stack.enter_context(client_processes(options)) if options.processes > 1 else client
+        for concurrency in options.levels:
+            levels.append({"concurrency": concurrency, "rate": None} | run_level(clients, options, model, concurrency))
+        if options.rate > 0:
+            offsets = poisson_offsets(options.requests, options.rate, options.seed)
+            levels.append({"concurrency": None, "rate": options.rate} | run_level(clients, options, model, None,
+                                                                                  offsets))
     print(format_table(levels))
     record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "argv": argv, "options": dataclasses.asdict(options), "model": model,

@@ -66,11 +66,11 @@ if part serve; then
   timeout 660 "$PY" serve.py --out_dir=$CKPT --uds=$SOCKET --slots=$SLOTS --max_queue=1024 > "$OUT/serve.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 120); do [ -S $SOCKET ] || ! kill -0 $SERVER 2>/dev/null && break; sleep 1; done
-  # the first waits for the programs to compile (GET /health: 503 until then; 151 s on a v5e at aeec991, more with the row buckets since)
+  # the first waits for the programs to compile (GET /health: 503 until then; 140 s on a v5e with the kernel)
   run timeout 360 "$PY" bench_serve.py --uds=$SOCKET --url=http://localhost/v1 --concurrency=1,16 --requests=32 \
       --max_tokens=128 --json="$OUT/serve_1_16.json"
   run timeout 120 "$PY" bench_serve.py --uds=$SOCKET --url=http://localhost/v1 --concurrency=64,$SLOTS \
-      --requests=$((2 * SLOTS)) --max_tokens=128 --json="$OUT/serve_64_$SLOTS.json"
+      --requests=$((2 * SLOTS)) --max_tokens=128 --processes=8 --json="$OUT/serve_64_$SLOTS.json"
   kill -INT $SERVER 2>/dev/null; wait $SERVER
   grep -v "^request " "$OUT/serve.log" | tail -5 | tee -a "$LOG"
 fi

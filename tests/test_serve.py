@@ -371,8 +371,9 @@ def test_models_and_a_disconnect_mid_stream_frees_its_slot(server, client):
 
 def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run, loaded, tmp_path_factory):
     """--uds=PATH: uvicorn listens on the socket (no TCP port); the openai client over a unix-socket
-    transport gets generate.py's greedy tokens, bench_serve.py --uds measures it, a second server on the
-    same path is refused in one line, and SIGTERM ends it with the socket file removed."""
+    transport gets generate.py's greedy tokens, bench_serve.py --uds measures it (also from two client
+    processes), a second server on the same path is refused in one line, and SIGTERM ends it with the
+    socket file removed."""
     setup, params, _, tok = loaded
     path = str(tmp_path_factory.mktemp("uds") / "serve.sock")
     process = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}", "--slots=2",
@@ -396,6 +397,9 @@ def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run
                                   "--max_tokens=4", "--prompt=ab"])
         assert [(level["ok"], level["failed"]) for level in record["levels"]] == [(3, 0), (3, 0)]
         assert record["health"]["context"] == 32 and record["levels"][1]["output_tokens"] == 3 * 4
+        shared = bench_serve.run([f"--uds={path}", "--url=http://localhost/v1", "--concurrency=3", "--requests=5",
+                                  "--max_tokens=4", "--prompt=ab", "--processes=2", "--rate=50"])
+        assert [(level["ok"], level["output_tokens"]) for level in shared["levels"]] == [(5, 5 * 4)] * 2
         with pytest.raises(SystemExit) as refused:
             serve.main([f"--out_dir={run}", f"--uds={path}"])
         assert str(refused.value) == f"config error: --uds={path}: another server is listening on it; stop that " \
