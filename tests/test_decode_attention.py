@@ -125,13 +125,15 @@ def test_matches_attention_over_the_filled_positions(dtype, heads):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_matches_the_plain_reference_at_any_blocks(dtype):
-    """One row (blocks of 1 row), blocks larger than the array (clamped to it), and a traced layer."""
+    """One row (blocks of 1 row), blocks larger than the array (clamped to it), row blocks of empty rows
+    before and after the only one in use, and a traced layer."""
     N, K, H = HEADS["gqa"]
     L, R, S = 2, 3, 64
     compute = jnp.float32 if dtype == "float32" else jnp.bfloat16
-    for lengths_B, block_rows, block_positions in (([37], 8, 16), ([64, 3], 1, 32), ([0, 0], 2, 512)):
+    cases = (([37], 8, 16), ([64, 3], 1, 32), ([0, 0], 2, 512), ([0, 0, 9, 0, 0, 0], 2, 16))  # empty blocks around one
+    for lengths_B, block_rows, block_positions in cases:
         lengths_B = jnp.array(lengths_B, jnp.int32)
-        cache = make_cache(jax.random.key(2), L, R, S, K, H, dtype, lengths_B)
+        cache = make_cache(jax.random.key(2), L, max(R, len(lengths_B)), S, K, H, dtype, lengths_B)
         q_BxNxKH = block_diagonal(jax.random.normal(jax.random.key(3), (len(lengths_B), N, H)), K, compute)
         run = jax.jit(lambda layer: decode_attention.cached_attention(
             q_BxNxKH, cache.k, cache.v, layer, lengths_B, K, block_rows=block_rows, block_positions=block_positions,
@@ -163,6 +165,21 @@ def test_the_decode_step_through_the_kernel_matches_kv_cache_attend(dtype):
     layer_cache = jax.tree.map(jnp.nan_to_num, cache.layer(layer, rows=B))
     want_BxNxH = layer_cache.attend(q_Bx1xNxH, new, lengths_B)[:, 0]
     np.testing.assert_allclose(got_BxNxH.astype(jnp.float32), want_BxNxH.astype(jnp.float32), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("needed", [[2, 0, 0, 1, 0], [0, 0, 0, 3], [1, 1, 1], [0, 0], [0, 2, 0, 0, 0]])
+def test_the_grid_copies_each_needed_block_once_and_no_other(needed):
+    """The cache blocks the grid's steps name, in order (a row block's needed steps, then where its
+    skipped steps point): Pallas copies a block when the name changes, so the copies are the needed
+    blocks, each once (a grid that needs none copies its first block)."""
+    needed_R = jnp.array(needed, jnp.int32)
+    skip_rows, skip_positions = decode_attention.skipped_steps_block(needed_R)
+    position_blocks = max(needed) + 1
+    named = [(i, j) if j < needed[i] else (int(skip_rows[i]), int(skip_positions[i]))
+             for i in range(len(needed)) for j in range(position_blocks)]
+    copies = [block for k, block in enumerate(named) if k == 0 or block != named[k - 1]]
+    want = [(i, j) for i in range(len(needed)) for j in range(needed[i])] or [(0, 0)]
+    assert copies == want
 
 
 def test_refuses_what_it_cannot_block():
