@@ -251,13 +251,17 @@ def run_level(clients, options: Options, model: str, concurrency: int | None,
         outcomes, start, end = send(clients, options, model, list(range(options.requests)), concurrency, offsets)
     else:
         n = min(options.processes, concurrency or options.requests, options.requests)
+        # Process p runs up to share[p] requests at once, and takes requests in proportion to it.
+        share = [None] * n if concurrency is None else [concurrency // n + (p < concurrency % n) for p in range(n)]
+        turns = [p for r in range(share[0] or 1) for p in range(n) if (share[p] or 1) > r]  # share[0] is the most
+        indices = [[i for i in range(options.requests) if turns[i % len(turns)] == p] for p in range(n)]
         start_at = time.perf_counter() + 0.1  # every process's clock: perf_counter is the system's monotonic clock
-        share_of = lambda p: None if concurrency is None else concurrency // n + (p < concurrency % n)
-        shares = [clients.submit(_send_share, model, list(range(p, options.requests, n)), share_of(p),
-                                 None if offsets is None else offsets[p::n], start_at) for p in range(n)]
-        results = [share.result() for share in shares]
+        shares = [clients.submit(_send_share, model, indices[p], share[p],
+                                 None if offsets is None else [offsets[i] for i in indices[p]], start_at)
+                  for p in range(n) if indices[p]]
+        results = [s.result() for s in shares]
         outcomes = [o for share_outcomes, _, _ in results for o in share_outcomes]
-        start, end = min(r[1] for r in results), max(r[2] for r in results)
+        start, end = start_at, max(r[2] for r in results)
     return summarize([o for o in outcomes if isinstance(o, dict)], end - start,
                      [o for o in outcomes if isinstance(o, str)])
 
@@ -278,7 +282,7 @@ def send(client, options: Options, model: str, indices: list[int], concurrency: 
     # arrives; one event loop would time it only once the loop got round to it.
     with ThreadPoolExecutor(max_workers=concurrency or len(indices)) as pool:
         time.sleep(max(0.0, (start_at or 0.0) - time.perf_counter()))
-        start = time.perf_counter()
+        start = start_at or time.perf_counter()
         futures = []
         for k, i in enumerate(indices):
             if offsets is not None:
@@ -288,25 +292,34 @@ def send(client, options: Options, model: str, indices: list[int], concurrency: 
     return outcomes, start, time.perf_counter()
 
 
-_process_options: list = []  # a client process's (options, client), set when it starts
+_process: dict = {}  # a client process's options, client and start barrier, set when it starts
 
 
-def _start_client_process(options: Options) -> None:
-    _process_options[:] = [options, make_client(options, http_client(options))]
+def _start_client_process(options: Options, model: str, everyone) -> None:
+    client = make_client(options, http_client(options))
+    with contextlib.suppress(openai.OpenAIError, ValueError):  # untimed: connects (a failure shows in the levels)
+        stream_completion(client, options, model, options.seed, min(2, options.max_tokens))
+    _process.update(options=options, client=client, everyone=everyone)
+
+
+def _wait_for_every_process(_) -> None:
+    _process["everyone"].wait(_process["options"].timeout)
 
 
 def _send_share(model: str, indices: list[int], concurrency: int | None, offsets: list[float] | None,
                 start_at: float) -> tuple[list, float, float]:
-    options, client = _process_options
-    return send(client, options, model, indices, concurrency, offsets, start_at)
+    return send(_process["client"], _process["options"], model, indices, concurrency, offsets, start_at)
 
 
-def client_processes(options: Options) -> ProcessPoolExecutor:
+def client_processes(options: Options, model: str) -> ProcessPoolExecutor:
     """--processes client processes, each with its own connections (started fresh: a fork would copy
-    this process's threads' locks), started and connected before any level is timed."""
-    pool = ProcessPoolExecutor(options.processes, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_start_client_process, initargs=(options,))
-    list(pool.map(time.sleep, [0.0] * options.processes))  # every process up
+    this process's threads' locks), every one started and connected before any level is timed."""
+    spawn = multiprocessing.get_context("spawn")
+    everyone = spawn.Barrier(options.processes)
+    pool = ProcessPoolExecutor(options.processes, mp_context=spawn, initializer=_start_client_process,
+                               initargs=(options, model, everyone))
+    # each of these waits for all the others, so every process runs one (the pool starts them as needed)
+    list(pool.map(_wait_for_every_process, range(options.processes)))
     return pool
 
 
@@ -388,7 +401,7 @@ def run(argv: list[str]) -> dict:
         print(format_roofline(health, roofline))
     levels = []
     with contextlib.ExitStack() as stack:
-        clients = stack.enter_context(client_processes(options)) if options.processes > 1 else client
+        clients = stack.enter_context(client_processes(options, model)) if options.processes > 1 else client
         for concurrency in options.levels:
             levels.append({"concurrency": concurrency, "rate": None} | run_level(clients, options, model, concurrency))
         if options.rate > 0:
