@@ -355,13 +355,14 @@ class Engine:
 
     def _decode(self, in_flight: list):
         """Dispatch a decode of the running slots that need more tokens than the decode in flight (its
-        running requests: in_flight) will give them; returns (those requests by slot, the tokens on the
-        device), or None when none does."""
+        running requests: in_flight) will give them and are not cancelled (a token handed out frees a
+        cancelled one's slot); returns (those requests by slot, the tokens on the device), or None when
+        none does."""
         flying = {id(r) for r in in_flight if r is not None}
 
         def wants_more(request) -> bool:  # its tokens once those on the device are out (a new one's first: 1)
             tokens = max(len(request.tokens), 1) + self.decode_steps * (id(request) in flying)
-            return tokens < request.max_tokens and len(request.prompt) + tokens < self.context
+            return tokens < request.max_tokens and len(request.prompt) + tokens < self.context and not request.cancelled
 
         running = [r if r is not None and wants_more(r) else None for r in self.running]
         if not any(running):
