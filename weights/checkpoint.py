@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +171,8 @@ def hide_orbax_echoes() -> None:
     sys.unraisablehook, threading.excepthook = unraisable, thread_exception
     for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(_not_from_orbax)
+    # a failed write's serialization coroutines, finalized unawaited at shutdown (a warning, not an exception)
+    warnings.filterwarnings("ignore", r"coroutine 'async_serialize.*' was never awaited", RuntimeWarning)
 
 
 def _is_orbax_echo(exc) -> bool:
