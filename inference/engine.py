@@ -360,8 +360,11 @@ class Engine:
         none does."""
         flying = {id(r) for r in in_flight if r is not None}
 
-        def wants_more(request) -> bool:  # its tokens once those on the device are out (a new one's first: 1)
-            tokens = max(len(request.tokens), 1) + self.decode_steps * (id(request) in flying)
+        def tokens_then(request) -> int:  # its tokens once those on the device are out (a new one's first: 1)
+            return max(len(request.tokens), 1) + self.decode_steps * (id(request) in flying)
+
+        def wants_more(request) -> bool:
+            tokens = tokens_then(request)
             return tokens < request.max_tokens and len(request.prompt) + tokens < self.context and not request.cancelled
 
         running = [r if r is not None and wants_more(r) else None for r in self.running]
@@ -374,8 +377,7 @@ class Engine:
         if self.reads_filled:
             attend = kv_cache.FILLED
         else:
-            newest = max(len(r.prompt) + max(len(r.tokens), 1) - 1 + self.decode_steps * (id(r) in flying)
-                         for r in running if r is not None)
+            newest = max(len(r.prompt) + tokens_then(r) - 1 for r in running if r is not None)
             last = min(newest + self.decode_steps - 1, self.context - 1)
             attend = next(b for b in self.attend_buckets if b >= last)
         busy = max(slot for slot, r in enumerate(running) if r is not None) + 1
