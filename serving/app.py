@@ -127,20 +127,22 @@ class TextStream:
     """A request's new tokens as text: holds back an unfinished UTF-8 character and any tail that
     could be the start of a stop string; the text ends before the first stop string.
 
-    Each token costs the decoding of a few tokens, not of all so far: the new text is what a window
+    New tokens cost the decoding of a few tokens, not of all so far: the new text is what a window
     of the last tokens decodes to past what its start decoded to (a tokenizer may decode a token
     differently at the start of a text, as SentencePiece drops a leading space); the window moves
-    on once it decodes to whole characters."""
+    on once it decodes to whole characters. A decode program's tokens are added together: two
+    decodes for all of them (the event loop's largest cost per token was decoding, one token at a
+    time). offsets=True also keeps where each token's text starts (for log-probabilities)."""
 
-    def __init__(self, tok, stop: list):
+    def __init__(self, tok, stop: list, offsets: bool = False):
         self.tok, self.stop, self.ids, self.sent, self.stopped = tok, stop, [], 0, False
-        self.text = ""
-        self.starts = []  # where each decoded id's text starts in text (ids of an unfinished character wait)
+        self.text, self.offsets = "", offsets
+        self.starts = []  # with offsets: where each decoded id's text starts in text (ids of an unfinished character wait)
         self.window_start = self.window_read = 0  # ids[window_start:window_read]: decoded into text already
 
-    def add(self, token: int) -> str:
-        """The text that can be passed on now."""
-        self.ids.append(token)
+    def add(self, ids: list) -> str:
+        """The text that can be passed on now, with these new ids."""
+        self.ids += ids
         self._decode_new(finished=False)
         return self._release_before_stop(finished=False)
 
@@ -165,18 +167,22 @@ class TextStream:
         return self._release(safe)
 
     def _decode_new(self, finished: bool) -> None:
-        """Append the text of the ids not decoded yet: only whole characters, unless finished."""
+        """Append the text of the ids not decoded yet: up to the last whole character, unless finished."""
         if self.stopped:
             return
         before = self.tok.decode(self.ids[self.window_start:self.window_read])
-        after = self.tok.decode(self.ids[self.window_start:])
-        if after.endswith("\ufffd") and not finished:  # a character whose bytes are not all there yet
+        end = len(self.ids)
+        after = self.tok.decode(self.ids[self.window_start:end])
+        while after.endswith("\ufffd") and not finished and end > self.window_read:  # a character's bytes not all there yet
+            end -= 1
+            after = self.tok.decode(self.ids[self.window_start:end])
+        if end == self.window_read:
             return
-        # the window's text starts len(before) before the end of text; each new id where the ids before it end
-        self.starts += [len(self.text) + len(self.tok.decode(self.ids[self.window_start:k])) - len(before)
-                        if k > self.window_read else len(self.text) for k in range(self.window_read, len(self.ids))]
+        if self.offsets:  # the window's text starts len(before) before the end of text; each new id where the ids before it end
+            self.starts += [len(self.text) + len(self.tok.decode(self.ids[self.window_start:k])) - len(before)
+                            if k > self.window_read else len(self.text) for k in range(self.window_read, end)]
         self.text += after[len(before):]
-        self.window_start, self.window_read = self.window_read, len(self.ids)
+        self.window_start, self.window_read = self.window_read, end
 
     def _release(self, end: int) -> str:
         piece = self.text[self.sent:end] if end > self.sent else ""
@@ -199,7 +205,7 @@ class Generation:
                 self.wake_sent = True
                 loop.call_soon_threadsafe(self.ready.set)
         seed = None if sampling.seed is None else sampling.seed + index  # n > 1: each its own
-        self.server, self.text = server, TextStream(server.tok, sampling.stop)
+        self.server, self.text = server, TextStream(server.tok, sampling.stop, sampling.logprobs is not None)
         self.request = engine.Request(prompt, min(sampling.max_tokens, server.context - len(prompt)),
                                       sampling.temperature, sampling.top_k, sampling.top_p, seed,
                                       tuple(server.tok.stop_tokens), logprobs=sampling.logprobs is not None,
@@ -227,23 +233,23 @@ class Generation:
             self.ready.clear()
             self.wake_sent = False  # before taking what arrived: a token put after this sends a wake-up
             items = [self.arrived.popleft() for _ in range(len(self.arrived))]
-            for item in items:
-                if isinstance(item, tuple):
-                    piece += self.text.finish()
-                    self.finish_reason = "stop" if self.text.stopped else item[1]
-                    starts = self._starts(len(tokens))
-                    if self.text.stopped:  # the stop string's own tokens start past the text kept
-                        kept = sum(start < len(self.text.text) for start in starts)
-                        tokens, starts = tokens[:kept], starts[:kept]
-                    if piece or tokens:
-                        yield piece, tokens, starts
-                    return
-                if self.text.stopped:
-                    continue  # past a stop string: the engine is being told to stop
-                tokens.append(item)
-                piece += self.text.add(item.id)
+            finish = items.pop() if items and not isinstance(items[-1], engine.Token) else None  # always the last
+            if items and not self.text.stopped:  # past a stop string the engine is being told to stop
+                if self.text.offsets:
+                    tokens += items
+                piece += self.text.add([token.id for token in items])
                 if self.text.stopped:
                     self.server.engine.cancel(self.request)
+            if finish:
+                piece += self.text.finish()
+                self.finish_reason = "stop" if self.text.stopped else finish[1]
+                starts = self._starts(len(tokens))
+                if self.text.stopped:  # the stop string's own tokens start past the text kept
+                    kept = sum(start < len(self.text.text) for start in starts)
+                    tokens, starts = tokens[:kept], starts[:kept]
+                if piece or tokens:
+                    yield piece, tokens, starts
+                return
             if piece:
                 starts = self._starts(len(tokens))
                 passed_on = sum(start < self.text.sent for start in starts)

@@ -571,18 +571,29 @@ def test_text_streamed_token_by_token_is_the_whole_decode(kind, tmp_path):
     tok = tokenizer.gpt2_tokenizer() if kind == "gpt2" else metaspace_tokenizer(tmp_path / "tok")
     text = "café ☕ naïve 日本 done" if kind == "gpt2" else "the cat sat on the mat and a dog"
     ids = tok.encode(text)
-    stream = app.TextStream(tok, [])
-    pieces = [stream.add(i) for i in ids] + [stream.finish()]
+    stream = app.TextStream(tok, [], offsets=True)
+    pieces = [stream.add([i]) for i in ids] + [stream.finish()]
+    one_by_one = stream.starts
     assert "".join(pieces) == tok.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces)
     assert len([p for p in pieces if p]) > 3  # streamed, not all at the end
+    # a decode program's tokens come together: in twos, the same text, and a piece ends at the last
+    # whole character it has (GPT-2's second pair ends inside '☕': its 'é' still goes out)
+    stream = app.TextStream(tok, [], offsets=True)
+    pieces = [stream.add(ids[k:k + 2]) for k in range(0, len(ids), 2)] + [stream.finish()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    if kind == "gpt2":
+        assert pieces[:2] == ["caf", "é"], pieces
+    assert stream.starts == one_by_one and len(one_by_one) == len(ids)
 
 
 def test_text_stream_ends_before_a_stop_string_that_spans_tokens():
     tok = tokenizer.gpt2_tokenizer()
     stream = app.TextStream(tok, ["quick brown", "zebra"])
-    pieces = [stream.add(i) for i in tok.encode("The quick brown fox jumps")]
+    pieces = [stream.add([i]) for i in tok.encode("The quick brown fox jumps")]
     assert "".join(pieces) + stream.finish() == "The " and stream.stopped
+    stream = app.TextStream(tok, ["quick brown", "zebra"])
+    assert stream.add(tok.encode("The quick brown fox jumps")) + stream.finish() == "The " and stream.stopped
 
 
 def test_a_stop_string_completed_by_tokens_that_end_inside_a_character_still_stops():
@@ -592,7 +603,7 @@ def test_a_stop_string_completed_by_tokens_that_end_inside_a_character_still_sto
     ids = tok.encode("Hello “quoted”")[:2]
     assert tok.decode(ids) == "Hello \ufffd"  # the last token ends inside a character
     stream = app.TextStream(tok, [" "])
-    assert "".join(stream.add(i) for i in ids) + stream.finish() == "Hello" and stream.stopped
+    assert "".join(stream.add([i]) for i in ids) + stream.finish() == "Hello" and stream.stopped
 
 
 class ByteTokens:
@@ -607,9 +618,11 @@ def test_text_stream_knows_where_each_token_starts_across_an_unfinished_characte
     """The text of 'x', a lone lead byte, 'STOP' is 'x\\ufffd' + the stop string: the stop's token
     starts at 2, past the text kept, though it was decoded together with the lead byte (so serve.py
     leaves it out of logprobs); a completed character belongs to the token that began it."""
-    stream = app.TextStream(ByteTokens(), ["STOP"])
+    stream = app.TextStream(ByteTokens(), ["STOP"], offsets=True)
     for i in (0, 1, 2):
-        stream.add(i)
+        stream.add([i])
     assert stream.stopped and stream.text == "x\ufffd" and stream.starts == [0, 1, 2]
-    stream = app.TextStream(ByteTokens(), ["STOP"])
-    assert "".join(stream.add(i) for i in (0, 1, 3)) + stream.finish() == "xé" and stream.starts == [0, 1, 2]
+    stream = app.TextStream(ByteTokens(), ["STOP"], offsets=True)
+    assert "".join(stream.add([i]) for i in (0, 1, 3)) + stream.finish() == "xé" and stream.starts == [0, 1, 2]
+    stream = app.TextStream(ByteTokens(), ["STOP"], offsets=True)  # together
+    assert stream.add([0, 1, 3]) + stream.finish() == "xé" and stream.starts == [0, 1, 2]
