@@ -400,6 +400,9 @@ def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run
         shared = bench_serve.run([f"--uds={path}", "--url=http://localhost/v1", "--concurrency=3", "--requests=5",
                                   "--max_tokens=4", "--prompt=ab", "--processes=2", "--rate=50"])
         assert [(level["ok"], level["output_tokens"]) for level in shared["levels"]] == [(5, 5 * 4)] * 2
+        with pytest.raises(bench_serve.BenchError, match="the first request failed: RequestFailed: 404: the model "
+                                                         "'nope' does not exist"):
+            bench_serve.run([f"--uds={path}", "--url=http://localhost/v1", "--model=nope"])
         with pytest.raises(SystemExit) as refused:
             serve.main([f"--out_dir={run}", f"--uds={path}"])
         assert str(refused.value) == f"config error: --uds={path}: another server is listening on it; stop that " \
