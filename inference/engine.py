@@ -89,7 +89,7 @@ class Request:
 TOP_LOGPROBS = 5  # alternatives reported with each token (OpenAI's most)
 
 
-class Token(NamedTuple):  # a tuple: made for every token, ~4x cheaper than a frozen dataclass
+class Token(NamedTuple):  # made for every token: 0.38 us here, a frozen dataclass 0.62
     """A new token and the model's log-probabilities (before temperature and filtering): its own,
     and the TOP_LOGPROBS most likely tokens' as (id, logprob), most likely first; None for a
     request that did not ask for them (Request.logprobs)."""
