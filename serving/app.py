@@ -132,7 +132,8 @@ class TextStream:
     differently at the start of a text, as SentencePiece drops a leading space); the window moves
     on once it decodes to whole characters. A decode program's tokens are added together: two
     decodes for all of them (the event loop's largest cost per token was decoding, one token at a
-    time). offsets=True also keeps where each token's text starts (for log-probabilities)."""
+    time). offsets=True also keeps where each token's text starts (for log-probabilities; one more
+    decode per token)."""
 
     def __init__(self, tok, stop: list, offsets: bool = False):
         self.tok, self.stop, self.ids, self.sent, self.stopped = tok, stop, [], 0, False
@@ -152,10 +153,11 @@ class TextStream:
         return self._release_before_stop(finished=True)
 
     def _release_before_stop(self, finished: bool) -> str:
-        # a stop string cannot start in the text already sent (what could start one was held back)
-        found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
+        # A stop string cannot start in the text already sent (what could start one was held back). The
+        # text ends at the one completed first (then the earliest), however the tokens were grouped.
+        found = [(start + len(s), start) for s in self.stop if (start := self.text.find(s, self.sent)) >= 0]
         if found:
-            self.text, self.stopped = self.text[:min(found)], True
+            self.text, self.stopped = self.text[:min(found)[1]], True
         if found or finished:
             return self._release(len(self.text))
         safe = len(self.text)

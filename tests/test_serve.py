@@ -599,6 +599,17 @@ def test_text_stream_ends_before_a_stop_string_that_spans_tokens():
     assert stream.add(tok.encode("The quick brown fox jumps")) + stream.finish() == "The " and stream.stopped
 
 
+def test_of_two_stop_strings_the_text_ends_at_the_one_completed_first_however_tokens_are_grouped():
+    """'hello world' with stops 'o' and 'lo w': 'o' completes first, though 'lo w' starts earlier; tokens
+    that arrive one at a time or together (one decode program's) give the same text."""
+    tok = tokenizer.gpt2_tokenizer()
+    ids = tok.encode("hello world")
+    one_at_a_time = app.TextStream(tok, ["o", "lo w"])
+    alone = "".join(one_at_a_time.add([i]) for i in ids) + one_at_a_time.finish()
+    together = app.TextStream(tok, ["o", "lo w"])
+    assert alone == together.add(ids) + together.finish() == "hell"
+
+
 def test_a_stop_string_completed_by_tokens_that_end_inside_a_character_still_stops():
     """The request ends (max_tokens) after ' \\xe2\\x80', the first bytes of '“': finish() decodes the
     held-back tokens and still ends the text before the stop string they complete."""
