@@ -254,22 +254,27 @@ def stream_completion(http: httpx2.Client, options: Options, model: str, seed: i
     body = {"model": model, "prompt": options.prompt, "max_tokens": max_tokens, "temperature": options.temperature,
             "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
-    token_times, usage_tokens = [], None
+    token_times, usage_tokens, done_at = [], None, None
     with http.stream("POST", options.url.rstrip("/") + "/completions", json=body, headers=AUTHORIZATION) as reply:
         if reply.status_code != 200:
             raise RequestFailed(f"{reply.status_code}: {error_message(reply.read())}")
         for line in reply.iter_lines():
             arrived = time.perf_counter()  # before any work on the chunk
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if not line.startswith("data:"):
                 continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RequestFailed(f"an error event: {chunk['error'].get('message')}")
-            if chunk["choices"] and chunk["choices"][0]["text"]:
+            data = line[5:].strip()
+            if data == "[DONE]":  # the request's end, as the openai client sees it (the body's end follows)
+                done_at = arrived
+                continue
+            chunk = json.loads(data)
+            if not isinstance(chunk, dict) or chunk.get("error"):
+                raise RequestFailed(f"an error event: {error_message(data.encode())}")
+            choices = chunk.get("choices") or [{}]
+            if choices[0].get("text"):
                 token_times.append(arrived)
             if chunk.get("usage"):
-                usage_tokens = chunk["usage"]["completion_tokens"]
-    end = time.perf_counter()
+                usage_tokens = chunk["usage"].get("completion_tokens")
+    end = done_at or time.perf_counter()
     return request_metrics(sent, token_times, end, len(token_times) if usage_tokens is None else usage_tokens)
 
 
