@@ -393,14 +393,14 @@ class Engine:
         drawn = jax.device_get(drawn if logprobs else {"token": drawn["token"]})  # waits for the decode
         tokens = time.perf_counter()
         ids = drawn["token"].tolist()  # (steps, rows) Python ints: one conversion, not one per token
+        drawn_at = [{name: values[step] for name, values in drawn.items()} for step in range(self.decode_steps)]
         for slot, request in enumerate(running):  # a request's tokens one after another (they are sent together)
             for step in range(self.decode_steps):
                 if request is None or self.running[slot] is not request:
                     break
-                if request.logprobs:
-                    self._take(slot, *_on_host({name: values[step] for name, values in drawn.items()}, slot, True))
-                else:
-                    self._take(slot, ids[step][slot], Token(ids[step][slot], None, None))
+                token = ids[step][slot]
+                self._take(slot, *(_on_host(drawn_at[step], slot, True) if request.logprobs
+                                   else (token, Token(token, None, None))))
         self.steps += self.decode_steps
         self.seconds["step"] += dispatch_s + tokens - waiting_from
         self.seconds["tokens"] += time.perf_counter() - tokens
