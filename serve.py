@@ -26,6 +26,7 @@ far (finish_reason "abort"), and exits 0. --uds=PATH listens on a unix socket in
 host:port.
 """
 
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -46,7 +47,7 @@ from devices import memory
 from evals import scoring
 from inference import engine, loader
 from layers.quantization import MODES as QUANTIZATION_MODES
-from serving import app, auth
+from serving import app, auth, workers
 
 
 MAX_SOCKET_PATH = 107  # bytes: Linux's sun_path holds 108, with the closing NUL
@@ -85,6 +86,9 @@ class ServeConfig:
     mesh_data: int = 1  # devices splitting the slots (each holds slots / mesh_data rows of the KV cache)
     mesh_tensor: int = 1  # devices splitting the heads, the MLP and the KV cache's key/value heads
     api_key: str = ""  # if set, /v1 requests need 'Authorization: Bearer <api_key>'; '' = NANOMAX_API_KEY's, or none
+    http_workers: int = 0  # 0: the HTTP side runs in this process, beside the engine's thread; N: in N processes
+    #                        on one socket, each exchanging requests and tokens with the engine here over pipes
+    #                        (serving/workers.py: where one event loop can't keep up with the engine)
     memory_check: bool = True  # False: skip the check of the compiled programs against the devices' memory
     memory_limit_gib: float = 0.0  # check against this many GiB per device; 0 = the device's own limit
 
@@ -96,6 +100,8 @@ class ServeConfig:
         if len(os.fsencode(self.uds)) > MAX_SOCKET_PATH:
             raise configurator.ConfigError(f"--uds={self.uds} is {len(os.fsencode(self.uds))} bytes long; a unix "
                                            f"socket's path takes at most {MAX_SOCKET_PATH}: choose a shorter one")
+        if self.http_workers < 0:
+            raise configurator.ConfigError(f"http_workers must be >= 0, got {self.http_workers}")
         if not 0 < self.port < 65536:
             raise configurator.ConfigError(f"port must be in 1..65535, got {self.port}")
         configurator.check_choice("quantization", self.quantization, ("auto", *QUANTIZATION_MODES))
@@ -136,6 +142,7 @@ class Server:
         self.memory: dict | None = None  # the start-up memory check's numbers (memory.check)
         self.failure: str | None = None  # why the engine could not start
         self.token_scorer = None  # echo with logprobs: made on first use
+        self.after_tokens = None  # the engine's after_tokens (serving/workers.py's, with HTTP workers)
         self.stopping = False
         print(f"loaded {source} as '{self.name}' ({self.tok.summary()}, {setup.model_config.dtype}, "
               f"context {self.context}); {loader.memory_summary(setup, self.params)}", flush=True)
@@ -153,7 +160,7 @@ class Server:
                                                memory.serving_remedies(self.cfg, len(jax.devices())), self.params):
                 e = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue,
                                   vocab=self.tok.vocab_size, decode_steps=self.cfg.decode_steps,
-                                  decode_attention=self.cfg.decode_attention)
+                                  decode_attention=self.cfg.decode_attention, after_tokens=self.after_tokens)
         except (configurator.ConfigError, engine.EngineError) as error:
             return fail(error)
         if self.cfg.memory_check:
@@ -179,11 +186,36 @@ class Server:
                             memory.serving_remedies(self.cfg, len(jax.devices())))
 
     def ready(self) -> engine.Engine:
-        if self.stopping:
-            raise app.APIError(503, "the server is shutting down")
-        if self.engine is None:
-            raise app.APIError(503, "the model is still compiling: try again in a moment (GET /health says when)")
+        if self.stopping or self.engine is None:
+            raise app.unavailable(self.stopping)
         return self.engine
+
+    # What serving/app.py's routes ask of a server (serving/workers.py's RemoteServer answers the same
+    # from another process, through these).
+    async def submit(self, request: engine.Request) -> None:
+        try:
+            self.ready().submit(request)
+        except engine.EngineError as e:
+            raise app.refusal(e) from None
+
+    def cancel(self, request: engine.Request) -> None:
+        if self.engine is not None:
+            self.engine.cancel(request)
+
+    async def health(self) -> tuple:
+        return self.health_now()
+
+    async def score_prompt(self, ids: list) -> list:
+        return await asyncio.to_thread(self.prompt_logprobs, ids)
+
+    def health_now(self) -> tuple:
+        """(status, body) of GET /health: 503 while compiling or stopping, else 200 and the engine's numbers."""
+        e = self.engine
+        if e is None or self.stopping:
+            return 503, {"status": "stopping" if self.stopping else "loading"}
+        return 200, {"status": "ok", "model": self.name, "context": self.context, "weight_bytes": e.weight_bytes,
+                     "kv_bytes_per_token": e.kv_bytes_per_token, "memory_bandwidth": e.memory_bandwidth,
+                     "memory": self.memory, **e.stats()}
 
     def prompt_logprobs(self, ids: list) -> list:
         """The prompt as engine.Tokens, as echo with logprobs reports them (lm-evaluation-harness's
@@ -201,17 +233,6 @@ class Server:
         picked, top_logprobs, top_ids = (np.asarray(a)[0].tolist() for a in (picked, top_logprobs, top_ids))
         return [engine.Token(ids[0], None, None)] + [
             engine.Token(token, picked[t], tuple(zip(top_ids[t], top_logprobs[t]))) for t, token in enumerate(ids[1:])]
-
-    def log_request(self, generations: list) -> None:
-        for g in generations:
-            r = g.request
-            ttft = (r.first_token_at - r.submitted_at) * 1e3 if r.first_token_at else float("nan")
-            decode_s = (r.finished_at or time.perf_counter()) - (r.first_token_at or r.submitted_at)
-            # The decode rate counts the tokens after the first (that one is prefill's): none for one token.
-            rate = (f", {(len(r.tokens) - 1) / decode_s:,.1f} tok/s" if len(r.tokens) > 1 and decode_s > 0
-                    else "")
-            print(f"request {r.id}: {len(r.prompt)} prompt + {len(r.tokens)} completion tokens, "
-                  f"ttft {ttft:.0f} ms{rate}, {g.finish_reason}", flush=True)
 
 
 # ----------------------------------------------------------------------------- running it
@@ -285,6 +306,61 @@ def check_socket_path(path: str) -> None:
                                        f"choose another path")
 
 
+def listen(cfg: ServeConfig) -> socket.socket:
+    """The socket the HTTP workers share (uvicorn makes its own without them)."""
+    if cfg.uds:
+        if os.path.lexists(cfg.uds):
+            os.remove(cfg.uds)  # check_socket_path: a socket left by a server that stopped
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(cfg.uds)
+    else:
+        sock = socket.create_server((cfg.host, cfg.port), family=socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+    sock.listen(2048)
+    return sock
+
+
+def serve_in_process(server: Server, compile_engine) -> str | None:
+    """uvicorn on this process's event loop until SIGTERM or Ctrl-C; why it could not listen, if not."""
+    cfg = server.cfg
+    where = {"uds": cfg.uds} if cfg.uds else {"host": cfg.host, "port": cfg.port}
+    uv = UvicornServer(uvicorn.Config(app.make_app(server), **where, log_level="warning",
+                                      timeout_graceful_shutdown=30), server)
+    compiling = compile_engine(on_failure=lambda: setattr(uv, "should_exit", True))
+    try:
+        uv.run()
+    except (OSError, SystemExit) as e:  # the socket could not be made (uvicorn exits on a port in use)
+        if uv.started:
+            raise
+        compiling.join()  # exiting while XLA compiles aborts the process
+        return e.strerror if isinstance(e, OSError) else "in use, or not an address here"
+    return None
+
+
+def serve_with_workers(server: Server, compile_engine) -> str | None:
+    """cfg.http_workers processes serving HTTP on one socket, the engine here, until SIGTERM, Ctrl-C
+    or a worker's exit; why the socket could not be made, if not."""
+    try:
+        sock = listen(server.cfg)
+    except OSError as e:
+        return e.strerror
+    host, stop = workers.EngineHost(server), threading.Event()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: stop.set())
+    host.start_workers(server.cfg.http_workers, sock)
+    compiling = compile_engine(on_failure=stop.set, then=lambda: host.tell("ready"))
+    while not stop.wait(0.5):
+        if gone := host.exited():
+            server.failure = f"the HTTP worker {gone[0].name} exited (code {gone[0].exitcode}); the server stopped"
+            break
+    server.stopping = True
+    host.tell("stopping")
+    if server.engine is not None:
+        server.engine.stop()  # ends the open requests, so that the workers' responses end
+    host.stop_workers()
+    compiling.join()
+    return None
+
+
 def main(argv) -> None:
     cfg = configurator.load_config_or_exit(argv, ServeConfig)
     cfg = dataclasses.replace(cfg, api_key=cfg.api_key or os.environ.get("NANOMAX_API_KEY", ""))
@@ -299,38 +375,37 @@ def main(argv) -> None:
         server = Server(cfg)
     except (OSError, ValueError) as e:  # CheckpointError, HFError, MeshError, ConfigError
         sys.exit(f"error: {e}")
-    where = {"uds": cfg.uds} if cfg.uds else {"host": cfg.host, "port": cfg.port}
-    uv = UvicornServer(uvicorn.Config(app.make_app(server), **where, log_level="warning",
-                                      timeout_graceful_shutdown=30), server)
-    def stop_serving():
-        uv.should_exit = True
 
-    compiling = threading.Thread(target=server.start_engine, args=(stop_serving,), name="compile", daemon=True)
-    compiling.start()
+    def compile_engine(on_failure, then=lambda: None) -> threading.Thread:
+        """Compile the engine's programs in a thread (/health answers 503 meanwhile), then call `then`."""
+        def start():
+            server.start_engine(on_failure)
+            if server.engine is not None:
+                then()
+        thread = threading.Thread(target=start, name="compile", daemon=True)
+        thread.start()
+        return thread
+
     stop_summaries = threading.Event()
     if cfg.log_interval > 0:
         threading.Thread(target=summaries, args=(server, stop_summaries), daemon=True).start()
     address = f"unix socket {cfg.uds}" if cfg.uds else f"http://{cfg.host}:{cfg.port}"
     print(f"serving on {address}: the chat page at /, the API at /v1"
-          f"{' (API key required)' if cfg.api_key else ''} (GET /health is 200 once compiled)", flush=True)
-    reason = "in use, or not an address here"
+          f"{' (API key required)' if cfg.api_key else ''} (GET /health is 200 once compiled)"
+          f"{f'; {cfg.http_workers} HTTP worker processes' if cfg.http_workers else ''}", flush=True)
+    not_listening = None
     try:
-        uv.run()
-    except (OSError, SystemExit) as e:  # the socket could not be made (uvicorn exits on a port in use)
-        if uv.started:
-            raise
-        reason = e.strerror if isinstance(e, OSError) else reason
-        compiling.join()  # exiting while XLA compiles aborts the process
+        not_listening = (serve_with_workers if cfg.http_workers else serve_in_process)(server, compile_engine)
     finally:
         stop_summaries.set()
         if server.engine is not None:
             server.engine.shutdown()
-        if cfg.uds and uv.started and os.path.exists(cfg.uds):
+        if cfg.uds and not not_listening and os.path.exists(cfg.uds):
             os.remove(cfg.uds)  # ours: nobody else listens on it now
     if server.failure:
         sys.exit(f"error: {server.failure}")
-    if not uv.started:
-        sys.exit(f"error: could not listen on {address} ({reason})")
+    if not_listening:
+        sys.exit(f"error: could not listen on {address} ({not_listening})")
 
 
 if __name__ == "__main__":

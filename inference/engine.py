@@ -149,11 +149,14 @@ class Engine:
     """`slots` requests decode at once; more wait in a queue of at most max_queue."""
 
     def __init__(self, setup, params, slots: int = 8, max_queue: int = 64, log=print, vocab: int | None = None,
-                 decode_steps: int = DECODE_STEPS, decode_attention: str = "auto"):
+                 decode_steps: int = DECODE_STEPS, decode_attention: str = "auto",
+                 after_tokens: Callable | None = None):
         """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary).
         decode_steps: tokens per slot per decode program (more: less host work per token; a request
         that ends or arrives waits for the call in flight). decode_attention: one of DECODE_ATTENTION
-        (reads_filled_positions)."""
+        (reads_filled_positions). after_tokens: called in the loop's thread after each round of
+        on_token and on_finish calls (a decode program's tokens, the admitted requests' first ones,
+        the aborts at a stop): where the callbacks only collect, the time to send them on."""
         self.config, self.mesh, self.graphdef = setup.model_config, setup.mesh, setup.graphdef
         if slots % sharding.batch_shards(self.mesh):  # the slots are the cache's rows, split like a batch
             raise EngineError(f"slots={slots} is not divisible by the mesh's batch axes (mesh_data = "
@@ -162,6 +165,7 @@ class Engine:
             raise EngineError(f"decode_steps must be >= 1, got {decode_steps}")
         self.vocab = generate.drawable_ids(setup, vocab)
         self.slots, self.max_queue, self.log, self.decode_steps = slots, max_queue, log, decode_steps
+        self.after_tokens = after_tokens or (lambda: None)
         self.context = self.config.block_size
         self.buckets = prompt_buckets(self.context)
         self.row_buckets = row_buckets(slots, sharding.batch_shards(self.mesh))
@@ -283,6 +287,7 @@ class Engine:
                 self.queue.clear()
             for request in ended:
                 self._finish(request, "abort")
+            self.after_tokens()
 
     def _serve(self):
         # A decode program is dispatched before the previous one's tokens are handed out, so the device
@@ -301,6 +306,7 @@ class Engine:
                         self._finish(request, "abort")
                     self.queue.clear()
                     self.running = [None] * self.slots
+                    self.after_tokens()
                     return
                 admitted = []
                 while self.queue and None in self.running:
@@ -322,6 +328,7 @@ class Engine:
             for slots, drawn in admissions:
                 for row, slot in enumerate(slots):
                     self._take(slot, *_on_host(drawn, row, self.running[slot].logprobs))
+            self.after_tokens()
             self.seconds["admit"] += (admitting - start) + (time.perf_counter() - handed_out)
             in_flight = None if decoding is None else (*decoding, dispatched - admitting)
 

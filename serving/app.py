@@ -1,7 +1,10 @@
 """serve.py's HTTP app: OpenAI's completions and chat completions (whole, or as Server-Sent Events),
 the model list, /health, vLLM's tokenizer routes and the chat page (web/), as module-level
 handlers over the server object that serve.py puts in the Starlette app's state
-(request.app.state.server: the model, its tokenizer, the engine and the request log).
+(request.app.state.server). That is serve.Server, beside the engine in one process, or
+serving/workers.py's RemoteServer in an HTTP worker process; either has cfg, tok, name, context,
+created and stopping, ready() (an APIError while not serving), and the coroutines submit(request)
+(an APIError if refused), health() and score_prompt(ids), and cancel(request).
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad request,
 404 for another model's name, 413 for a body over the limit (LimitBody, before it is read whole), 429
@@ -49,6 +52,20 @@ class APIError(Exception):
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+def refusal(e: engine.EngineError) -> APIError:
+    """The engine's refusal of a request, as the client sees it."""
+    if isinstance(e, engine.QueueFull):
+        return APIError(429, str(e), code="queue_full")
+    if isinstance(e, engine.ShuttingDown):
+        return APIError(503, str(e))
+    return APIError(400, str(e), "prompt")
+
+
+def unavailable(stopping: bool) -> APIError:
+    return APIError(503, "the server is shutting down" if stopping else
+                    "the model is still compiling: try again in a moment (GET /health says when)")
 
 
 # ----------------------------------------------------------------------------- request bodies
@@ -213,14 +230,10 @@ class Generation:
                                       tuple(server.tok.stop_tokens), logprobs=sampling.logprobs is not None,
                                       on_token=put, on_finish=lambda reason: put(("finish", reason)))
         self.finish_reason = None
-        try:
-            server.engine.submit(self.request)
-        except engine.QueueFull as e:
-            raise APIError(429, str(e), code="queue_full") from None
-        except engine.ShuttingDown as e:
-            raise APIError(503, str(e)) from None
-        except engine.EngineError as e:
-            raise APIError(400, str(e), "prompt") from None
+
+    async def start(self) -> None:
+        """Submit the request to the engine; an APIError if it is refused."""
+        await self.server.submit(self.request)
 
     async def pieces(self):
         """(new text, the engine.Tokens it came from, where each one's text starts in the request's
@@ -241,7 +254,7 @@ class Generation:
                     tokens += items
                 piece += self.text.add([token.id for token in items])
                 if self.text.stopped:
-                    self.server.engine.cancel(self.request)
+                    self.server.cancel(self.request)
             if finish:
                 piece += self.text.finish()
                 self.finish_reason = "stop" if self.text.stopped else finish[1]
@@ -264,11 +277,22 @@ class Generation:
 
     def cancel(self):
         if self.finish_reason is None:
-            self.server.engine.cancel(self.request)
+            self.server.cancel(self.request)
 
     @property
     def completion_tokens(self) -> int:
         return len(self.request.tokens)
+
+
+def log_requests(generations: list) -> None:
+    for g in generations:
+        r = g.request
+        ttft = (r.first_token_at - r.submitted_at) * 1e3 if r.first_token_at else float("nan")
+        decode_s = (r.finished_at or time.perf_counter()) - (r.first_token_at or r.submitted_at)
+        # The decode rate counts the tokens after the first (that one is prefill's): none for one token.
+        rate = f", {(len(r.tokens) - 1) / decode_s:,.1f} tok/s" if len(r.tokens) > 1 and decode_s > 0 else ""
+        print(f"request {r.id}: {len(r.prompt)} prompt + {len(r.tokens)} completion tokens, "
+              f"ttft {ttft:.0f} ms{rate}, {g.finish_reason}", flush=True)
 
 
 # ----------------------------------------------------------------------------- the routes
@@ -279,13 +303,8 @@ def server_of(request: Request):
 
 
 async def health(request: Request):
-    server = server_of(request)
-    if server.engine is None or server.stopping:
-        return JSONResponse({"status": "stopping" if server.stopping else "loading"}, status_code=503)
-    e = server.engine
-    return JSONResponse({"status": "ok", "model": server.name, "context": server.context,
-                         "weight_bytes": e.weight_bytes, "kv_bytes_per_token": e.kv_bytes_per_token,
-                         "memory_bandwidth": e.memory_bandwidth, "memory": server.memory, **e.stats()})
+    status, body = await server_of(request).health()
+    return JSONResponse(body, status_code=status)
 
 
 async def models(request: Request):
@@ -327,9 +346,9 @@ async def complete(request: Request, chat_mode: bool):
         for ids in prompts:
             for k in range(sampling.n):
                 generations.append(Generation(server, ids, sampling, k))
+                await generations[-1].start()
         scored = echo and not chat_mode and sampling.logprobs is not None
-        prompt_tokens = [await asyncio.to_thread(server.prompt_logprobs, ids) if scored else []
-                         for ids in prompts]
+        prompt_tokens = [await server.score_prompt(ids) if scored else [] for ids in prompts]
     except APIError as e:
         for g in generations:  # a full queue part of the way: none of them runs
             g.cancel()
@@ -568,7 +587,7 @@ class Reply:
         finally:
             for g in self.generations:
                 g.cancel()
-        self.server.log_request(self.generations)
+        log_requests(self.generations)
         choices = [self.choice(i, self.prefix(i) + t, g.finish_reason, self.echoed(i) + tokens[i], offsets[i])
                    for i, (g, t) in enumerate(zip(self.generations, texts))]
         return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
@@ -609,7 +628,7 @@ class Reply:
             if self.sampling.include_usage:
                 yield chunk(choices=[], usage=self.usage())
             yield "data: [DONE]\n\n"
-            self.server.log_request(self.generations)
+            log_requests(self.generations)
         finally:  # also when the client went away: the engine frees the slots after its decode program in flight
             for g in self.generations:
                 g.cancel()

@@ -80,18 +80,20 @@ def start_server(*flags) -> tuple:
     return url, process
 
 
-@pytest.fixture(scope="module")
-def server(run):
-    """The server on the trained run."""
-    url, process = start_server(f"--out_dir={run}", "--slots=4", "--max_queue=16", "--log_interval=0")
+@pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "http-workers"])
+def server(run, request):
+    """The server on the trained run: HTTP on the engine's process, or in two worker processes
+    (--http_workers, serving/workers.py) that exchange requests and tokens with it over pipes."""
+    url, process = start_server(f"--out_dir={run}", "--slots=4", "--max_queue=16", "--log_interval=0",
+                                f"--http_workers={request.param}")
     yield url, process
     if process.poll() is None:
         process.kill()
     process.wait()
 
 
-@pytest.fixture(scope="module")
-def slow_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "http-workers"])
+def slow_server(tmp_path_factory, request):
     """serve.py on a random model in the Llama layout, wide enough that every token takes a while
     (67 MB of float32 weights read per step), with a 256-token context and the character vocabulary:
     a greedy stream of 254 tokens lasts seconds, so a signal sent after its first tokens lands
@@ -104,7 +106,8 @@ def slow_server(tmp_path_factory):
               "tie_word_embeddings": True}
     write_hf_llama(directory, random_hf_llama(**shape), config)
     tokenizer.char_tokenizer(CHARS).save_files(directory)
-    url, process = start_server(f"--init_from={directory}", "--slots=1", "--log_interval=0")
+    url, process = start_server(f"--init_from={directory}", "--slots=1", "--log_interval=0",
+                                f"--http_workers={request.param}")
     yield url, process
     if process.poll() is None:
         process.kill()
@@ -552,6 +555,45 @@ def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(slow_server):
     assert len("".join(c["choices"][0]["text"] for c in chunks)) == generated
     assert process.wait(timeout=60) == 0
     assert "request" in process.stdout.read()  # the per-request log line
+
+
+def http_workers(pid: int) -> list[int]:
+    """The worker processes serve.py (pid) spawned, from /proc (multiprocessing's resource tracker is a child too)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError):
+            continue
+        if parent == pid and spawned:
+            found.append(int(entry))
+    return found
+
+
+def test_an_http_worker_that_dies_stops_the_server_with_one_line(run):
+    """One of two workers killed: the server stops (the other worker too) with one line naming it, exit code 1."""
+    url, process = start_server(f"--out_dir={run}", "--slots=2", "--log_interval=0", "--http_workers=2")
+    try:
+        killed, other = http_workers(process.pid)
+        os.kill(killed, signal.SIGKILL)
+        assert process.wait(timeout=60) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = process.stdout.read()
+    assert re.search(r"error: the HTTP worker http-\d exited \(code -9\); the server stopped", output), output
+    assert "Traceback" not in output
+    assert not os.path.exists(f"/proc/{other}")
+
+
+def test_a_negative_number_of_http_workers_is_one_line():
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), "--http_workers=-1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "http_workers must be >= 0, got -1" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def metaspace_tokenizer(directory):

@@ -1,0 +1,300 @@
+"""serve.py --http_workers=N: the HTTP side in N processes, the engine in serve.py's own.
+
+In one process the event loop and the engine's thread share one interpreter lock, and on a host
+whose Python is slow (a TPU VM's) the event loop saturates first (docs/tpu.md). With workers, each
+worker process runs uvicorn and serving/app.py on the listening socket serve.py made (the kernel
+hands each connection to one of them) and talks to the engine's process over two pipes:
+
+    worker -> engine   ("submit", call, request id, the request's fields), ("cancel", request id),
+                       ("health", call), ("score", call, prompt ids)
+    engine -> worker   ("out", [(request id, item), ...]) once per round of the engine's loop (a
+                       decode program's tokens): an item is a token id, a (token id, logprob, top)
+                       with log-probabilities, or the request's finish reason;
+                       ("reply", call, result, error), ("state", "ready" | "stopping")
+
+A request's text (detokenizing, stop strings) and its events are the worker's work, as in one process.
+"""
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+
+import uvicorn
+
+from inference import engine
+from serving import app
+
+
+# ----------------------------------------------------------------------------- in serve.py's process
+
+class EngineHost:
+    """The engine's side of the workers' pipes: their requests go to server.engine, and each worker's
+    tokens go back in one message per round of the engine's loop (server.after_tokens)."""
+
+    def __init__(self, server):
+        self.server, self.links = server, []
+        server.after_tokens = self.send_tokens
+
+    def start_workers(self, count: int, sock) -> None:
+        spawn = multiprocessing.get_context("spawn")  # a fork would copy the JAX runtime's threads' state
+        s = self.server
+        for i in range(count):
+            from_worker, to_engine = spawn.Pipe(duplex=False)
+            from_engine, to_worker = spawn.Pipe(duplex=False)
+            process = spawn.Process(target=worker_main, name=f"http-{i}", daemon=True,
+                                    args=(s.cfg, s.tok, s.name, s.context, s.created, sock, to_engine, from_engine))
+            process.start()
+            to_engine.close(), from_engine.close()  # the worker's ends
+            self.links.append(Link(s, process, from_worker, to_worker))
+
+    def send_tokens(self) -> None:
+        for link in self.links:
+            link.flush()
+
+    def tell(self, state: str) -> None:
+        for link in self.links:
+            link.sends.put(("state", state))
+
+    def exited(self) -> list:
+        """The workers that have exited."""
+        return [link.process for link in self.links if not link.process.is_alive()]
+
+    def stop_workers(self, timeout: float = 35.0) -> None:
+        """SIGTERM to each worker: uvicorn finishes its open responses (the engine's stop ends their
+        requests), then exits."""
+        for link in self.links:
+            if link.process.is_alive():
+                link.process.terminate()
+        deadline = time.monotonic() + timeout
+        for link in self.links:
+            link.process.join(max(0.0, deadline - time.monotonic()))
+            if link.process.is_alive():
+                link.process.kill()
+                link.process.join()
+            link.sends.put(None)
+
+
+class Link:
+    """One worker: a thread reading its messages, and a thread sending it what queues in `sends`
+    (pickling and writing off the engine's thread; a slow worker never blocks the engine)."""
+
+    def __init__(self, server, process, inbox, outbox):
+        self.server, self.process, self.inbox, self.outbox = server, process, inbox, outbox
+        self.requests = {}  # the worker's request id -> the engine.Request made for it
+        self.pending, self.lock = [], threading.Lock()  # (request id, item) since the last flush
+        self.sends = queue.SimpleQueue()
+        threading.Thread(target=self._read, name=f"{process.name}-in", daemon=True).start()
+        threading.Thread(target=self._write, name=f"{process.name}-out", daemon=True).start()
+
+    def _put(self, item: tuple) -> None:
+        with self.lock:
+            self.pending.append(item)
+
+    def flush(self) -> None:
+        with self.lock:
+            batch, self.pending = self.pending, []
+        if batch:
+            self.sends.put(("out", batch))
+
+    def _write(self):
+        while (message := self.sends.get()) is not None:
+            try:
+                self.outbox.send(message)
+            except OSError:  # the worker is gone
+                return
+
+    def _read(self):
+        while True:
+            try:
+                kind, *args = self.inbox.recv()
+            except (EOFError, OSError):  # the worker exited: its requests stop
+                for request in list(self.requests.values()):
+                    self.server.cancel(request)
+                return
+            if kind == "submit":
+                self._submit(*args)
+            elif kind == "cancel" and (request := self.requests.get(args[0])) is not None:
+                self.server.cancel(request)
+            elif kind == "health":
+                self.sends.put(("reply", args[0], self.server.health_now(), None))
+            elif kind == "score":  # runs the model: not on this thread, which the worker's requests wait on
+                threading.Thread(target=self._score, args=args, daemon=True).start()
+            self.flush()  # a cancel may have finished a queued request
+
+    def _submit(self, call: int, rid: int, fields: dict) -> None:
+        def token(t: engine.Token):
+            self._put((rid, t.id if t.logprob is None else tuple(t)))
+
+        def finish(reason: str):
+            self.requests.pop(rid, None)
+            self._put((rid, reason))
+        request = engine.Request(**fields, on_token=token, on_finish=finish)
+        self.requests[rid] = request
+        try:
+            self.server.ready().submit(request)
+        except (engine.EngineError, app.APIError) as e:
+            self.requests.pop(rid, None)
+            e = app.refusal(e) if isinstance(e, engine.EngineError) else e
+            return self.sends.put(("reply", call, None, (e.status, e.message, e.param, e.code)))
+        self.sends.put(("reply", call, request.id, None))
+
+    def _score(self, call: int, ids: list) -> None:
+        try:
+            self.sends.put(("reply", call, [tuple(t) for t in self.server.prompt_logprobs(ids)], None))
+        except app.APIError as e:
+            self.sends.put(("reply", call, None, (e.status, e.message, e.param, e.code)))
+        except Exception as e:  # noqa: BLE001 - the worker's request waits for an answer
+            self.sends.put(("reply", call, None, (500, f"scoring the prompt failed ({type(e).__name__}: {e})",
+                                                  None, None)))
+
+
+# ----------------------------------------------------------------------------- in a worker process
+
+SUBMITTED_FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids", "logprobs")
+
+
+class RemoteServer:
+    """In a worker: what serving/app.py's routes ask of the server, answered by the engine's process.
+    The worker's engine.Requests are kept here, their tokens and timings filled in as they arrive."""
+
+    def __init__(self, cfg, tok, name, context, created, to_engine, from_engine):
+        self.cfg, self.tok, self.name, self.context, self.created = cfg, tok, name, context, created
+        self.to_engine, self.from_engine = to_engine, from_engine
+        self.state = "loading"
+        self.requests = {}  # id -> engine.Request, until it finishes
+        self.ids = {}  # engine.Request -> id
+        self.calls = {}  # call -> the future its reply resolves
+        self.counter = itertools.count()
+        self.loop = None
+        self.engine_gone = lambda: None  # called if the engine's process goes away
+
+    @property
+    def stopping(self) -> bool:
+        return self.state == "stopping"
+
+    def attach(self, loop) -> None:
+        self.loop = loop
+        loop.add_reader(self.from_engine.fileno(), self._receive)
+
+    def ready(self) -> None:
+        if self.state != "ready":
+            raise app.unavailable(self.stopping)
+
+    async def _call(self, kind: str, *args):
+        call = next(self.counter)
+        self.calls[call] = future = self.loop.create_future()
+        try:
+            self.to_engine.send((kind, call, *args))
+        except OSError:  # the engine's process is gone; this worker is stopping
+            self.calls.pop(call)
+            raise app.unavailable(stopping=True) from None
+        result, error = await future
+        if error is not None:
+            raise app.APIError(*error)
+        return result
+
+    async def submit(self, request: engine.Request) -> None:
+        self.ready()
+        rid = next(self.counter)
+        self.requests[rid], self.ids[request] = request, rid  # its tokens may come before the reply
+        request.submitted_at = time.perf_counter()
+        try:
+            request.id = await self._call("submit", rid, {k: getattr(request, k) for k in SUBMITTED_FIELDS})
+        except app.APIError:
+            self.requests.pop(rid, None)
+            raise
+
+    def cancel(self, request: engine.Request) -> None:
+        if request.finish_reason is None and (rid := self.ids.get(request)) is not None:
+            with contextlib.suppress(OSError):  # the engine's process is gone: nothing to cancel
+                self.to_engine.send(("cancel", rid))
+
+    async def health(self) -> tuple:
+        if self.state != "ready":
+            return 503, {"status": self.state}
+        return await self._call("health")
+
+    async def score_prompt(self, ids: list) -> list:
+        return [engine.Token(*t) for t in await self._call("score", ids)]
+
+    def _receive(self) -> None:
+        """The engine's messages that have arrived (the event loop calls this when the pipe is readable)."""
+        try:
+            while self.from_engine.poll():
+                self._handle(*self.from_engine.recv())
+        except (EOFError, OSError):  # the engine's process is gone
+            self.loop.remove_reader(self.from_engine.fileno())
+            self.state = "stopping"
+            for rid in list(self.requests):
+                self._finish(rid, "abort")
+            for future in self.calls.values():
+                future.set_result((None, (503, "the server is shutting down", None, None)))
+            self.calls.clear()
+            self.engine_gone()
+
+    def _handle(self, kind: str, *args) -> None:
+        if kind == "out":
+            now = time.perf_counter()
+            for rid, item in args[0]:
+                request = self.requests.get(rid)
+                if request is None:
+                    continue
+                if isinstance(item, str):
+                    self._finish(rid, item)
+                    continue
+                token = engine.Token(item, None, None) if isinstance(item, int) else engine.Token(*item)
+                if request.first_token_at is None:
+                    request.first_token_at = now
+                request.tokens.append(token.id)
+                request.on_token(token)
+        elif kind == "reply":
+            future = self.calls.pop(args[0])
+            if not future.done():
+                future.set_result(args[1:])
+        elif kind == "state":
+            self.state = args[0]
+
+    def _finish(self, rid: int, reason: str) -> None:
+        request = self.requests.pop(rid)
+        self.ids.pop(request, None)
+        request.finish_reason, request.finished_at = reason, time.perf_counter()
+        request.on_finish(reason)
+
+
+class WorkerUvicorn(uvicorn.Server):
+    """uvicorn on the shared socket; it reads the engine's pipe on its event loop, and SIGTERM or
+    Ctrl-C end it after its open responses (the engine ends their requests), with exit code 0."""
+
+    def __init__(self, config, remote: RemoteServer):
+        super().__init__(config)
+        self.remote = remote
+
+    async def startup(self, sockets=None):
+        self.remote.attach(asyncio.get_running_loop())
+        await super().startup(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def handle_exit(self, sig, frame):
+        self.remote.state = "stopping"
+        super().handle_exit(sig, frame)
+
+
+def worker_main(cfg, tok, name, context, created, sock, to_engine, from_engine) -> None:
+    remote = RemoteServer(cfg, tok, name, context, created, to_engine, from_engine)
+    uv = WorkerUvicorn(uvicorn.Config(app.make_app(remote), log_level="warning", timeout_graceful_shutdown=30),
+                       remote)
+    remote.engine_gone = lambda: setattr(uv, "should_exit", True)
+    uv.run(sockets=[sock])
