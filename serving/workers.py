@@ -9,13 +9,14 @@ hands each connection to one of them) and talks to the engine's process over two
                        ("health", call), ("score", call, prompt ids)
     engine -> worker   ("out", [(request id, item), ...]) once per round of the engine's loop (a
                        decode program's tokens): an item is a token id, a (token id, logprob, top)
-                       with log-probabilities, or the request's finish reason;
+                       with log-probabilities, or Finished (the reason, and the engine's times);
                        ("reply", call, result, error), ("state", "ready" | "stopping")
 
 A request's text (detokenizing, stop strings) and its events are the worker's work, as in one process.
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import multiprocessing
@@ -23,11 +24,19 @@ import queue
 import signal
 import threading
 import time
+from typing import NamedTuple
 
 import uvicorn
 
 from inference import engine
 from serving import app
+
+
+class Finished(NamedTuple):
+    """A request's end, with the engine's times (perf_counter is one clock for every process here)."""
+    reason: str
+    first_token_at: float | None
+    finished_at: float
 
 
 # ----------------------------------------------------------------------------- in serve.py's process
@@ -38,19 +47,29 @@ class EngineHost:
 
     def __init__(self, server):
         self.server, self.links = server, []
+        self.scoring = concurrent.futures.ThreadPoolExecutor(4, "score")  # echo's prompt scoring runs the model
         server.after_tokens = self.send_tokens
 
     def start_workers(self, count: int, sock) -> None:
+        """Start the workers on the listening socket `sock`, which this process then closes (so that once
+        they are gone, a connection is refused rather than left waiting)."""
         spawn = multiprocessing.get_context("spawn")  # a fork would copy the JAX runtime's threads' state
         s = self.server
-        for i in range(count):
-            from_worker, to_engine = spawn.Pipe(duplex=False)
-            from_engine, to_worker = spawn.Pipe(duplex=False)
-            process = spawn.Process(target=worker_main, name=f"http-{i}", daemon=True,
-                                    args=(s.cfg, s.tok, s.name, s.context, s.created, sock, to_engine, from_engine))
-            process.start()
-            to_engine.close(), from_engine.close()  # the worker's ends
-            self.links.append(Link(s, process, from_worker, to_worker))
+        # A worker ignores Ctrl-C until uvicorn takes it over (an interrupt of its imports would print a
+        # traceback); the disposition is inherited across the exec.
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for i in range(count):
+                from_worker, to_engine = spawn.Pipe(duplex=False)
+                from_engine, to_worker = spawn.Pipe(duplex=False)
+                process = spawn.Process(target=worker_main, name=f"http-{i}", daemon=True, args=(
+                    s.cfg, s.tok, s.name, s.context, s.created, sock, to_engine, from_engine))
+                process.start()
+                to_engine.close(), from_engine.close()  # the worker's ends
+                self.links.append(Link(s, process, from_worker, to_worker, self.scoring))
+        finally:
+            signal.signal(signal.SIGINT, interrupt)
+        sock.close()
 
     def send_tokens(self) -> None:
         for link in self.links:
@@ -83,8 +102,8 @@ class Link:
     """One worker: a thread reading its messages, and a thread sending it what queues in `sends`
     (pickling and writing off the engine's thread; a slow worker never blocks the engine)."""
 
-    def __init__(self, server, process, inbox, outbox):
-        self.server, self.process, self.inbox, self.outbox = server, process, inbox, outbox
+    def __init__(self, server, process, inbox, outbox, scoring):
+        self.server, self.process, self.inbox, self.outbox, self.scoring = server, process, inbox, outbox, scoring
         self.requests = {}  # the worker's request id -> the engine.Request made for it
         self.pending, self.lock = [], threading.Lock()  # (request id, item) since the last flush
         self.sends = queue.SimpleQueue()
@@ -123,7 +142,7 @@ class Link:
             elif kind == "health":
                 self.sends.put(("reply", args[0], self.server.health_now(), None))
             elif kind == "score":  # runs the model: not on this thread, which the worker's requests wait on
-                threading.Thread(target=self._score, args=args, daemon=True).start()
+                self.scoring.submit(self._score, *args)
             self.flush()  # a cancel may have finished a queued request
 
     def _submit(self, call: int, rid: int, fields: dict) -> None:
@@ -132,7 +151,7 @@ class Link:
 
         def finish(reason: str):
             self.requests.pop(rid, None)
-            self._put((rid, reason))
+            self._put((rid, Finished(reason, request.first_token_at, request.finished_at)))
         request = engine.Request(**fields, on_token=token, on_finish=finish)
         self.requests[rid] = request
         try:
@@ -160,7 +179,8 @@ SUBMITTED_FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "se
 
 class RemoteServer:
     """In a worker: what serving/app.py's routes ask of the server, answered by the engine's process.
-    The worker's engine.Requests are kept here, their tokens and timings filled in as they arrive."""
+    The worker's engine.Requests are kept here, their tokens filled in as they arrive and their times
+    (for the request log) from the engine's at the end."""
 
     def __init__(self, cfg, tok, name, context, created, to_engine, from_engine):
         self.cfg, self.tok, self.name, self.context, self.created = cfg, tok, name, context, created
@@ -190,10 +210,11 @@ class RemoteServer:
         self.calls[call] = future = self.loop.create_future()
         try:
             self.to_engine.send((kind, call, *args))
+            result, error = await future
         except OSError:  # the engine's process is gone; this worker is stopping
-            self.calls.pop(call)
             raise app.unavailable(stopping=True) from None
-        result, error = await future
+        finally:
+            self.calls.pop(call, None)
         if error is not None:
             raise app.APIError(*error)
         return result
@@ -207,6 +228,7 @@ class RemoteServer:
             request.id = await self._call("submit", rid, {k: getattr(request, k) for k in SUBMITTED_FIELDS})
         except app.APIError:
             self.requests.pop(rid, None)
+            self.ids.pop(request, None)
             raise
 
     def cancel(self, request: engine.Request) -> None:
@@ -231,52 +253,46 @@ class RemoteServer:
             self.loop.remove_reader(self.from_engine.fileno())
             self.state = "stopping"
             for rid in list(self.requests):
-                self._finish(rid, "abort")
+                self._finish(rid, Finished("abort", None, time.perf_counter()))
             for future in self.calls.values():
-                future.set_result((None, (503, "the server is shutting down", None, None)))
-            self.calls.clear()
+                if not future.done():
+                    future.set_result((None, (503, "the server is shutting down", None, None)))
             self.engine_gone()
 
     def _handle(self, kind: str, *args) -> None:
         if kind == "out":
-            now = time.perf_counter()
             for rid, item in args[0]:
                 request = self.requests.get(rid)
                 if request is None:
                     continue
-                if isinstance(item, str):
+                if isinstance(item, Finished):
                     self._finish(rid, item)
                     continue
                 token = engine.Token(item, None, None) if isinstance(item, int) else engine.Token(*item)
-                if request.first_token_at is None:
-                    request.first_token_at = now
                 request.tokens.append(token.id)
                 request.on_token(token)
         elif kind == "reply":
-            future = self.calls.pop(args[0])
-            if not future.done():
+            future = self.calls.get(args[0])  # None: its request's task was cancelled
+            if future is not None and not future.done():
                 future.set_result(args[1:])
         elif kind == "state":
             self.state = args[0]
 
-    def _finish(self, rid: int, reason: str) -> None:
+    def _finish(self, rid: int, end: Finished) -> None:
         request = self.requests.pop(rid)
         self.ids.pop(request, None)
-        request.finish_reason, request.finished_at = reason, time.perf_counter()
-        request.on_finish(reason)
+        request.finish_reason, request.first_token_at, request.finished_at = end
+        request.on_finish(end.reason)
 
 
-class WorkerUvicorn(uvicorn.Server):
-    """uvicorn on the shared socket; it reads the engine's pipe on its event loop, and SIGTERM or
-    Ctrl-C end it after its open responses (the engine ends their requests), with exit code 0."""
+class StoppingUvicorn(uvicorn.Server):
+    """uvicorn whose SIGTERM and Ctrl-C first call on_stop (serve.py's stops the engine, whose open
+    requests then end with their text so far, so that graceful shutdown completes) and which then
+    returns, for exit code 0 (uvicorn's own raises the signal again once stopped)."""
 
-    def __init__(self, config, remote: RemoteServer):
+    def __init__(self, config, on_stop):
         super().__init__(config)
-        self.remote = remote
-
-    async def startup(self, sockets=None):
-        self.remote.attach(asyncio.get_running_loop())
-        await super().startup(sockets)
+        self.on_stop = on_stop
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -288,8 +304,20 @@ class WorkerUvicorn(uvicorn.Server):
                 signal.signal(s, handler)
 
     def handle_exit(self, sig, frame):
-        self.remote.state = "stopping"
+        self.on_stop()
         super().handle_exit(sig, frame)
+
+
+class WorkerUvicorn(StoppingUvicorn):
+    """A worker's uvicorn on the shared socket: it reads the engine's pipe on its event loop."""
+
+    def __init__(self, config, remote: RemoteServer):
+        super().__init__(config, on_stop=lambda: setattr(remote, "state", "stopping"))
+        self.remote = remote
+
+    async def startup(self, sockets=None):
+        self.remote.attach(asyncio.get_running_loop())
+        await super().startup(sockets)
 
 
 def worker_main(cfg, tok, name, context, created, sock, to_engine, from_engine) -> None:

@@ -589,10 +589,10 @@ def test_an_http_worker_that_dies_stops_the_server_with_one_line(run):
     assert not os.path.exists(f"/proc/{other}")
 
 
-def test_a_negative_number_of_http_workers_is_one_line():
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), "--http_workers=-1"],
+def test_a_bad_number_of_http_workers_is_one_line():
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), "--http_workers=-2"],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "http_workers must be >= 0, got -1" in result.stderr
+    assert result.returncode != 0 and "http_workers must be >= 0, or -1 (auto), got -2" in result.stderr
     assert "Traceback" not in result.stderr
 
 
