@@ -291,8 +291,10 @@ def log_requests(generations: list) -> None:
         decode_s = (r.finished_at or time.perf_counter()) - (r.first_token_at or r.submitted_at)
         # The decode rate counts the tokens after the first (that one is prefill's): none for one token.
         rate = f", {(len(r.tokens) - 1) / decode_s:,.1f} tok/s" if len(r.tokens) > 1 and decode_s > 0 else ""
+        # One write with its newline: HTTP worker processes share the log, and unbuffered (PYTHONUNBUFFERED)
+        # print() writes the line and its end apart, so that lines from two workers ran together.
         print(f"request {r.id}: {len(r.prompt)} prompt + {len(r.tokens)} completion tokens, "
-              f"ttft {ttft:.0f} ms{rate}, {g.finish_reason}", flush=True)
+              f"ttft {ttft:.0f} ms{rate}, {g.finish_reason}\n", end="", flush=True)
 
 
 # ----------------------------------------------------------------------------- the routes
