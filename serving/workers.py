@@ -39,6 +39,11 @@ class Finished(NamedTuple):
     finished_at: float
 
 
+def error_fields(e: app.APIError) -> tuple:
+    """An APIError as it crosses a pipe (app.APIError(*fields) rebuilds it)."""
+    return e.status, e.message, e.param, e.code
+
+
 # ----------------------------------------------------------------------------- in serve.py's process
 
 class EngineHost:
@@ -159,17 +164,17 @@ class Link:
         except (engine.EngineError, app.APIError) as e:
             self.requests.pop(rid, None)
             e = app.refusal(e) if isinstance(e, engine.EngineError) else e
-            return self.sends.put(("reply", call, None, (e.status, e.message, e.param, e.code)))
+            return self.sends.put(("reply", call, None, error_fields(e)))
         self.sends.put(("reply", call, request.id, None))
 
     def _score(self, call: int, ids: list) -> None:
         try:
             self.sends.put(("reply", call, [tuple(t) for t in self.server.prompt_logprobs(ids)], None))
         except app.APIError as e:
-            self.sends.put(("reply", call, None, (e.status, e.message, e.param, e.code)))
+            self.sends.put(("reply", call, None, error_fields(e)))
         except Exception as e:  # noqa: BLE001 - the worker's request waits for an answer
-            self.sends.put(("reply", call, None, (500, f"scoring the prompt failed ({type(e).__name__}: {e})",
-                                                  None, None)))
+            failed = app.APIError(500, f"scoring the prompt failed ({type(e).__name__}: {e})")
+            self.sends.put(("reply", call, None, error_fields(failed)))
 
 
 # ----------------------------------------------------------------------------- in a worker process
@@ -256,7 +261,7 @@ class RemoteServer:
                 self._finish(rid, Finished("abort", None, time.perf_counter()))
             for future in self.calls.values():
                 if not future.done():
-                    future.set_result((None, (503, "the server is shutting down", None, None)))
+                    future.set_result((None, error_fields(app.unavailable(stopping=True))))
             self.engine_gone()
 
     def _handle(self, kind: str, *args) -> None:
