@@ -54,6 +54,7 @@ from weights import hf
 @dataclasses.dataclass(frozen=True)
 class Options:
     """bench.py's own flags; every other flag is a train.py config key."""
+
     mode: str = "train"  # 'train' | 'decode'
     steps: int = 20  # timed train steps, or timed decode runs per batch size
     warmup: int = 3  # untimed steps after compiling
@@ -78,8 +79,9 @@ class Options:
         configurator.check_choice("weight_dtype", self.weight_dtype, loader.WEIGHT_DTYPES)
         configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, loader.KV_CACHE_DTYPES)
         if not all(s.strip().isdigit() and int(s) > 0 for s in self.decode_batch.split(",")):
-            raise configurator.ConfigError(f"--decode_batch must be positive integers separated by "
-                                           f"commas (e.g. 1,8), got {self.decode_batch!r}")
+            raise configurator.ConfigError(
+                f"--decode_batch must be positive integers separated by commas (e.g. 1,8), got {self.decode_batch!r}"
+            )
 
 
 def quantization_note(mode: str, device) -> str:
@@ -92,8 +94,10 @@ def quantization_note(mode: str, device) -> str:
     if chip is None:
         return f"{mode}: unknown {mode} support for '{device.device_kind}'"
     if mode in chip.quantized_speedup:
-        return (f"{mode}: {chip.kinds[0]} has {chip.quantized_speedup[mode]}x bf16's matmul rate for "
-                f"{mode}; MFU is still vs bf16")
+        return (
+            f"{mode}: {chip.kinds[0]} has {chip.quantized_speedup[mode]}x bf16's matmul rate for "
+            f"{mode}; MFU is still vs bf16"
+        )
     return f"{mode}: {chip.kinds[0]} has no fast {mode} units; expect no speed-up (emulated)"
 
 
@@ -117,13 +121,17 @@ def step_peak_memory(devices, step) -> tuple[int | None, str]:
     if not peaks:
         if m is None:
             return None, "not reported by this backend"
-        return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes,
-                "compiler's plan: arguments + outputs + temporaries; backend reports none")
+        return (
+            m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes,
+            "compiler's plan: arguments + outputs + temporaries; backend reports none",
+        )
     if devices[0].platform == "tpu" and m is not None:
-        return (max(peaks) + m.temp_size_in_bytes,
-                f"backend peak_bytes_in_use after the steps, {max(peaks) / 2**20:,.1f} MiB (state, batch, outputs), "
-                f"+ the step's temporaries, {m.temp_size_in_bytes / 2**20:,.1f} MiB (compiled memory_analysis), "
-                f"which XLA:TPU reserves outside that count")
+        return (
+            max(peaks) + m.temp_size_in_bytes,
+            f"backend peak_bytes_in_use after the steps, {max(peaks) / 2**20:,.1f} MiB (state, batch, outputs), "
+            f"+ the step's temporaries, {m.temp_size_in_bytes / 2**20:,.1f} MiB (compiled memory_analysis), "
+            f"which XLA:TPU reserves outside that count",
+        )
     return max(peaks), "backend peak_bytes_in_use after the steps"
 
 
@@ -132,11 +140,13 @@ def random_batch(setup: train.Setup, vocab_size: int, seed: int = 0) -> tuple:
     config = setup.config
     shape = (config.gradient_accumulation_steps, config.batch_size, config.block_size)
     rng = np.random.default_rng(seed)
-    return tuple(jax.device_put(rng.integers(0, vocab_size, shape, dtype=np.int32),
-                                setup.micro_batch_sharding) for _ in range(2))
+    return tuple(
+        jax.device_put(rng.integers(0, vocab_size, shape, dtype=np.int32), setup.micro_batch_sharding) for _ in range(2)
+    )
 
 
 # ----------------------------------------------------------------------------- train
+
 
 class TrainBench:
     """train.py's state and compiled train step on random tokens, ready to be timed."""
@@ -150,13 +160,18 @@ class TrainBench:
         self.batch = random_batch(self.setup, self.vocab_size)
         remedies = memory.training_remedies(config, len(devices))
         # compiled for the abstract state: checked before it exists; XLA:TPU refuses what cannot fit here
-        with sharding.activate(self.mesh), memory.refusing_out_of_memory(
-                "the train step", devices, remedies, (self.setup.abstract_state, self.batch)):
+        with (
+            sharding.activate(self.mesh),
+            memory.refusing_out_of_memory("the train step", devices, remedies, (self.setup.abstract_state, self.batch)),
+        ):
             start = time.perf_counter()
             self.step = train.jit_train_step(self.setup).lower(self.setup.abstract_state, self.batch).compile()
             self.compile_s = time.perf_counter() - start
-        self.memory_check = memory.preflight(
-            "the train step", [self.step], devices, config.memory_limit_gib, remedies) if config.memory_check else None
+        self.memory_check = (
+            memory.preflight("the train step", [self.step], devices, config.memory_limit_gib, remedies)
+            if config.memory_check
+            else None
+        )
         self.state = train.init_state(self.setup)
 
     def run(self, n: int) -> list[float]:
@@ -184,22 +199,33 @@ class TrainBench:
         # Muon's Newton-Schulz matmuls: real work, but not the model's; MFU leaves them out
         optimizer_flops = optimizer.flops_per_step(self.setup.abstract_state["params"], self.config)
         return {
-            "params": count_params(self.setup.model_config), "active_params": active_params(self.setup.model_config),
+            "params": count_params(self.setup.model_config),
+            "active_params": active_params(self.setup.model_config),
             "vocab_size": self.vocab_size,
-            "mesh": dict(self.mesh.shape), "tokens_per_step": tokens,
-            "step_s": seconds, "min_s": min(seconds), "median_s": median,
-            "tokens_per_s": tokens_per_s, "tokens_per_s_best": tokens / min(seconds),
-            "flops_per_token": flops, "achieved_flops": flops * tokens_per_s,
-            "peak_flops": peak, "peak_source": peak_source,
+            "mesh": dict(self.mesh.shape),
+            "tokens_per_step": tokens,
+            "step_s": seconds,
+            "min_s": min(seconds),
+            "median_s": median,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_best": tokens / min(seconds),
+            "flops_per_token": flops,
+            "achieved_flops": flops * tokens_per_s,
+            "peak_flops": peak,
+            "peak_source": peak_source,
             "mfu": flops * tokens_per_s / peak if peak else None,
-            "measured_peak_flops": measured_peak, "measured_peak_source": measured_source,
+            "measured_peak_flops": measured_peak,
+            "measured_peak_source": measured_source,
             "mfu_measured": flops * tokens_per_s / measured_peak,
-            "optimizer": self.config.optimizer, "optimizer_flops_per_step": optimizer_flops,
+            "optimizer": self.config.optimizer,
+            "optimizer_flops_per_step": optimizer_flops,
             "optimizer_flops_share": optimizer_flops / (optimizer_flops + flops * tokens),
-            "peak_memory_bytes": memory_bytes, "memory_source": memory_source,
+            "peak_memory_bytes": memory_bytes,
+            "memory_source": memory_source,
             "compiled_memory": memory.compiler_memory(self.step, self.devices[0].platform),
             "backend_memory_stats": [d.memory_stats() for d in self.devices[:1]],
-            "compile_s": self.compile_s, "final_loss": float(self.metrics["loss"]),
+            "compile_s": self.compile_s,
+            "final_loss": float(self.metrics["loss"]),
             "memory_check": self.memory_check,
             "quantization_note": quantization_note(self.config.quantization, self.devices[0]),
         }
@@ -212,9 +238,12 @@ def bench_train(config, options: Options, devices) -> dict:
     if options.profile:  # after the timed steps, so tracing costs them nothing
         with jax.profiler.trace(options.profile, create_perfetto_trace=True):
             bench.run(PROFILE_STEPS)
-        result["profile"] = {"dir": options.profile, "traced": f"{PROFILE_STEPS} traced steps", "per": "step",
-                             "top_operations": top_operations(newest_trace(options.profile), PROFILE_STEPS,
-                                                             bench.step.as_text())}
+        result["profile"] = {
+            "dir": options.profile,
+            "traced": f"{PROFILE_STEPS} traced steps",
+            "per": "step",
+            "top_operations": top_operations(newest_trace(options.profile), PROFILE_STEPS, bench.step.as_text()),
+        }
     if config.quantization != "none":  # the speed-up is measured, not assumed: time the float step too
         del bench  # one train state on the devices at a time
         unquantized = TrainBench(dataclasses.replace(config, quantization="none"), devices)
@@ -239,7 +268,9 @@ def operation_lines(profile) -> list[list]:
     """The compiled program's operations in a jax.profiler.ProfileData (which must outlive them), as its
     events, line by line (a line's events run one after another or nested): a GPU's or TPU's 'XLA Ops'
     lines, or on a CPU each host thread's events that name an HLO operation."""
-    lines = [(plane.name, line.name, list(line.events)) for plane in profile.planes for line in plane.lines]  # one pass each
+    lines = [
+        (plane.name, line.name, list(line.events)) for plane in profile.planes for line in plane.lines
+    ]  # one pass each
     device_lines = [events for plane, line, events in lines if plane.startswith("/device:") and line == "XLA Ops"]
     if device_lines:
         return device_lines
@@ -293,25 +324,40 @@ def top_operations(trace: str, steps: int, hlo_text: str = "", n: int = 10) -> l
             counts[name] = counts.get(name, 0) + 1
     busy, described = sum(totals.values()) or 1.0, hlo_operations(hlo_text)
     top = sorted(totals, key=totals.get, reverse=True)[:n]
-    return [{"name": name, "ms_per_step": totals[name] / steps / 1e6, "share": totals[name] / busy,
-             "count_per_step": counts[name] / steps, "about": described.get(name, "")} for name in top]
+    return [
+        {
+            "name": name,
+            "ms_per_step": totals[name] / steps / 1e6,
+            "share": totals[name] / busy,
+            "count_per_step": counts[name] / steps,
+            "about": described.get(name, ""),
+        }
+        for name in top
+    ]
 
 
 def format_profile(profile: dict) -> str:
     ops = profile["top_operations"]
-    rows = [f"  top operations by device time ({profile['traced']}, per {profile['per']}; trace in {profile['dir']}):",
-            f"    {'ms/' + profile['per'].split()[-1]:>8} {'share':>6} {'runs/' + profile['per'].split()[-1]:>9}  operation"]
+    rows = [
+        f"  top operations by device time ({profile['traced']}, per {profile['per']}; trace in {profile['dir']}):",
+        f"    {'ms/' + profile['per'].split()[-1]:>8} {'share':>6} {'runs/' + profile['per'].split()[-1]:>9}  operation",
+    ]
     for op in ops:
         about = op["about"] if len(op["about"]) <= 140 else op["about"][:60] + "..." + op["about"][-77:]
-        rows.append(f"    {op['ms_per_step']:>8.2f} {op['share']:>6.1%} {op['count_per_step']:>9g}  {op['name']}"
-                    + (f": {about}" if about else ""))
+        rows.append(
+            f"    {op['ms_per_step']:>8.2f} {op['share']:>6.1%} {op['count_per_step']:>9g}  {op['name']}"
+            + (f": {about}" if about else "")
+        )
     return "\n".join(rows)
 
 
 def format_train(r: dict) -> str:
     peak = f"{r['peak_flops'] / 1e12:,.3f} TFLOP/s ({r['peak_source']})" if r["peak_flops"] else r["peak_source"]
-    memory = (f"{r['peak_memory_bytes'] / 2**20:,.1f} MiB ({r['memory_source']})"
-              if r["peak_memory_bytes"] is not None else r["memory_source"])
+    memory = (
+        f"{r['peak_memory_bytes'] / 2**20:,.1f} MiB ({r['memory_source']})"
+        if r["peak_memory_bytes"] is not None
+        else r["memory_source"]
+    )
     rows = [
         ("ms/step (min / median)", f"{r['min_s'] * 1e3:,.2f} / {r['median_s'] * 1e3:,.2f}"),
         ("tokens/s (at median; at min)", f"{r['tokens_per_s']:,.0f}; {r['tokens_per_s_best']:,.0f}"),
@@ -319,27 +365,42 @@ def format_train(r: dict) -> str:
         ("achieved", f"{r['achieved_flops'] / 1e12:,.3f} TFLOP/s"),
         ("peak", peak),
         ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "unknown (no peak for this device)"),
-        ("MFU vs a matmul measured now", f"{r['mfu_measured']:.1%} of {r['measured_peak_flops'] / 1e12:,.3f} "
-         f"TFLOP/s ({r['measured_peak_source']})"),
-        ("optimizer FLOPs per step", f"{r['optimizer_flops_per_step'] / 1e9:,.3f} G = "
-         f"{r['optimizer_flops_share']:.1%} of the step's, not in MFU (Newton-Schulz: {optimizer.NS_STEPS} "
-         f"x (4·m²·n + 2·m³) per m x n matrix, m <= n)" if r["optimizer"] == "muon"
-         else f"not counted ({r['optimizer']}: elementwise only)"),
+        (
+            "MFU vs a matmul measured now",
+            f"{r['mfu_measured']:.1%} of {r['measured_peak_flops'] / 1e12:,.3f} TFLOP/s ({r['measured_peak_source']})",
+        ),
+        (
+            "optimizer FLOPs per step",
+            f"{r['optimizer_flops_per_step'] / 1e9:,.3f} G = "
+            f"{r['optimizer_flops_share']:.1%} of the step's, not in MFU (Newton-Schulz: {optimizer.NS_STEPS} "
+            f"x (4·m²·n + 2·m³) per m x n matrix, m <= n)"
+            if r["optimizer"] == "muon"
+            else f"not counted ({r['optimizer']}: elementwise only)",
+        ),
         ("peak memory per device", memory),
-        ("compiled step's need", f"{r['compiled_memory']['total'] / 2**20:,.1f} MiB per device (memory_analysis: "
-         f"arguments + outputs not donated + temporaries + code)"),
+        (
+            "compiled step's need",
+            f"{r['compiled_memory']['total'] / 2**20:,.1f} MiB per device (memory_analysis: "
+            f"arguments + outputs not donated + temporaries + code)",
+        ),
         ("compile", f"{r['compile_s']:.1f} s"),
         ("quantized matmuls", r["quantization_note"]),
     ]
     if "speedup_vs_unquantized" in r:
-        rows.append(("speed-up vs --quantization=none", f"{r['speedup_vs_unquantized']:.2f}x (median "
-                     f"{r['median_s'] * 1e3:,.2f} vs {r['unquantized_median_s'] * 1e3:,.2f} ms, timed after it)"))
+        rows.append(
+            (
+                "speed-up vs --quantization=none",
+                f"{r['speedup_vs_unquantized']:.2f}x (median "
+                f"{r['median_s'] * 1e3:,.2f} vs {r['unquantized_median_s'] * 1e3:,.2f} ms, timed after it)",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     table = "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
     return table + ("\n" + format_profile(r["profile"]) if "profile" in r else "")
 
 
 # ----------------------------------------------------------------------------- decode
+
 
 def bench_decode(config, options: Options, devices) -> dict:
     new_tokens = decode_tokens(options, config.block_size)  # before any work: a bad flag fails at once
@@ -357,7 +418,8 @@ def bench_decode(config, options: Options, devices) -> dict:
     # lookup of one row), plus each row's cache up to its position: keys and values of the KV heads
     # only (grouped-query attention), an int8 cache's scales included.
     weight_bytes = loader.weight_bytes(params) - (
-        loader.weight_bytes(params["wpe"]) if mc.pos_embedding == "learned" else 0)
+        loader.weight_bytes(params["wpe"]) if mc.pos_embedding == "learned" else 0
+    )
     cache_bytes_per_position = loader.kv_bytes_per_token(mc)
     rng = np.random.default_rng(0)
     P = options.prompt_len
@@ -375,8 +437,11 @@ def bench_decode(config, options: Options, devices) -> dict:
         with memory.refusing_out_of_memory(what, devices, remedies, params):
             programs = generate.first_programs(setup, params, prompts, new_tokens, temperature=0.0)
         compile_s = time.perf_counter() - start
-        check = memory.preflight(what, programs, devices, config.memory_limit_gib,
-                                 remedies) if config.memory_check else None
+        check = (
+            memory.preflight(what, programs, devices, config.memory_limit_gib, remedies)
+            if config.memory_check
+            else None
+        )
         batches.append((batch_size, prompts, compile_s, check, programs))
     runs = []
     for batch_size, prompts, compile_s, check, programs in batches:
@@ -393,31 +458,54 @@ def bench_decode(config, options: Options, devices) -> dict:
         prefill_tokens_per_s = batch_size * P / prefill_s
         # On a CPU the peak is measured, and a busy moment makes it low: the best of it, a new one and the achieved rate.
         peak = hardware.best_peak_flops(devices, peak, prefill_tokens_per_s * prefill_flops_per_token)
-        runs.append({
-            "batch_size": batch_size, "prompt_len": P, "new_tokens": new_tokens,
-            "compile_s": compile_s + first.compile_s, "prefill_s": prefill_s,
-            "prefill_tokens_per_s": prefill_tokens_per_s,
-            "prefill_mfu": prefill_tokens_per_s * prefill_flops_per_token / peak if peak else None,
-            "decode_s": decode_s, "min_s": min(decode_s), "median_s": statistics.median(decode_s),
-            "decode_tokens": out[0].decode_tokens, "step_s": step_s,
-            "tokens_per_s": out[0].decode_tokens / statistics.median(decode_s),
-            "bytes_per_step": bytes_per_step, "bandwidth": bytes_per_step / step_s,
-            "roofline_fraction": bytes_per_step / step_s / bandwidth if bandwidth else None,
-            "memory_check": check,
-        })
+        runs.append(
+            {
+                "batch_size": batch_size,
+                "prompt_len": P,
+                "new_tokens": new_tokens,
+                "compile_s": compile_s + first.compile_s,
+                "prefill_s": prefill_s,
+                "prefill_tokens_per_s": prefill_tokens_per_s,
+                "prefill_mfu": prefill_tokens_per_s * prefill_flops_per_token / peak if peak else None,
+                "decode_s": decode_s,
+                "min_s": min(decode_s),
+                "median_s": statistics.median(decode_s),
+                "decode_tokens": out[0].decode_tokens,
+                "step_s": step_s,
+                "tokens_per_s": out[0].decode_tokens / statistics.median(decode_s),
+                "bytes_per_step": bytes_per_step,
+                "bandwidth": bytes_per_step / step_s,
+                "roofline_fraction": bytes_per_step / step_s / bandwidth if bandwidth else None,
+                "memory_check": check,
+            }
+        )
         if options.profile:  # after the timed runs; the prefill's operations are in it too, divided the same way
             directory = os.path.join(options.profile, f"decode_batch{batch_size}")
             with jax.profiler.trace(directory, create_perfetto_trace=True):
                 run()
             runs[-1]["profile"] = {
-                "dir": directory, "traced": "one generate call", "per": "token step",
-                "top_operations": top_operations(newest_trace(directory), steps,
-                                                 "\n".join(program.as_text() for program in programs))}
-    return {"params": count_params(mc), "vocab_size": vocab_size, "mesh": dict(mesh.shape),
-            "weight_dtype": options.weight_dtype, "kv_cache_dtype": mc.kv_cache_dtype,
-            "kv_bytes_per_token": cache_bytes_per_position, "weight_bytes": weight_bytes, "peak_bandwidth": bandwidth,
-            "bandwidth_source": bandwidth_source, "prefill_flops_per_token": prefill_flops_per_token,
-            "peak_flops": peak, "peak_source": peak_source, "runs": runs}
+                "dir": directory,
+                "traced": "one generate call",
+                "per": "token step",
+                "top_operations": top_operations(
+                    newest_trace(directory), steps, "\n".join(program.as_text() for program in programs)
+                ),
+            }
+    return {
+        "params": count_params(mc),
+        "vocab_size": vocab_size,
+        "mesh": dict(mesh.shape),
+        "weight_dtype": options.weight_dtype,
+        "kv_cache_dtype": mc.kv_cache_dtype,
+        "kv_bytes_per_token": cache_bytes_per_position,
+        "weight_bytes": weight_bytes,
+        "peak_bandwidth": bandwidth,
+        "bandwidth_source": bandwidth_source,
+        "prefill_flops_per_token": prefill_flops_per_token,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "runs": runs,
+    }
 
 
 def decode_tokens(options: Options, block_size: int) -> int:
@@ -427,40 +515,58 @@ def decode_tokens(options: Options, block_size: int) -> int:
     new_tokens = options.new_tokens or min(128, block_size - P)
     if new_tokens < 2 or P + new_tokens > block_size:
         given = f"--prompt_len + --new_tokens = {P} + {new_tokens}" if options.new_tokens else f"--prompt_len={P}"
-        raise ValueError(f"{given} leaves no room in block_size {block_size} for 2 or more new tokens to time: "
-                         f"lower --prompt_len" + (" or --new_tokens" if options.new_tokens else ""))
+        raise ValueError(
+            f"{given} leaves no room in block_size {block_size} for 2 or more new tokens to time: "
+            f"lower --prompt_len" + (" or --new_tokens" if options.new_tokens else "")
+        )
     return new_tokens
 
 
 def format_decode(r: dict) -> str:
-    lines = [f"  weights read per token step: {r['weight_bytes'] / 2**20:,.1f} MiB ({r['weight_dtype']}), KV cache "
-             f"{r['kv_bytes_per_token']:,} bytes per position ({r['kv_cache_dtype']}); peak bandwidth "
-             + (f"{r['peak_bandwidth'] / 1e9:,.1f} GB/s ({r['bandwidth_source']})" if r["peak_bandwidth"]
-                else r["bandwidth_source"]),
-             f"  prefill: {r['prefill_flops_per_token'] / 1e6:,.1f} MFLOPs per prompt token (2N + 4·L·P·d); peak "
-             + (f"{r['peak_flops'] / 1e12:,.3f} TFLOP/s ({r['peak_source']})" if r["peak_flops"] else r["peak_source"]),
-             f"  {'batch':>5} {'prefill ms':>10} {'prefill tok/s':>13} {'MFU':>6} {'ms/token step':>14} "
-             f"{'tokens/s':>10} {'MiB/step':>9} {'GB/s':>8} {'roofline':>8} {'compile s':>9}"]
+    lines = [
+        f"  weights read per token step: {r['weight_bytes'] / 2**20:,.1f} MiB ({r['weight_dtype']}), KV cache "
+        f"{r['kv_bytes_per_token']:,} bytes per position ({r['kv_cache_dtype']}); peak bandwidth "
+        + (
+            f"{r['peak_bandwidth'] / 1e9:,.1f} GB/s ({r['bandwidth_source']})"
+            if r["peak_bandwidth"]
+            else r["bandwidth_source"]
+        ),
+        f"  prefill: {r['prefill_flops_per_token'] / 1e6:,.1f} MFLOPs per prompt token (2N + 4·L·P·d); peak "
+        + (f"{r['peak_flops'] / 1e12:,.3f} TFLOP/s ({r['peak_source']})" if r["peak_flops"] else r["peak_source"]),
+        f"  {'batch':>5} {'prefill ms':>10} {'prefill tok/s':>13} {'MFU':>6} {'ms/token step':>14} "
+        f"{'tokens/s':>10} {'MiB/step':>9} {'GB/s':>8} {'roofline':>8} {'compile s':>9}",
+    ]
     for run in r["runs"]:
         fraction = f"{run['roofline_fraction']:.1%}" if run["roofline_fraction"] is not None else "?"
         mfu = f"{run['prefill_mfu']:.1%}" if run["prefill_mfu"] is not None else "?"
-        lines.append(f"  {run['batch_size']:>5} {run['prefill_s'] * 1e3:>10.1f} {run['prefill_tokens_per_s']:>13,.0f} "
-                     f"{mfu:>6} {run['step_s'] * 1e3:>14.3f} {run['tokens_per_s']:>10,.1f} "
-                     f"{run['bytes_per_step'] / 2**20:>9.1f} {run['bandwidth'] / 1e9:>8.1f} {fraction:>8} "
-                     f"{run['compile_s']:>9.1f}")
-    lines += [f"  batch {run['batch_size']}:\n" + format_profile(run["profile"]) for run in r["runs"] if "profile" in run]
+        lines.append(
+            f"  {run['batch_size']:>5} {run['prefill_s'] * 1e3:>10.1f} {run['prefill_tokens_per_s']:>13,.0f} "
+            f"{mfu:>6} {run['step_s'] * 1e3:>14.3f} {run['tokens_per_s']:>10,.1f} "
+            f"{run['bytes_per_step'] / 2**20:>9.1f} {run['bandwidth'] / 1e9:>8.1f} {fraction:>8} "
+            f"{run['compile_s']:>9.1f}"
+        )
+    lines += [
+        f"  batch {run['batch_size']}:\n" + format_profile(run["profile"]) for run in r["runs"] if "profile" in run
+    ]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- main
 
+
 def git_revision() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (rev + ("+dirty" if dirty else "")) if rev else "unknown"
@@ -472,9 +578,11 @@ QUICKSTART = ["config/shakespeare_char.py"]
 # GPT-2 124M may fit a large host's memory, but one of its steps takes minutes there.
 DEFAULT_MODELS = {
     "cpu": [QUICKSTART],
-    "accelerator": [["config/gpt2_124m.py", "--gradient_accumulation_steps=1"],  # 16 x 1024 tokens a step
-                    ["config/gpt2_124m.py", "--batch_size=4", "--gradient_accumulation_steps=1"],
-                    QUICKSTART],
+    "accelerator": [
+        ["config/gpt2_124m.py", "--gradient_accumulation_steps=1"],  # 16 x 1024 tokens a step
+        ["config/gpt2_124m.py", "--batch_size=4", "--gradient_accumulation_steps=1"],
+        QUICKSTART,
+    ],
 }
 
 
@@ -498,13 +606,17 @@ def run(argv: list[str]) -> dict:
 
     def measure_default(model: list[str]) -> dict:
         if device.platform == "cpu":
-            print(f"bench: no config given on a CPU: benchmarking {' '.join(model)}, the quickstart's model "
-                  f"(GPT-2 124M takes minutes a step on a CPU; pass a config, e.g. config/gpt2_124m.py, to "
-                  f"benchmark it)")
+            print(
+                f"bench: no config given on a CPU: benchmarking {' '.join(model)}, the quickstart's model "
+                f"(GPT-2 124M takes minutes a step on a CPU; pass a config, e.g. config/gpt2_124m.py, to "
+                f"benchmark it)"
+            )
         else:
-            print(f"bench: no config given on {device.device_kind}: benchmarking {' '.join(model)}, the "
-                  f"largest of bench.py's default models not yet refused (a smaller one follows if it does "
-                  f"not fit; pass a config to benchmark another)")
+            print(
+                f"bench: no config given on {device.device_kind}: benchmarking {' '.join(model)}, the "
+                f"largest of bench.py's default models not yet refused (a smaller one follows if it does "
+                f"not fit; pass a config to benchmark another)"
+            )
         return measure([os.path.join(here, model[0]), *model[1:], *argv])
 
     *larger, smallest = default_models(device.platform)
@@ -521,7 +633,7 @@ def measure(argv: list[str]) -> dict:
     options, config = configurator.load_with_options_or_exit(argv, Options, complete=hf.with_model_keys)
     if options.json:
         configurator.check_writable(options.json, "json")
-    devices = jax.devices()[:options.devices or None]
+    devices = jax.devices()[: options.devices or None]
     if options.mode == "train":
         result = bench_train(config, options, devices)
     else:
@@ -529,27 +641,55 @@ def measure(argv: list[str]) -> dict:
     mc = loader.model_config(config, result["vocab_size"], devices[0].platform)
     record = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git": git_revision(), "argv": argv, "mode": options.mode, "options": dataclasses.asdict(options),
-        "jax": jax.__version__, "backend": devices[0].platform, "device_kind": devices[0].device_kind,
-        "n_devices": len(devices), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "git": git_revision(),
+        "argv": argv,
+        "mode": options.mode,
+        "options": dataclasses.asdict(options),
+        "jax": jax.__version__,
+        "backend": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "n_devices": len(devices),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "config": {k: getattr(config, k) for k in (
-            "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
-            "dtype", "remat_policy", "scan_layers", "pad_vocab_to_multiple", "dropout", "bias", "quantization")},
+        "config": {
+            k: getattr(config, k)
+            for k in (
+                "n_layer",
+                "n_head",
+                "n_embd",
+                "block_size",
+                "batch_size",
+                "gradient_accumulation_steps",
+                "dtype",
+                "remat_policy",
+                "scan_layers",
+                "pad_vocab_to_multiple",
+                "dropout",
+                "bias",
+                "quantization",
+            )
+        },
         "attention": mc.attention,
         "padded_vocab_size": mc.padded_vocab_size,
     } | result
     what = ("train step" if options.mode == "train" else "decode") + f" of {' '.join(argv) or 'defaults'}"
     print(f"bench: {what}")
     load = f", load average {record['load_average']:.2f}" if record["load_average"] is not None else ""
-    print(f"  {len(devices)} x {devices[0].device_kind} ({devices[0].platform}, jax {jax.__version__}), "
-          f"mesh {' x '.join(f'{a}={n}' for a, n in result['mesh'].items())}{load}")
-    print(f"  model {describe_params(mc)}, {config.dtype}, remat {config.remat_policy}, "
-          f"scan_layers {config.scan_layers}, vocab {mc.padded_vocab_size}; " +
-          (f"{config.gradient_accumulation_steps} x {config.batch_size} x {config.block_size} = "
-           f"{config.tokens_per_step:,} tokens/step; {options.steps} timed steps after {options.warmup} "
-           f"warm-up" if options.mode == "train" else f"prompt {options.prompt_len} + "
-           f"{result['runs'][0]['new_tokens']} new tokens per row, greedy"))
+    print(
+        f"  {len(devices)} x {devices[0].device_kind} ({devices[0].platform}, jax {jax.__version__}), "
+        f"mesh {' x '.join(f'{a}={n}' for a, n in result['mesh'].items())}{load}"
+    )
+    print(
+        f"  model {describe_params(mc)}, {config.dtype}, remat {config.remat_policy}, "
+        f"scan_layers {config.scan_layers}, vocab {mc.padded_vocab_size}; "
+        + (
+            f"{config.gradient_accumulation_steps} x {config.batch_size} x {config.block_size} = "
+            f"{config.tokens_per_step:,} tokens/step; {options.steps} timed steps after {options.warmup} "
+            f"warm-up"
+            if options.mode == "train"
+            else f"prompt {options.prompt_len} + {result['runs'][0]['new_tokens']} new tokens per row, greedy"
+        )
+    )
     print(format_train(result) if options.mode == "train" else format_decode(result))
     if options.json:
         try:

@@ -44,6 +44,7 @@ ROOFLINE_SLOTS = (1, 8, 16)
 @dataclasses.dataclass(frozen=True)
 class Options:
     """bench_serve.py's flags."""
+
     url: str = "http://127.0.0.1:8000/v1"  # the server's OpenAI base URL
     uds: str = ""  # the server's unix socket (serve.py --uds=PATH): requests go there, and --url gives only
     #                their path (/v1) and Host header; '' = connect to --url's host and port
@@ -66,11 +67,13 @@ class Options:
             if not math.isfinite(getattr(self, key)):
                 raise configurator.ConfigError(f"--{key} must be a finite number, got {getattr(self, key)}")
         if not self.url.startswith(("http://", "https://")):
-            raise configurator.ConfigError(f"--url must start with http:// or https:// "
-                                           f"(e.g. http://127.0.0.1:8000/v1), got {self.url!r}")
+            raise configurator.ConfigError(
+                f"--url must start with http:// or https:// (e.g. http://127.0.0.1:8000/v1), got {self.url!r}"
+            )
         if not all(s.strip().isdigit() and int(s) > 0 for s in self.concurrency.split(",")):
-            raise configurator.ConfigError(f"--concurrency must be positive integers separated by commas "
-                                           f"(e.g. 1,4,16), got {self.concurrency!r}")
+            raise configurator.ConfigError(
+                f"--concurrency must be positive integers separated by commas (e.g. 1,4,16), got {self.concurrency!r}"
+            )
         for key in ("requests", "max_tokens", "processes"):
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"--{key} must be >= 1, got {getattr(self, key)}")
@@ -88,6 +91,7 @@ class BenchError(Exception):
 
 # ----------------------------------------------------------------------------- statistics
 
+
 def percentile(values, q: float) -> float | None:
     """The q-th percentile (0..100), interpolated linearly as numpy's (and vLLM's); None if empty."""
     return float(np.percentile(values, q)) if len(values) else None
@@ -100,8 +104,13 @@ def request_metrics(sent: float, token_times: list[float], end: float, n_tokens:
     ttft = token_times[0] - sent if token_times else None
     # a chunk may carry several tokens: TPOT spreads the time after the first over all of them
     tpot = (latency - ttft) / (n_tokens - 1) if ttft is not None and n_tokens >= 2 else None
-    return {"latency": latency, "ttft": ttft, "tpot": tpot, "output_tokens": n_tokens,
-            "itl": [later - earlier for earlier, later in zip(token_times, token_times[1:])]}
+    return {
+        "latency": latency,
+        "ttft": ttft,
+        "tpot": tpot,
+        "output_tokens": n_tokens,
+        "itl": [later - earlier for earlier, later in zip(token_times, token_times[1:])],
+    }
 
 
 def spread_ms(seconds: list[float]) -> dict:
@@ -118,9 +127,13 @@ def summarize(metrics: list[dict], wall_seconds: float, errors: list[str] = ()) 
     tokens = sum(m["output_tokens"] for m in metrics)
     per_second = (lambda n: n / wall_seconds) if wall_seconds > 0 else (lambda n: None)
     return {
-        "ok": len(metrics), "failed": len(errors), "first_error": errors[0] if errors else None,
-        "wall_s": wall_seconds, "output_tokens": tokens,
-        "requests_per_s": per_second(len(metrics)), "output_tokens_per_s": per_second(tokens),
+        "ok": len(metrics),
+        "failed": len(errors),
+        "first_error": errors[0] if errors else None,
+        "wall_s": wall_seconds,
+        "output_tokens": tokens,
+        "requests_per_s": per_second(len(metrics)),
+        "output_tokens_per_s": per_second(tokens),
         "ttft_ms": spread_ms([m["ttft"] for m in metrics if m["ttft"] is not None]),
         "tpot_ms": spread_ms([m["tpot"] for m in metrics if m["tpot"] is not None]),
         "itl_ms": spread_ms([gap for m in metrics for gap in m["itl"]]),
@@ -142,7 +155,8 @@ def decode_roofline(health: dict, slots=ROOFLINE_SLOTS) -> list[dict] | None:
     keys = ("weight_bytes", "kv_bytes_per_token", "memory_bandwidth", "context")
     values = [health.get(k) for k in keys] if isinstance(health, dict) else []
     if len(values) != len(keys) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values):
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values
+    ):
         return None
     weight_bytes, kv_bytes_per_token, bandwidth, context = values
     rows = []
@@ -155,10 +169,11 @@ def decode_roofline(health: dict, slots=ROOFLINE_SLOTS) -> list[dict] | None:
 
 # ----------------------------------------------------------------------------- the server
 
+
 def health_url(base_url: str) -> str:
     """GET /health sits beside /v1, not under it."""
     base = base_url.rstrip("/")
-    return (base[:-len("/v1")] if base.endswith("/v1") else base) + "/health"
+    return (base[: -len("/v1")] if base.endswith("/v1") else base) + "/health"
 
 
 def server_health(http: httpx2.Client, base_url: str, timeout: float) -> dict | None:
@@ -200,8 +215,9 @@ def http_client(options: Options) -> httpx2.Client:
 
 def make_client(options: Options, http: httpx2.Client):
     # No retries: a retried request would hide its failure.
-    return openai.OpenAI(base_url=options.url, api_key="bench_serve", max_retries=0, timeout=options.timeout,
-                         http_client=http)
+    return openai.OpenAI(
+        base_url=options.url, api_key="bench_serve", max_retries=0, timeout=options.timeout, http_client=http
+    )
 
 
 def where(options: Options) -> str:
@@ -215,8 +231,10 @@ def resolve_model(client, options: Options) -> str:
     except openai.APIConnectionError as e:
         raise BenchError(f"no server at {where(options)} ({root_cause(e)})") from None
     except openai.APIStatusError as e:
-        raise BenchError(f"GET {options.url.rstrip('/')}/models answered {e.status_code}: is --url an "
-                         f"OpenAI-compatible base URL (ending in /v1)?") from None
+        raise BenchError(
+            f"GET {options.url.rstrip('/')}/models answered {e.status_code}: is --url an "
+            f"OpenAI-compatible base URL (ending in /v1)?"
+        ) from None
     except openai.OpenAIError as e:
         raise BenchError(f"GET {options.url.rstrip('/')}/models failed: {e}") from None
     if options.model:
@@ -251,8 +269,15 @@ FAILURES = (RequestFailed, httpx2.HTTPError, ValueError)  # a request that faile
 def stream_completion(http: httpx2.Client, options: Options, model: str, seed: int, max_tokens: int) -> dict:
     """One streamed completion, timed, read to its end (so its connection serves the next); raises
     RequestFailed, httpx2's error or ValueError (a chunk that is not JSON) if it fails."""
-    body = {"model": model, "prompt": options.prompt, "max_tokens": max_tokens, "temperature": options.temperature,
-            "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": options.prompt,
+        "max_tokens": max_tokens,
+        "temperature": options.temperature,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter()
     token_times, usage_tokens, done_at = [], None, None
     with http.stream("POST", options.url.rstrip("/") + "/completions", json=body, headers=AUTHORIZATION) as reply:
@@ -278,8 +303,9 @@ def stream_completion(http: httpx2.Client, options: Options, model: str, seed: i
     return request_metrics(sent, token_times, end, len(token_times) if usage_tokens is None else usage_tokens)
 
 
-def run_level(clients, options: Options, model: str, concurrency: int | None,
-              offsets: list[float] | None = None) -> dict:
+def run_level(
+    clients, options: Options, model: str, concurrency: int | None, offsets: list[float] | None = None
+) -> dict:
     """options.requests requests, at most `concurrency` in flight (None: no bound), each sent at
     once or, given offsets, at its offset in seconds from the level's start. clients: an httpx
     client, or a pool of client processes (--processes) that share the requests and the concurrency."""
@@ -292,18 +318,35 @@ def run_level(clients, options: Options, model: str, concurrency: int | None,
         turns = [p for r in range(share[0] or 1) for p in range(n) if (share[p] or 1) > r]  # share[0] is the most
         indices = [[i for i in range(options.requests) if turns[i % len(turns)] == p] for p in range(n)]
         start_at = time.perf_counter() + 0.1  # every process's clock: perf_counter is the system's monotonic clock
-        shares = [clients.submit(_send_share, model, indices[p], share[p],
-                                 None if offsets is None else [offsets[i] for i in indices[p]], start_at)
-                  for p in range(n) if indices[p]]
+        shares = [
+            clients.submit(
+                _send_share,
+                model,
+                indices[p],
+                share[p],
+                None if offsets is None else [offsets[i] for i in indices[p]],
+                start_at,
+            )
+            for p in range(n)
+            if indices[p]
+        ]
         results = [s.result() for s in shares]
         outcomes = [o for share_outcomes, _, _ in results for o in share_outcomes]
         start, end = start_at, max(r[2] for r in results)
-    return summarize([o for o in outcomes if isinstance(o, dict)], end - start,
-                     [o for o in outcomes if isinstance(o, str)])
+    return summarize(
+        [o for o in outcomes if isinstance(o, dict)], end - start, [o for o in outcomes if isinstance(o, str)]
+    )
 
 
-def send(http: httpx2.Client, options: Options, model: str, indices: list[int], concurrency: int | None,
-         offsets: list[float] | None, start_at: float | None = None) -> tuple[list, float, float]:
+def send(
+    http: httpx2.Client,
+    options: Options,
+    model: str,
+    indices: list[int],
+    concurrency: int | None,
+    offsets: list[float] | None,
+    start_at: float | None = None,
+) -> tuple[list, float, float]:
     """Requests number `indices` (their seeds), at most `concurrency` in flight, each at once or at its
     offset from start_at (default now); returns (each one's metrics or error, start, end)."""
 
@@ -342,8 +385,9 @@ def _wait_for_every_process(_) -> None:
     _process["everyone"].wait(_process["options"].timeout)
 
 
-def _send_share(model: str, indices: list[int], concurrency: int | None, offsets: list[float] | None,
-                start_at: float) -> tuple[list, float, float]:
+def _send_share(
+    model: str, indices: list[int], concurrency: int | None, offsets: list[float] | None, start_at: float
+) -> tuple[list, float, float]:
     return send(_process["http"], _process["options"], model, indices, concurrency, offsets, start_at)
 
 
@@ -352,14 +396,16 @@ def client_processes(options: Options, model: str) -> ProcessPoolExecutor:
     this process's threads' locks), every one started and connected before any level is timed."""
     spawn = multiprocessing.get_context("spawn")
     everyone = spawn.Barrier(options.processes)
-    pool = ProcessPoolExecutor(options.processes, mp_context=spawn, initializer=_start_client_process,
-                               initargs=(options, model, everyone))
+    pool = ProcessPoolExecutor(
+        options.processes, mp_context=spawn, initializer=_start_client_process, initargs=(options, model, everyone)
+    )
     # each of these waits for all the others, so every process runs one (the pool starts them as needed)
     list(pool.map(_wait_for_every_process, range(options.processes)))
     return pool
 
 
 # ----------------------------------------------------------------------------- output
+
 
 def level_name(level: dict) -> str:
     return f"c={level['concurrency']}" if level["concurrency"] else f"rate={level['rate']:g}/s"
@@ -372,26 +418,35 @@ def format_table(levels: list[dict]) -> str:
     def number(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    lines = [f"  {'level':>11} {'ok/failed':>9} {'req/s':>7} {'out tok/s':>9} {'TTFT p50/p99 ms':>17} "
-             f"{'TPOT p50/p99 ms':>17} {'ITL p50/p99 ms':>17}"]
+    lines = [
+        f"  {'level':>11} {'ok/failed':>9} {'req/s':>7} {'out tok/s':>9} {'TTFT p50/p99 ms':>17} "
+        f"{'TPOT p50/p99 ms':>17} {'ITL p50/p99 ms':>17}"
+    ]
     for r in levels:
         ok_failed = f"{r['ok']}/{r['failed']}"
-        lines.append(f"  {level_name(r):>11} {ok_failed:>9} {number(r['requests_per_s'], '.2f'):>7} "
-                     f"{number(r['output_tokens_per_s'], ',.1f'):>9} {pair(r['ttft_ms']):>17} "
-                     f"{pair(r['tpot_ms']):>17} {pair(r['itl_ms']):>17}")
-    lines += [f"  {level_name(r)}: {r['failed']} failed, the first with {r['first_error']}"
-              for r in levels if r["failed"]]
+        lines.append(
+            f"  {level_name(r):>11} {ok_failed:>9} {number(r['requests_per_s'], '.2f'):>7} "
+            f"{number(r['output_tokens_per_s'], ',.1f'):>9} {pair(r['ttft_ms']):>17} "
+            f"{pair(r['tpot_ms']):>17} {pair(r['itl_ms']):>17}"
+        )
+    lines += [
+        f"  {level_name(r)}: {r['failed']} failed, the first with {r['first_error']}" for r in levels if r["failed"]
+    ]
     return "\n".join(lines)
 
 
 def format_roofline(health: dict, rows: list[dict]) -> str:
-    lines = [f"  decode roofline from GET /health: weights {health['weight_bytes'] / 2**20:,.1f} MiB, "
-             f"KV cache {health['kv_bytes_per_token']:,.0f} bytes/token x context {health['context']:,.0f}, "
-             f"bandwidth {health['memory_bandwidth'] / 1e9:,.1f} GB/s; every slot's cache full, "
-             f"the most a step reads",
-             f"  {'slots':>11} {'MiB/step':>9} {'ms/step':>9} {'tokens/s':>10}"]
-    lines += [f"  {r['slots']:>11} {r['bytes_per_step'] / 2**20:>9,.1f} {r['step_s'] * 1e3:>9.3f} "
-              f"{r['tokens_per_s']:>10,.1f}" for r in rows]
+    lines = [
+        f"  decode roofline from GET /health: weights {health['weight_bytes'] / 2**20:,.1f} MiB, "
+        f"KV cache {health['kv_bytes_per_token']:,.0f} bytes/token x context {health['context']:,.0f}, "
+        f"bandwidth {health['memory_bandwidth'] / 1e9:,.1f} GB/s; every slot's cache full, "
+        f"the most a step reads",
+        f"  {'slots':>11} {'MiB/step':>9} {'ms/step':>9} {'tokens/s':>10}",
+    ]
+    lines += [
+        f"  {r['slots']:>11} {r['bytes_per_step'] / 2**20:>9,.1f} {r['step_s'] * 1e3:>9.3f} {r['tokens_per_s']:>10,.1f}"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -399,8 +454,10 @@ def check_writable(path: str) -> None:
     """Before the run, so that a long run is not lost to a typo in --json."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise BenchError(f"cannot write --json={path}: " + ("it is a directory" if os.path.isdir(path) else
-                         f"{folder} is not a writable directory"))
+        raise BenchError(
+            f"cannot write --json={path}: "
+            + ("it is a directory" if os.path.isdir(path) else f"{folder} is not a writable directory")
+        )
 
 
 def write_json(path: str, record: dict) -> None:
@@ -416,6 +473,7 @@ def write_json(path: str, record: dict) -> None:
 
 # ----------------------------------------------------------------------------- main
 
+
 def run(argv: list[str]) -> dict:
     """Parse flags, find the server and model, run each level, print the table, write the JSON."""
     options = configurator.load_config_or_exit(argv, Options)
@@ -430,9 +488,11 @@ def run(argv: list[str]) -> dict:
         stream_completion(http, options, model, options.seed, min(2, options.max_tokens))
     except FAILURES as e:
         raise BenchError(f"the first request failed: {type(e).__name__}: {e}") from None
-    print(f"bench_serve: {model} at {where(options)}; {options.requests} requests per level, prompt "
-          f"{options.prompt!r}, max_tokens {options.max_tokens}, temperature {options.temperature:g}"
-          + (f", {options.processes} client processes" if options.processes > 1 else ""))
+    print(
+        f"bench_serve: {model} at {where(options)}; {options.requests} requests per level, prompt "
+        f"{options.prompt!r}, max_tokens {options.max_tokens}, temperature {options.temperature:g}"
+        + (f", {options.processes} client processes" if options.processes > 1 else "")
+    )
     if roofline:
         print(format_roofline(health, roofline))
     levels = []
@@ -442,12 +502,19 @@ def run(argv: list[str]) -> dict:
             levels.append({"concurrency": concurrency, "rate": None} | run_level(clients, options, model, concurrency))
         if options.rate > 0:
             offsets = poisson_offsets(options.requests, options.rate, options.seed)
-            levels.append({"concurrency": None, "rate": options.rate} | run_level(clients, options, model, None,
-                                                                                  offsets))
+            levels.append(
+                {"concurrency": None, "rate": options.rate} | run_level(clients, options, model, None, offsets)
+            )
     print(format_table(levels))
-    record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "argv": argv, "options": dataclasses.asdict(options), "model": model,
-              "health": health, "roofline": roofline, "levels": levels}
+    record = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": argv,
+        "options": dataclasses.asdict(options),
+        "model": model,
+        "health": health,
+        "roofline": roofline,
+        "levels": levels,
+    }
     if options.json:
         write_json(options.json, record)
         print(f"  written to {options.json}")

@@ -42,6 +42,7 @@ from weights import hf
 @dataclasses.dataclass(frozen=True)
 class Options:
     """compile_aot.py's own flags; every other flag is a train.py config key."""
+
     topology: str = ""  # cpu:8 | gpu | gpu:2 | v5e-256 | v5e:16x16 | v4-8 | v5p-128 | v6e-64 ...
     topology_num_slices: int = 1  # TPU slices joined by the data-center network
     save: str = ""  # write the compiled step here, for train.py --compiled_train_step
@@ -65,6 +66,7 @@ class Options:
 
 # ----------------------------------------------------------------------------- targets
 
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     name: str  # as the user wrote it, and what it resolved to
@@ -78,17 +80,21 @@ def tpu_topology_name(name: str) -> str:
     """'v5e-256' -> 'v5e:16x16', 'v4-8' -> 'v4:2x2x1' (4 chips of 2 cores); 'v5e:4x4' as is."""
     generation, sep, size = name.partition(":") if ":" in name else name.partition("-")
     if generation not in hardware.TPU_GENERATIONS:
-        raise AotError(f"unknown topology '{name}': use cpu:N, gpu, gpu:N, or a TPU slice of "
-                       f"{', '.join(hardware.TPU_GENERATIONS)}, e.g. v5e-256 or v5e:16x16")
+        raise AotError(
+            f"unknown topology '{name}': use cpu:N, gpu, gpu:N, or a TPU slice of "
+            f"{', '.join(hardware.TPU_GENERATIONS)}, e.g. v5e-256 or v5e:16x16"
+        )
     chip = hardware.TPU_GENERATIONS[generation]
     dims, cores_per_chip = chip.torus_dims, chip.cores_per_chip
     if sep == ":":
         return name
     chips = int(size) // cores_per_chip if size.isdigit() else 0
     if chips < 1 or chips & (chips - 1) or (dims == 3 and chips < 4):
-        raise AotError(f"topology '{name}': the size must be a power of two, at least "
-                       f"{4 * cores_per_chip if dims == 3 else 1} (e.g. {generation}-64), "
-                       f"or write the shape (e.g. {generation}:{'x'.join(['4'] * dims)})")
+        raise AotError(
+            f"topology '{name}': the size must be a power of two, at least "
+            f"{4 * cores_per_chip if dims == 3 else 1} (e.g. {generation}-64), "
+            f"or write the shape (e.g. {generation}:{'x'.join(['4'] * dims)})"
+        )
     shape = [1] * dims
     for i in range(chips.bit_length() - 1):  # double the sides in turn: 2x2x1, 2x2x2, 2x2x4, ...
         shape[i % dims] *= 2
@@ -101,9 +107,11 @@ def host_topology(topology: str) -> tuple[str, int | None]:
     if kind not in ("cpu", "gpu"):
         return topology, None
     if sep and not (count.isascii() and count.isdigit() and int(count) >= 1):
-        raise AotError(f"topology '{topology}': the count after '{kind}:' must be a whole number >= 1; "
-                       f"use cpu:N (N simulated CPU devices), gpu (this machine's GPUs) or gpu:N "
-                       f"(N mock GPU hosts), e.g. cpu:8")
+        raise AotError(
+            f"topology '{topology}': the count after '{kind}:' must be a whole number >= 1; "
+            f"use cpu:N (N simulated CPU devices), gpu (this machine's GPUs) or gpu:N "
+            f"(N mock GPU hosts), e.g. cpu:8"
+        )
     return kind, int(count) if sep else None
 
 
@@ -122,8 +130,11 @@ def configure_jax(topology: str) -> None:
         if "JAX_PLATFORMS" not in os.environ:
             jax.config.update("jax_platforms", "cpu")
         # Describe this host as a one-host TPU machine, so libtpu doesn't probe for a real one.
-        for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                           ("TPU_HOST_BOUNDS", "1,1,1")):
+        for key, value in (
+            ("TPU_SKIP_MDS_QUERY", "1"),
+            ("TPU_WORKER_HOSTNAMES", "localhost"),
+            ("TPU_HOST_BOUNDS", "1,1,1"),
+        ):
             os.environ.setdefault(key, value)
 
 
@@ -137,8 +148,11 @@ def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Tar
             devices = []
         wanted = count if kind == "cpu" and count else max(1, len(devices))
         if len(devices) < wanted or num_slices != 1:
-            raise AotError(f"--topology={topology}: this process has {len(devices)} {kind} devices"
-                           if num_slices == 1 else "--topology_num_slices is for TPU slices")
+            raise AotError(
+                f"--topology={topology}: this process has {len(devices)} {kind} devices"
+                if num_slices == 1
+                else "--topology_num_slices is for TPU slices"
+            )
         devices = devices[:wanted]
         hbm = devices[0].memory_stats().get("bytes_limit") if kind == "gpu" else None
         peak, source = hardware.peak_flops(devices)
@@ -146,14 +160,18 @@ def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Tar
     else:
         topology_name = tpu_topology_name(topology)
         if importlib.util.find_spec("libtpu") is None:
-            raise AotError(f'--topology={topology} needs libtpu to describe TPU devices: pip install '
-                           f'"jax[tpu]=={jax.__version__}" (docs/compile_aot.md)')
+            raise AotError(
+                f"--topology={topology} needs libtpu to describe TPU devices: pip install "
+                f'"jax[tpu]=={jax.__version__}" (docs/compile_aot.md)'
+            )
         from jax.experimental import topologies
+
         chip = hardware.TPU_GENERATIONS[topology_name.partition(":")[0]]
         hbm, chip_flops = chip.hbm_bytes, chip.bf16_flops
         extra = {"chip_config_name": "megacore"} if topology_name.startswith("v4") else {}
-        devices = topologies.get_topology_desc(platform="tpu", topology_name=topology_name,
-                                               num_slices=num_slices, **extra).devices
+        devices = topologies.get_topology_desc(
+            platform="tpu", topology_name=topology_name, num_slices=num_slices, **extra
+        ).devices
         peak = chip_flops * len(devices)
         source = f"{len(devices)} x {chip_flops / 1e12:.0f} TFLOP/s bf16"
         slices = f" x {num_slices} slices" if num_slices > 1 else ""
@@ -163,13 +181,16 @@ def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Tar
 
 # ----------------------------------------------------------------------------- compile
 
+
 def compile_step(config: configurator.Config, target: Target, vocab_size: int) -> "Result":
     """Lower and compile train.py's step for the target; running out of memory is a result too."""
     n_slices = len({getattr(d, "slice_index", 0) or 0 for d in target.devices})
     dcn = [getattr(config, f"dcn_{axis}") for axis in sharding.MESH_AXES]
     if n_slices > 1 and math.prod(dcn) != n_slices:
-        raise AotError(f"the topology has {n_slices} slices: set dcn_stage x dcn_data x dcn_expert x dcn_fsdp x "
-                       f"dcn_tensor to {n_slices} (e.g. --dcn_data={n_slices})")
+        raise AotError(
+            f"the topology has {n_slices} slices: set dcn_stage x dcn_data x dcn_expert x dcn_fsdp x "
+            f"dcn_tensor to {n_slices} (e.g. --dcn_data={n_slices})"
+        )
     mesh = train.make_mesh(config, target.devices)
     setup = train.make_setup(config, mesh, vocab_size, dataset.config_document_start(config))
     estimate = estimate_memory(setup)
@@ -182,13 +203,27 @@ def compile_step(config: configurator.Config, target: Target, vocab_size: int) -
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         compiled, oom = None, str(e).strip()
-        arguments = (estimate["parameters"] + estimate[state_terms(config)[0]] + estimate["batch"]
-                     - estimate["in host memory (offload)"])
+        arguments = (
+            estimate["parameters"]
+            + estimate[state_terms(config)[0]]
+            + estimate["batch"]
+            - estimate["in host memory (offload)"]
+        )
         memory = oom_memory(oom, arguments)
     seconds = time.perf_counter() - start
-    return Result(target, setup, lowered, compiled, seconds, memory, oom, estimate,
-                  flops_per_step(setup), xla_flops_per_step(setup),
-                  collectives(compiled.as_text()) if compiled else {})
+    return Result(
+        target,
+        setup,
+        lowered,
+        compiled,
+        seconds,
+        memory,
+        oom,
+        estimate,
+        flops_per_step(setup),
+        xla_flops_per_step(setup),
+        collectives(compiled.as_text()) if compiled else {},
+    )
 
 
 def oom_memory(message: str, arguments: int) -> dict:
@@ -205,10 +240,10 @@ def oom_memory(message: str, arguments: int) -> dict:
 
 # ----------------------------------------------------------------------------- the estimate
 
+
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs (shape / shards x itemsize)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-               for x in jax.tree.leaves(tree))
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def activation_bytes(policy: str, D, N, T, t, s, qkv, mlp, mlp_in) -> float:
@@ -222,11 +257,12 @@ def activation_bytes(policy: str, D, N, T, t, s, qkv, mlp, mlp_in) -> float:
     GPT-2 124M: within ~20% for every policy, in bfloat16 and float32.
     """
     scores = N * T / t * 4
-    return {"none": (6 * D + (qkv + D + mlp) / t) * s + 3 * scores,  # everything
-            "dots_saveable": (3 * D + (qkv + D + mlp_in) / t) * s + 2 * scores,  # matmul outputs
-            "dots_with_no_batch_dims_saveable": (3 * D + (qkv + mlp_in) / t) * s,  # weight matmuls
-            "full": D * s,  # the layer's input only
-            }[policy]
+    return {
+        "none": (6 * D + (qkv + D + mlp) / t) * s + 3 * scores,  # everything
+        "dots_saveable": (3 * D + (qkv + D + mlp_in) / t) * s + 2 * scores,  # matmul outputs
+        "dots_with_no_batch_dims_saveable": (3 * D + (qkv + mlp_in) / t) * s,  # weight matmuls
+        "full": D * s,  # the layer's input only
+    }[policy]
 
 
 def state_terms(config: configurator.Config) -> tuple[str, str]:
@@ -244,9 +280,16 @@ def estimate_memory(setup: train.Setup) -> dict:
     tokens = c.batch_size // (mesh["data"] * mesh["fsdp"]) * c.block_size // mesh["context"]
     kv_heads, swiglu, F = m.kv_heads, m.mlp == "swiglu", m.mlp_hidden_size
     keys_seen = c.block_size // (mesh["context"] if c.context_attention == "ring" else 1)  # at a time
-    widths = dict(D=c.n_embd, N=c.n_head, T=keys_seen, t=mesh["tensor"],
-                  s=jnp.dtype(c.dtype).itemsize, qkv=(c.n_head + 2 * kv_heads) * (c.n_embd // c.n_head),
-                  mlp=(3 if swiglu else 2) * F, mlp_in=(2 if swiglu else 1) * F)
+    widths = dict(
+        D=c.n_embd,
+        N=c.n_head,
+        T=keys_seen,
+        t=mesh["tensor"],
+        s=jnp.dtype(c.dtype).itemsize,
+        qkv=(c.n_head + 2 * kv_heads) * (c.n_embd // c.n_head),
+        mlp=(3 if swiglu else 2) * F,
+        mlp_in=(2 if swiglu else 1) * F,
+    )
     params = per_device_bytes(setup.abstract_state["params"])  # 4 B per parameter / its shards
     logits = 2 * tokens * m.padded_vocab_size / mesh["tensor"] * 4  # float32, + their gradient
     rerun = activation_bytes("none", **widths) * tokens if c.remat_policy != "none" else 0
@@ -274,14 +317,17 @@ def bubble(setup: train.Setup) -> float:
     c, stages = setup.config, setup.mesh.shape["stage"]
     if stages == 1:
         return 0.0
-    return pipeline.bubble_fraction(stages, c.pipeline_microbatches, pipeline.repeats(c.n_layer, stages, c.layers_per_stage))
+    return pipeline.bubble_fraction(
+        stages, c.pipeline_microbatches, pipeline.repeats(c.n_layer, stages, c.layers_per_stage)
+    )
 
 
 def estimated_temporaries(e: dict, config: configurator.Config) -> int:
     """The backward pass and the optimizer update (with one gradient tree, the size of the
     parameters) come one after the other: the larger counts."""
-    return max(e["gradients"] + e["activations"] + e["logits or a re-run layer"],
-               e["parameters"] + e[state_terms(config)[1]])
+    return max(
+        e["gradients"] + e["activations"] + e["logits or a re-run layer"], e["parameters"] + e[state_terms(config)[1]]
+    )
 
 
 def flops_per_step(setup: train.Setup) -> float:
@@ -364,6 +410,7 @@ def _result_bytes(hlo_type: str) -> int:
 
 # ----------------------------------------------------------------------------- the report
 
+
 @dataclasses.dataclass
 class Result:
     target: Target
@@ -399,61 +446,78 @@ def report(r: Result) -> str:
         f"model {describe_params(setup.model_config)}, {c.dtype}, remat {c.remat_policy}; "
         f"{c.batch_size} x {c.block_size} tokens x {c.gradient_accumulation_steps} micro-steps = "
         f"{c.tokens_per_step:,} tokens per step",
-        f"{'compiled' if r.compiled else 'XLA ran out of memory'} in {r.seconds:.1f} s", "",
-        f"{'memory per device':<40}{'compiler':>12}{'estimate':>12}"]
+        f"{'compiled' if r.compiled else 'XLA ran out of memory'} in {r.seconds:.1f} s",
+        "",
+        f"{'memory per device':<40}{'compiler':>12}{'estimate':>12}",
+    ]
     state = e["parameters"] + e[state_terms(c)[0]] + e["batch"] - e["in host memory (offload)"]
-    rows = [("arguments: train state + batch", m.get("arguments"), state),
-            ("outputs not donated to the arguments", m.get("outputs"), 0),
-            ("temporaries: gradients, activations", m.get("temporaries"), estimated_temporaries(e, c)),
-            ("generated code", m.get("code"), None),
-            ("total", m.get("total"), state + estimated_temporaries(e, c))]
+    rows = [
+        ("arguments: train state + batch", m.get("arguments"), state),
+        ("outputs not donated to the arguments", m.get("outputs"), 0),
+        ("temporaries: gradients, activations", m.get("temporaries"), estimated_temporaries(e, c)),
+        ("generated code", m.get("code"), None),
+        ("total", m.get("total"), state + estimated_temporaries(e, c)),
+    ]
     if "peak" in m:
         rows.append(("peak (XLA's simulation of the buffers)", m["peak"], None))
     if c.offload != "none":
         rows.append(("host memory (offload)", m.get("host"), e["in host memory (offload)"]))
     lines += [f"  {label:<38}{size(got):>12}{size(est):>12}" for label, got, est in rows]
-    lines.append("  estimate by term, largest first: " + ", ".join(
-        f"{k} {size(v)}" for k, v in sorted(e.items(), key=lambda kv: -kv[1]) if v))
+    lines.append(
+        "  estimate by term, largest first: "
+        + ", ".join(f"{k} {size(v)}" for k, v in sorted(e.items(), key=lambda kv: -kv[1]) if v)
+    )
     stages, idle = setup.mesh.shape["stage"], bubble(setup)
     if stages > 1:
         R = pipeline.repeats(c.n_layer, stages, c.layers_per_stage)
         schedule = "GPipe" if R == 1 else f"circular: {R} rounds of {c.n_layer // (stages * R)} layers per stage"
-        lines.append(f"pipeline: {stages} stages x {c.pipeline_microbatches} micro-batches ({schedule}); "
-                     f"bubble {idle:.1%} of each stage's time; memory per device is one stage's")
+        lines.append(
+            f"pipeline: {stages} stages x {c.pipeline_microbatches} micro-batches ({schedule}); "
+            f"bubble {idle:.1%} of each stage's time; memory per device is one stage's"
+        )
     hbm = r.target.hbm_bytes
     if r.oom:
         lines.append(f"verdict: DOES NOT FIT in {size(hbm)} per device; XLA: {r.oom.splitlines()[0]}")
     elif hbm is None:
-        lines.append(f"verdict: no memory limit known for {r.target.devices[0].device_kind} "
-                     f"(pass --hbm_gib=16 to check against one)")
+        lines.append(
+            f"verdict: no memory limit known for {r.target.devices[0].device_kind} "
+            f"(pass --hbm_gib=16 to check against one)"
+        )
     elif r.fits:
-        lines.append(f"verdict: fits, {size(r.needed)} of {size(hbm)} per device "
-                     f"({size(hbm - r.needed)} to spare)")
+        lines.append(f"verdict: fits, {size(r.needed)} of {size(hbm)} per device ({size(hbm - r.needed)} to spare)")
     else:
-        lines.append(f"verdict: DOES NOT FIT, needs {size(r.needed)} of {size(hbm)} per device "
-                     f"({size(r.needed - hbm)} over)")
+        lines.append(
+            f"verdict: DOES NOT FIT, needs {size(r.needed)} of {size(hbm)} per device ({size(r.needed - hbm)} over)"
+        )
     if r.fits is False:
         lines += ["to fit, try:"] + [f"  {s}" for s in suggestions(r)]
     A = c.gradient_accumulation_steps
-    lines += ["", "compute per step, all devices",
-              f"  analytic (6N + 12·L·T·d per token)   {r.flops:.3e} FLOP"]
+    lines += ["", "compute per step, all devices", f"  analytic (6N + 12·L·T·d per token)   {r.flops:.3e} FLOP"]
     if r.xla_flops:
-        lines.append(f"  XLA cost analysis                    {r.xla_flops:.3e} FLOP "
-                     f"({r.xla_flops / r.flops:.2f}x; layers unrolled, x{A} micro-steps, remat "
-                     f"recompute and non-matmul work included)")
+        lines.append(
+            f"  XLA cost analysis                    {r.xla_flops:.3e} FLOP "
+            f"({r.xla_flops / r.flops:.2f}x; layers unrolled, x{A} micro-steps, remat "
+            f"recompute and non-matmul work included)"
+        )
     if r.target.peak_flops:
         seconds = r.flops / r.target.peak_flops / (1 - idle)  # idle pipeline stages add time, not FLOPs
         with_bubble = " with the pipeline's bubble" if idle else ""
-        lines.append(f"  at 100% MFU{with_bubble} ({r.target.peak_source}): {seconds * 1e3:,.1f} ms per step, "
-                     f"{c.tokens_per_step / seconds:,.0f} tokens/s; at 40% MFU "
-                     f"{seconds / 0.4 * 1e3:,.1f} ms")
+        lines.append(
+            f"  at 100% MFU{with_bubble} ({r.target.peak_source}): {seconds * 1e3:,.1f} ms per step, "
+            f"{c.tokens_per_step / seconds:,.0f} tokens/s; at 40% MFU "
+            f"{seconds / 0.4 * 1e3:,.1f} ms"
+        )
     else:
         lines.append(f"  peak FLOP/s: {r.target.peak_source}")
     if r.compiled:
         moved = ", ".join(f"{kind} {size(nbytes)} x{count}" for kind, (nbytes, count) in r.collectives.items())
         lines.append(f"collectives per device per step (results, loops counted): {moved or 'none'}")
-        lines += communication.table(r.collectives, communication.expected(r.setup), r.target.devices[0],
-                                     r.flops / r.target.peak_flops if r.target.peak_flops else None)
+        lines += communication.table(
+            r.collectives,
+            communication.expected(r.setup),
+            r.target.devices[0],
+            r.flops / r.target.peak_flops if r.target.peak_flops else None,
+        )
     return "\n".join(lines)
 
 
@@ -464,37 +528,51 @@ def suggestions(r: Result) -> list[str]:
     state = e["parameters"] + e[state_terms(c)[0]]
     tips = []
     if rows > 1:
-        tips.append((e["activations"] + e["logits or a re-run layer"],
-                     f"a smaller batch per device ({rows} rows now), same tokens per step: "
-                     f"--batch_size={c.batch_size // 2} "
-                     f"--gradient_accumulation_steps={2 * c.gradient_accumulation_steps}"))
+        tips.append(
+            (
+                e["activations"] + e["logits or a re-run layer"],
+                f"a smaller batch per device ({rows} rows now), same tokens per step: "
+                f"--batch_size={c.batch_size // 2} "
+                f"--gradient_accumulation_steps={2 * c.gradient_accumulation_steps}",
+            )
+        )
     if rows == 1 and mesh["fsdp"] % 2 == 0 and c.block_size % (4 * mesh["context"]) == 0:
-        tips.append((e["activations"] + e["logits or a re-run layer"],
-                     f"split each row's tokens over twice as many devices, same tokens per step: "
-                     f"--mesh_context={2 * mesh['context']} --mesh_fsdp={mesh['fsdp'] // 2} "
-                     f"--batch_size={c.batch_size // 2} "
-                     f"--gradient_accumulation_steps={2 * c.gradient_accumulation_steps}"))
+        tips.append(
+            (
+                e["activations"] + e["logits or a re-run layer"],
+                f"split each row's tokens over twice as many devices, same tokens per step: "
+                f"--mesh_context={2 * mesh['context']} --mesh_fsdp={mesh['fsdp'] // 2} "
+                f"--batch_size={c.batch_size // 2} "
+                f"--gradient_accumulation_steps={2 * c.gradient_accumulation_steps}",
+            )
+        )
     if c.remat_policy != "full":
         lighter = "dots_with_no_batch_dims_saveable"
         lighter = "full" if c.remat_policy == lighter else lighter
-        tips.append((e["activations"], f"recompute more in the backward pass: "
-                                       f"--remat_policy={lighter}"))
+        tips.append((e["activations"], f"recompute more in the backward pass: --remat_policy={lighter}"))
     if mesh["data"] > 1:
-        tips.append((state + e["gradients"] + e[state_terms(c)[1]],
-                     f"shard parameters, gradients and optimizer state over all "
-                     f"{mesh['data'] * mesh['fsdp']} devices (now {size(state)} per device): "
-                     f"--mesh_data=1 --mesh_fsdp=-1"))
+        tips.append(
+            (
+                state + e["gradients"] + e[state_terms(c)[1]],
+                f"shard parameters, gradients and optimizer state over all "
+                f"{mesh['data'] * mesh['fsdp']} devices (now {size(state)} per device): "
+                f"--mesh_data=1 --mesh_fsdp=-1",
+            )
+        )
     tips.append((0, "more chips: a bigger topology"))
     return [tip for _, tip in sorted(tips, key=lambda t: -t[0])]
 
 
 # ----------------------------------------------------------------------------- command line
 
+
 def aot_vocab_size(config: configurator.Config) -> int:
     if config.vocab_size or os.path.exists(os.path.join(dataset.dataset_dir(config), "meta.json")):
         return dataset.read_vocab_size(config)
-    print(f"note: {dataset.dataset_dir(config)}/meta.json not found; compiling for GPT-2's "
-          f"vocab_size 50257 (set --vocab_size to choose)")
+    print(
+        f"note: {dataset.dataset_dir(config)}/meta.json not found; compiling for GPT-2's "
+        f"vocab_size 50257 (set --vocab_size to choose)"
+    )
     return 50257
 
 
@@ -509,9 +587,18 @@ def main(argv: list[str]) -> None:
         target = make_target(options.topology, options.topology_num_slices, options.hbm_gib)
         vocab_size = aot_vocab_size(config)
         if options.serve:
-            served = serve_plan.compile_serving(config, target, vocab_size, options.slots, options.context,
-                                                   options.weight_dtype, options.kv_cache_dtype, options.chip,
-                                                   options.hbm_gib, options.decode_attention)
+            served = serve_plan.compile_serving(
+                config,
+                target,
+                vocab_size,
+                options.slots,
+                options.context,
+                options.weight_dtype,
+                options.kv_cache_dtype,
+                options.chip,
+                options.hbm_gib,
+                options.decode_attention,
+            )
             print(serve_plan.serve_report(served))
             sys.exit(1 if served.fits is False else 0)
         result = compile_step(config, target, vocab_size)
@@ -523,8 +610,10 @@ def main(argv: list[str]) -> None:
             compiled_step.save(result.compiled, result.lowered, result.setup, options.save)
         except AotError as e:
             sys.exit(f"error: {e}")
-        print(f"\nsaved {options.save} ({size(os.path.getsize(options.save))}); train with it: "
-              f"python train.py <same config and flags> --compiled_train_step={options.save}")
+        print(
+            f"\nsaved {options.save} ({size(os.path.getsize(options.save))}); train with it: "
+            f"python train.py <same config and flags> --compiled_train_step={options.save}"
+        )
     elif options.save:
         print("\nnot saved: nothing was compiled")
     if result.fits is False:

@@ -196,109 +196,163 @@ class Config:
     def _check_model(self) -> None:
         """What the weights compute, and the compute keys that say how."""
         self._at_least(1, ("n_layer", "n_head", "n_embd", "block_size", "pad_vocab_to_multiple", "loss_chunks"))
-        self._at_least(0, ("vocab_size", "n_experts", "n_shared_experts", "moe_hidden", "moe_dense_layers",
-                           "capacity_factor"))
+        self._at_least(
+            0, ("vocab_size", "n_experts", "n_shared_experts", "moe_hidden", "moe_dense_layers", "capacity_factor")
+        )
         check_choice("dtype", self.dtype, ("float32", "bfloat16"))
         check_choice("remat_policy", self.remat_policy, REMAT_POLICIES)
         check_choice("attention", self.attention, ("auto", "xla", "einsum", "cudnn", "splash"))
         check_choice("quantization", self.quantization, ("none", "int8", "fp8"))
         if self.block_size % self.loss_chunks:
-            raise ConfigError(f"loss_chunks={self.loss_chunks} must divide block_size={self.block_size} (each slice "
-                              f"takes every loss_chunks-th token of every row): use a divisor of it, e.g. 8")
+            raise ConfigError(
+                f"loss_chunks={self.loss_chunks} must divide block_size={self.block_size} (each slice "
+                f"takes every loss_chunks-th token of every row): use a divisor of it, e.g. 8"
+            )
         if self.attention == "cudnn" and self.dtype != "bfloat16":
-            raise ConfigError(f"attention='cudnn' needs dtype='bfloat16' (cuDNN's flash attention has no "
-                              f"float32 kernel); got dtype={self.dtype!r}. Use attention='auto' or 'xla'")
+            raise ConfigError(
+                f"attention='cudnn' needs dtype='bfloat16' (cuDNN's flash attention has no "
+                f"float32 kernel); got dtype={self.dtype!r}. Use attention='auto' or 'xla'"
+            )
         check_choice("pos_embedding", self.pos_embedding, ("learned", "rope"))
         check_choice("norm", self.norm, ("layernorm", "rmsnorm"))
         check_choice("mlp", self.mlp, ("gelu", "swiglu", "relu2"))
         if self.n_experts > 0:
             self._check_experts()
         if self.logit_softcap < 0:
-            raise ConfigError(f"logit_softcap must be >= 0 (0 = off; modded-nanogpt uses 30 or 15), "
-                              f"got {self.logit_softcap}")
+            raise ConfigError(
+                f"logit_softcap must be >= 0 (0 = off; modded-nanogpt uses 30 or 15), got {self.logit_softcap}"
+            )
         check_choice("rope_scaling", self.rope_scaling, ("none", "llama3"))
         if self.rope_scaling != "none" and not (
-                0 < self.rope_low_freq_factor < self.rope_high_freq_factor and self.rope_scaling_factor > 0
-                and self.rope_original_context > 0):
-            raise ConfigError(f"rope_scaling='llama3' needs 0 < rope_low_freq_factor < rope_high_freq_factor "
-                              f"and rope_scaling_factor, rope_original_context > 0; got "
-                              f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
-                              f"{self.rope_scaling_factor}, {self.rope_original_context}")
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            and self.rope_scaling_factor > 0
+            and self.rope_original_context > 0
+        ):
+            raise ConfigError(
+                f"rope_scaling='llama3' needs 0 < rope_low_freq_factor < rope_high_freq_factor "
+                f"and rope_scaling_factor, rope_original_context > 0; got "
+                f"{self.rope_low_freq_factor}, {self.rope_high_freq_factor}, "
+                f"{self.rope_scaling_factor}, {self.rope_original_context}"
+            )
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_kv_head < 0 or self.mlp_hidden < 0:
-            raise ConfigError(f"n_kv_head ({self.n_kv_head}) and mlp_hidden ({self.mlp_hidden}) must be "
-                              f">= 0 (0 = the default)")
+            raise ConfigError(
+                f"n_kv_head ({self.n_kv_head}) and mlp_hidden ({self.mlp_hidden}) must be >= 0 (0 = the default)"
+            )
         if self.n_kv_head and self.n_head % self.n_kv_head:
-            raise ConfigError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head}): "
-                              f"each key/value head serves an equal group of query heads")
+            raise ConfigError(
+                f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head}): "
+                f"each key/value head serves an equal group of query heads"
+            )
         if self.pos_embedding == "rope" and (self.n_embd // self.n_head) % 2:
-            raise ConfigError(f"pos_embedding='rope' needs an even head size, got n_embd / n_head = "
-                              f"{self.n_embd // self.n_head}: RoPE turns pairs of dimensions")
+            raise ConfigError(
+                f"pos_embedding='rope' needs an even head size, got n_embd / n_head = "
+                f"{self.n_embd // self.n_head}: RoPE turns pairs of dimensions"
+            )
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ConfigError(f"rope_theta ({self.rope_theta}) and norm_eps ({self.norm_eps}) must be > 0")
 
     def _check_experts(self) -> None:
         if not 1 <= self.experts_per_token <= self.n_experts:
-            raise ConfigError(f"experts_per_token must be between 1 and n_experts ({self.n_experts}), "
-                              f"got {self.experts_per_token}")
+            raise ConfigError(
+                f"experts_per_token must be between 1 and n_experts ({self.n_experts}), got {self.experts_per_token}"
+            )
         if not 0 <= self.moe_dense_layers < self.n_layer:
-            raise ConfigError(f"moe_dense_layers ({self.moe_dense_layers}) must be below n_layer "
-                              f"({self.n_layer}): at least one layer has the experts")
+            raise ConfigError(
+                f"moe_dense_layers ({self.moe_dense_layers}) must be below n_layer "
+                f"({self.n_layer}): at least one layer has the experts"
+            )
 
     def _check_optimizer(self) -> None:
         """How training updates the weights: the optimizer, its schedule, dropout, the router's losses."""
         self._at_least(1, ("batch_size", "gradient_accumulation_steps"))
-        self._at_least(0, ("warmup_iters", "lr_decay_iters", "learning_rate", "weight_decay", "grad_clip",
-                           "router_aux_loss_coef", "router_z_loss_coef"))
+        self._at_least(
+            0,
+            (
+                "warmup_iters",
+                "lr_decay_iters",
+                "learning_rate",
+                "weight_decay",
+                "grad_clip",
+                "router_aux_loss_coef",
+                "router_z_loss_coef",
+            ),
+        )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         check_choice("optimizer", self.optimizer, ("adamw", "muon"))
         if self.muon_learning_rate <= 0:
-            raise ConfigError(f"config key 'muon_learning_rate' must be > 0 (e.g. 0.02), "
-                              f"got {self.muon_learning_rate}")
+            raise ConfigError(f"config key 'muon_learning_rate' must be > 0 (e.g. 0.02), got {self.muon_learning_rate}")
         if self.muon_weight_decay < 0:
             raise ConfigError(f"config key 'muon_weight_decay' must be >= 0, got {self.muon_weight_decay}")
         if not 0.0 <= self.muon_momentum < 1.0:
-            raise ConfigError(f"config key 'muon_momentum' must be in [0, 1), got {self.muon_momentum} "
-                              f"(e.g. 0.95)")
+            raise ConfigError(f"config key 'muon_momentum' must be in [0, 1), got {self.muon_momentum} (e.g. 0.95)")
         for key in ("beta1", "beta2"):  # AdamW's moving averages; at 1 its bias correction divides by 0
             if not 0.0 <= getattr(self, key) < 1.0:
-                raise ConfigError(f"config key '{key}' must be in [0, 1), got {getattr(self, key)} "
-                                  f"(GPT-2 used beta1=0.9, beta2=0.95)")
+                raise ConfigError(
+                    f"config key '{key}' must be in [0, 1), got {getattr(self, key)} (GPT-2 used beta1=0.9, beta2=0.95)"
+                )
         if self.decay_lr and self.lr_decay_iters < self.warmup_iters:
-            raise ConfigError(f"lr_decay_iters ({self.lr_decay_iters}) is shorter than warmup_iters "
-                              f"({self.warmup_iters}): the cosine decay would end before the warmup does; "
-                              f"make lr_decay_iters >= warmup_iters (usually max_iters), or decay_lr=False")
+            raise ConfigError(
+                f"lr_decay_iters ({self.lr_decay_iters}) is shorter than warmup_iters "
+                f"({self.warmup_iters}): the cosine decay would end before the warmup does; "
+                f"make lr_decay_iters >= warmup_iters (usually max_iters), or decay_lr=False"
+            )
         if self.decay_lr and not 0.0 <= self.min_lr <= self.learning_rate:
-            raise ConfigError(f"min_lr ({self.min_lr}) must be in [0, learning_rate = {self.learning_rate}]: "
-                              f"the schedule decays from learning_rate down to min_lr (set min_lr, often "
-                              f"learning_rate / 10, or decay_lr=False)")
+            raise ConfigError(
+                f"min_lr ({self.min_lr}) must be in [0, learning_rate = {self.learning_rate}]: "
+                f"the schedule decays from learning_rate down to min_lr (set min_lr, often "
+                f"learning_rate / 10, or decay_lr=False)"
+            )
 
     def _check_mesh(self) -> None:
         """How the devices split the work: the mesh and slice axes, the pipeline, offloading, the processes."""
-        self._at_least(1, ("mesh_stage", "mesh_context", "pipeline_microbatches", "dcn_data", "dcn_fsdp",
-                           "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context", "num_processes"))
+        self._at_least(
+            1,
+            (
+                "mesh_stage",
+                "mesh_context",
+                "pipeline_microbatches",
+                "dcn_data",
+                "dcn_fsdp",
+                "dcn_tensor",
+                "dcn_expert",
+                "dcn_stage",
+                "dcn_context",
+                "num_processes",
+            ),
+        )
         self._at_least(0, ("layers_per_stage",))
         check_choice("context_attention", self.context_attention, ("gather", "ring"))
         if self.context_attention == "ring" and (self.dropout > 0 or self.mesh_stage * self.dcn_stage > 1):
-            raise ConfigError("context_attention='ring' has no attention dropout and no pipeline stages: "
-                              "use dropout=0 and mesh_stage=1, or context_attention='gather'")
+            raise ConfigError(
+                "context_attention='ring' has no attention dropout and no pipeline stages: "
+                "use dropout=0 and mesh_stage=1, or context_attention='gather'"
+            )
         check_choice("offload", self.offload, ("none", "optimizer", "params_and_optimizer"))
         if self.fsdp_reduce_once and self.mesh_context * self.dcn_context != 1:
-            raise ConfigError("fsdp_reduce_once keeps a whole partial gradient sum per fsdp shard, which the "
-                              "context axis's devices would have to reduce every micro-step: use it with "
-                              "mesh_context=1 dcn_context=1, or leave it False")
+            raise ConfigError(
+                "fsdp_reduce_once keeps a whole partial gradient sum per fsdp shard, which the "
+                "context axis's devices would have to reduce every micro-step: use it with "
+                "mesh_context=1 dcn_context=1, or leave it False"
+            )
         if self.mesh_stage * self.dcn_stage > 1 and self.n_experts and self.moe_dense_layers:
-            raise ConfigError(f"a pipeline (mesh_stage={self.mesh_stage}) runs one stack of equal layers, but "
-                              f"moe_dense_layers={self.moe_dense_layers} makes two: use moe_dense_layers=0 "
-                              f"or mesh_stage=1")
+            raise ConfigError(
+                f"a pipeline (mesh_stage={self.mesh_stage}) runs one stack of equal layers, but "
+                f"moe_dense_layers={self.moe_dense_layers} makes two: use moe_dense_layers=0 "
+                f"or mesh_stage=1"
+            )
         if not 0 <= self.process_id < self.num_processes:
-            raise ConfigError(f"process_id ({self.process_id}) must be in 0 .. num_processes - 1 "
-                              f"({self.num_processes - 1}): processes count from 0")
+            raise ConfigError(
+                f"process_id ({self.process_id}) must be in 0 .. num_processes - 1 "
+                f"({self.num_processes - 1}): processes count from 0"
+            )
         if self.num_processes > 1 and not self.coordinator_address:
-            raise ConfigError(f"num_processes={self.num_processes} needs coordinator_address (host:port "
-                              f"of process 0); under SLURM or on a TPU pod leave both unset")
+            raise ConfigError(
+                f"num_processes={self.num_processes} needs coordinator_address (host:port "
+                f"of process 0); under SLURM or on a TPU pod leave both unset"
+            )
 
     def _check_data(self) -> None:
         """Which tokens the run reads."""
@@ -314,8 +368,10 @@ class Config:
         if not self.out_dir.strip():
             raise ConfigError("out_dir must name a directory, e.g. --out_dir=out")
         if self.overwrite_out_dir and self.init_from == "resume":
-            raise ConfigError("overwrite_out_dir=True would delete the checkpoints that init_from='resume' "
-                              "continues: drop one of the two")
+            raise ConfigError(
+                "overwrite_out_dir=True would delete the checkpoints that init_from='resume' "
+                "continues: drop one of the two"
+            )
         check_init_from(self.init_from)
         check_choice("nan_policy", self.nan_policy, ("stop", "skip_step"))
         for item in filter(None, (part.strip() for part in self.eval_tasks.split(","))):
@@ -328,12 +384,17 @@ class Config:
         if self.profile_steps:
             start, stop = map(int, self.profile_steps.split(":"))
             if stop <= start:
-                raise ConfigError(f"profile_steps={self.profile_steps!r} traces no step: STOP must be "
-                                  f"greater than START ('10:13' traces steps 10, 11 and 12)")
+                raise ConfigError(
+                    f"profile_steps={self.profile_steps!r} traces no step: STOP must be "
+                    f"greater than START ('10:13' traces steps 10, 11 and 12)"
+                )
             if stop > self.max_iters:
-                raise ConfigError(f"profile_steps={self.profile_steps!r} runs past the last step "
-                                  f"({self.max_iters - 1}, as max_iters={self.max_iters}): the trace "
-                                  f"would never be written; choose STOP <= max_iters")
+                raise ConfigError(
+                    f"profile_steps={self.profile_steps!r} runs past the last step "
+                    f"({self.max_iters - 1}, as max_iters={self.max_iters}): the trace "
+                    f"would never be written; choose STOP <= max_iters"
+                )
+
 
 EVAL_TASKS = ("hellaswag", "choice", "perplexity")  # evals/scoring.py's
 
@@ -345,26 +406,110 @@ EVAL_TASKS = ("hellaswag", "choice", "perplexity")  # evals/scoring.py's
 #              given, a change from the checkpoint's run said once
 #   run        where the run reads and writes, how it evaluates, logs, saves and lays out devices
 ROLES = {
-    "model": ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_to_multiple", "bias",
-              "qkv_bias", "pos_embedding", "rope_theta", "rope_scaling", "rope_scaling_factor",
-              "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context", "norm", "norm_eps",
-              "mlp", "mlp_hidden", "n_kv_head", "tie_embeddings", "qk_norm", "zero_init_proj", "logit_softcap",
-              "n_experts", "experts_per_token", "n_shared_experts", "moe_hidden", "moe_dense_layers",
-              "capacity_factor"),
-    "compute": ("dtype", "scan_layers", "remat_policy", "attention", "quantization", "context_attention",
-                "loss_chunks"),
-    "optimizer": ("optimizer", "batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
-                  "beta1", "beta2", "grad_clip", "decay_lr", "warmup_iters", "lr_decay_iters", "min_lr",
-                  "muon_learning_rate", "muon_momentum", "muon_weight_decay", "dropout",
-                  "router_aux_loss_coef", "router_z_loss_coef"),
+    "model": (
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+        "vocab_size",
+        "pad_vocab_to_multiple",
+        "bias",
+        "qkv_bias",
+        "pos_embedding",
+        "rope_theta",
+        "rope_scaling",
+        "rope_scaling_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_original_context",
+        "norm",
+        "norm_eps",
+        "mlp",
+        "mlp_hidden",
+        "n_kv_head",
+        "tie_embeddings",
+        "qk_norm",
+        "zero_init_proj",
+        "logit_softcap",
+        "n_experts",
+        "experts_per_token",
+        "n_shared_experts",
+        "moe_hidden",
+        "moe_dense_layers",
+        "capacity_factor",
+    ),
+    "compute": (
+        "dtype",
+        "scan_layers",
+        "remat_policy",
+        "attention",
+        "quantization",
+        "context_attention",
+        "loss_chunks",
+    ),
+    "optimizer": (
+        "optimizer",
+        "batch_size",
+        "gradient_accumulation_steps",
+        "learning_rate",
+        "weight_decay",
+        "beta1",
+        "beta2",
+        "grad_clip",
+        "decay_lr",
+        "warmup_iters",
+        "lr_decay_iters",
+        "min_lr",
+        "muon_learning_rate",
+        "muon_momentum",
+        "muon_weight_decay",
+        "dropout",
+        "router_aux_loss_coef",
+        "router_z_loss_coef",
+    ),
     "data": ("dataset", "data_dir", "seed", "overfit_batch", "document_masking", "packing"),
-    "run": ("out_dir", "init_from", "overwrite_out_dir", "max_iters", "eval_interval", "eval_iters",
-            "eval_only", "eval_tasks", "eval_tasks_limit", "log_interval", "always_save_checkpoint",
-            "max_to_keep", "keep_best", "nan_policy", "stack_dump_interval", "profile_steps", "tensorboard",
-            "sample_tokens", "mesh_data", "mesh_fsdp", "mesh_tensor", "mesh_expert", "mesh_stage",
-            "mesh_context", "pipeline_microbatches", "layers_per_stage", "offload", "dcn_data", "dcn_fsdp",
-            "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context", "coordinator_address", "num_processes",
-            "process_id", "compiled_train_step", "memory_check", "memory_limit_gib", "fsdp_reduce_once"),
+    "run": (
+        "out_dir",
+        "init_from",
+        "overwrite_out_dir",
+        "max_iters",
+        "eval_interval",
+        "eval_iters",
+        "eval_only",
+        "eval_tasks",
+        "eval_tasks_limit",
+        "log_interval",
+        "always_save_checkpoint",
+        "max_to_keep",
+        "keep_best",
+        "nan_policy",
+        "stack_dump_interval",
+        "profile_steps",
+        "tensorboard",
+        "sample_tokens",
+        "mesh_data",
+        "mesh_fsdp",
+        "mesh_tensor",
+        "mesh_expert",
+        "mesh_stage",
+        "mesh_context",
+        "pipeline_microbatches",
+        "layers_per_stage",
+        "offload",
+        "dcn_data",
+        "dcn_fsdp",
+        "dcn_tensor",
+        "dcn_expert",
+        "dcn_stage",
+        "dcn_context",
+        "coordinator_address",
+        "num_processes",
+        "process_id",
+        "compiled_train_step",
+        "memory_check",
+        "memory_limit_gib",
+        "fsdp_reduce_once",
+    ),
 }
 ROLE = {key: role for role, keys in ROLES.items() for key in keys}
 
@@ -373,12 +518,17 @@ def resume_values(given: dict, saved: dict) -> dict:
     """The values of a run that continues a checkpoint whose config was `saved`: the model and
     compute keys that were not given are the checkpoint's; a model key given with another value
     is an error naming both, since the weights would no longer mean what they were trained for."""
-    conflicts = [f"{k}={given[k]!r} (the checkpoint's: {saved[k]!r})" for k in ROLES["model"]
-                 if k in given and k in saved and given[k] != saved[k]]
+    conflicts = [
+        f"{k}={given[k]!r} (the checkpoint's: {saved[k]!r})"
+        for k in ROLES["model"]
+        if k in given and k in saved and given[k] != saved[k]
+    ]
     if conflicts:
-        raise ConfigError(f"{', '.join(conflicts)}: a resumed run keeps the model of its checkpoint; drop "
-                          f"{'this key' if len(conflicts) == 1 else 'these keys'}, or train the other model "
-                          f"from the start in another --out_dir")
+        raise ConfigError(
+            f"{', '.join(conflicts)}: a resumed run keeps the model of its checkpoint; drop "
+            f"{'this key' if len(conflicts) == 1 else 'these keys'}, or train the other model "
+            f"from the start in another --out_dir"
+        )
     inherited = {k: saved[k] for k in ROLES["model"] + ROLES["compute"] if k in saved and k not in given}
     return {**given, **inherited}
 
@@ -387,7 +537,9 @@ def changes_since(config, saved: dict) -> list[str]:
     """'key: old -> new' for each compute, optimizer and data key whose value differs from `saved`
     (a checkpoint's config): what a resumed run says once."""
     keys = ROLES["compute"] + ROLES["optimizer"] + ROLES["data"]
-    return [f"{k} {saved[k]!r} -> {getattr(config, k)!r}" for k in keys if k in saved and saved[k] != getattr(config, k)]
+    return [
+        f"{k} {saved[k]!r} -> {getattr(config, k)!r}" for k in keys if k in saved and saved[k] != getattr(config, k)
+    ]
 
 
 # A Hugging Face hub model id: 'gpt2', 'gpt2-medium' or 'organisation/model'.
@@ -403,12 +555,16 @@ def check_init_from(value: str, choices=("scratch", "resume")) -> None:
         return
     close = [] if "/" in value else difflib.get_close_matches(value.lower(), choices, n=1, cutoff=0.75)
     if close:
-        raise ConfigError(f"config key 'init_from' is {value!r}: did you mean {close[0]!r}? (no directory has "
-                          f"that name here, and a Hugging Face hub name looks like 'gpt2' or 'org/name')")
+        raise ConfigError(
+            f"config key 'init_from' is {value!r}: did you mean {close[0]!r}? (no directory has "
+            f"that name here, and a Hugging Face hub name looks like 'gpt2' or 'org/name')"
+        )
     if not HUB_NAME.fullmatch(value):
-        raise ConfigError(f"config key 'init_from' must be {', '.join(map(repr, choices))}, a Hugging Face "
-                          f"model directory or a hub name like 'gpt2' or 'org/name'; {value!r} is neither a "
-                          f"directory nor a hub name")
+        raise ConfigError(
+            f"config key 'init_from' must be {', '.join(map(repr, choices))}, a Hugging Face "
+            f"model directory or a hub name like 'gpt2' or 'org/name'; {value!r} is neither a "
+            f"directory nor a hub name"
+        )
 
 
 def check_writable(path: str, key: str) -> None:
@@ -490,8 +646,9 @@ def _parse_flag(arg: str, field_types: dict):
     if not key:
         raise ConfigError(f"'{arg}' is not a flag: write --KEY=VALUE")
     if dashes != 2:
-        raise ConfigError(f"flag '{arg}' has {'one dash' if dashes == 1 else f'{dashes} dashes'}: "
-                          f"write --{arg[dashes:]}")
+        raise ConfigError(
+            f"flag '{arg}' has {'one dash' if dashes == 1 else f'{dashes} dashes'}: write --{arg[dashes:]}"
+        )
     if not sep:
         raise ConfigError(f"flag '{arg}' has no value: write --{key}=VALUE")
     if key not in field_types:
@@ -513,7 +670,8 @@ def _read_config_file(path: str, field_types: dict) -> dict:
     values = {}
     for key, value in namespace.items():
         if key.startswith("_") or isinstance(
-                value, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)):
+            value, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)
+        ):
             continue  # imports, helpers and private names are not settings
         if key not in field_types:
             raise ConfigError(f"in {path}: " + str(_unknown_key(key, field_types)))
@@ -536,8 +694,9 @@ def config_from_dict(values: dict, cls=Config):
 
 def print_config(config, changed_only: bool = False) -> None:
     """Each key = value; with changed_only, only the keys whose value is not the default."""
-    fields = [f for f in dataclasses.fields(config)
-              if not changed_only or _default_text(f) != repr(getattr(config, f.name))]
+    fields = [
+        f for f in dataclasses.fields(config) if not changed_only or _default_text(f) != repr(getattr(config, f.name))
+    ]
     width = max((len(f.name) for f in fields), default=0)
     for f in fields:
         print(f"  {f.name:<{width}} = {getattr(config, f.name)!r}")
@@ -563,8 +722,10 @@ def load_with_options_or_exit(argv: list[str], options_cls, cls=Config, complete
         sys.exit(0)
     keys = {f.name for f in dataclasses.fields(options_cls)}
     ours = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in keys]
-    return (load_config_or_exit(ours, options_cls),
-            load_config_or_exit([a for a in argv if a not in ours], cls, complete))
+    return (
+        load_config_or_exit(ours, options_cls),
+        load_config_or_exit([a for a in argv if a not in ours], cls, complete),
+    )
 
 
 HELP_WIDTH = 80  # columns: a terminal's default
@@ -574,9 +735,13 @@ def help_text(*classes) -> str:
     """How to run the script, then each class's fields: type, default and the comment that
     follows it in the source, under the source's section comments. A note is one paragraph,
     wrapped anew at HELP_WIDTH columns (not where the source's comment lines happened to end)."""
-    lines = [f"usage: python {os.path.basename(sys.argv[0])} [CONFIG_FILE.py ...] [--KEY=VALUE ...]",
-             *_wrap("Every key starts at its default below; config files (Python assignments, KEY = VALUE) "
-                    "and --KEY=VALUE flags then set keys, in the order given: the last one wins.")]
+    lines = [
+        f"usage: python {os.path.basename(sys.argv[0])} [CONFIG_FILE.py ...] [--KEY=VALUE ...]",
+        *_wrap(
+            "Every key starts at its default below; config files (Python assignments, KEY = VALUE) "
+            "and --KEY=VALUE flags then set keys, in the order given: the last one wins."
+        ),
+    ]
     for cls in classes:
         hints = typing.get_type_hints(cls)
         defaults = {f.name: _default_text(f) for f in dataclasses.fields(cls)}
@@ -594,8 +759,14 @@ def help_text(*classes) -> str:
 
 
 def _wrap(text: str, indent: int = 0) -> list[str]:
-    return textwrap.wrap(text, HELP_WIDTH, initial_indent=" " * indent, subsequent_indent=" " * indent,
-                         break_long_words=False, break_on_hyphens=False)
+    return textwrap.wrap(
+        text,
+        HELP_WIDTH,
+        initial_indent=" " * indent,
+        subsequent_indent=" " * indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def _default_text(f: dataclasses.Field) -> str:
@@ -620,10 +791,16 @@ def _documented_fields(cls) -> tuple[str, list]:
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     except (OSError, TypeError, SyntaxError, tokenize.TokenError):  # no source (made at run time)
         return "", [("", name, []) for name in names]
-    comments = {tok.start[0]: (tok.string[1:], not tok.line[:tok.start[1]].strip())  # (text, alone)
-                for tok in tokens if tok.type == tokenize.COMMENT}
-    nodes = {node.lineno: node for node in classdef.body
-             if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) in names}
+    comments = {
+        tok.start[0]: (tok.string[1:], not tok.line[: tok.start[1]].strip())  # (text, alone)
+        for tok in tokens
+        if tok.type == tokenize.COMMENT
+    }
+    nodes = {
+        node.lineno: node
+        for node in classdef.body
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) in names
+    }
 
     def continues_note(line) -> bool:  # a comment on a line of its own, its text indented
         return line in comments and comments[line][1] and comments[line][0].startswith("  ")

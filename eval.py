@@ -39,8 +39,9 @@ def main(argv):
         else:
             path = cfg.data or scoring.hellaswag_file()
             examples = scoring.read_examples(path, cfg.task, cfg.limit, cfg.hellaswag_text)
-            result = scoring.multiple_choice(setup, params, tok, examples, cfg.norm, cfg.batch_size, label=cfg.task,
-                                           prefix=cfg.prefix)
+            result = scoring.multiple_choice(
+                setup, params, tok, examples, cfg.norm, cfg.batch_size, label=cfg.task, prefix=cfg.prefix
+            )
     except (OSError, ValueError) as e:  # EvalError, CheckpointError, HFError
         sys.exit(f"error: {e}")
     print(f"{what}, {setup.model_config.dtype}, {time.perf_counter() - start:.1f} s", file=sys.stderr)

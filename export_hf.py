@@ -59,15 +59,19 @@ def export(cfg: ExportConfig, log=print) -> list:
         with open(os.path.join(directory, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump(generation, f, indent=2)
         if not tok.save_files(directory):
-            log(f"note: no tokenizer files written ({tok.summary()} has none): the export holds the "
-                f"weights only; sample the run itself with `sample.py --out_dir={cfg.out_dir}`")
+            log(
+                f"note: no tokenizer files written ({tok.summary()} has none): the export holds the "
+                f"weights only; sample the run itself with `sample.py --out_dir={cfg.out_dir}`"
+            )
         elif tok.chat_template is None:  # serve.py's default template: apply_chat_template gives its ids
             add_chat_template(os.path.join(directory, "tokenizer_config.json"), chat_template.DEFAULT_TEMPLATE)
 
     files = hf.write_model(cfg.to, tensors, config, cfg.dtype, int(cfg.max_shard_gb * 2**30), add_files)
     n_params = sum(t.size for t in tensors.values())
-    log(f"exported step {step} of {os.path.abspath(cfg.out_dir)} ({config['architectures'][0]}, {n_params:,} "
-        f"parameters, {cfg.dtype}) to {os.path.abspath(cfg.to)}: {', '.join(files)}")
+    log(
+        f"exported step {step} of {os.path.abspath(cfg.out_dir)} ({config['architectures'][0]}, {n_params:,} "
+        f"parameters, {cfg.dtype}) to {os.path.abspath(cfg.to)}: {', '.join(files)}"
+    )
     return files
 
 

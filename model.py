@@ -38,11 +38,19 @@ import numpy as np
 from flax import nnx
 
 from layers import pipeline, quantization
-from layers.attention import (Segments, causal_attention, permuted_segments, position_mask, ring_attention,
-                              same_segment, SPLASH_RESIDUALS, splash_attention,
-                              splash_attention_heads_major, splash_fits)
-from layers.blocks import (MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis,
-                           splits)
+from layers.attention import (
+    Segments,
+    causal_attention,
+    permuted_segments,
+    position_mask,
+    ring_attention,
+    same_segment,
+    SPLASH_RESIDUALS,
+    splash_attention,
+    splash_attention_heads_major,
+    splash_fits,
+)
+from layers.blocks import MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init, sequence_axis, splits
 from layers.kv_cache import FILLED, KVCache, init_cache
 from layers.moe import MoE
 
@@ -111,8 +119,7 @@ class GPTConfig:
     def mlp_hidden_size(self) -> int:
         """mlp_hidden, or by default GPT-2's 4·D (gelu, relu2), or 8/3·D rounded up to a multiple of
         64 (swiglu: its three matrices then hold about as many weights as gelu's two)."""
-        default = {"gelu": 4 * self.n_embd, "relu2": 4 * self.n_embd,
-                   "swiglu": (8 * self.n_embd // 3 + 63) // 64 * 64}
+        default = {"gelu": 4 * self.n_embd, "relu2": 4 * self.n_embd, "swiglu": (8 * self.n_embd // 3 + 63) // 64 * 64}
         return self.mlp_hidden or default[self.mlp]
 
     @property
@@ -191,8 +198,9 @@ class Attention(nnx.Module):
         k_qkv, k_out = jax.random.split(key)
         self.qkv_kernel = param(normal(k_qkv, (D, G + 2, K, H), 0.02), ("embed", "qkv", "heads", "head_dim"))
         self.out_kernel = param(residual_init(k_out, (N, H, D), config), ("heads", "head_dim", "embed"))
-        self.qkv_bias = param(jnp.zeros((G + 2, K, H)), ("qkv", "heads", "head_dim")) if (
-            config.bias or config.qkv_bias) else None
+        self.qkv_bias = (
+            param(jnp.zeros((G + 2, K, H)), ("qkv", "heads", "head_dim")) if (config.bias or config.qkv_bias) else None
+        )
         self.out_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
         self.config = config
 
@@ -250,19 +258,33 @@ class Attention(nnx.Module):
         elif cached:  # a decode step: the layer's cache before start_B, and the new tokens themselves
             y_BxTxNxH = cache.attend(q_BxTxNxH, new, start_B)
         elif kind == "einsum" or dropping:
-            y_BxTxNxH = causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, config.dropout, k_probs, segment_ids_BxT,
-                                         segments.position_BxT if out_of_order else None)
+            y_BxTxNxH = causal_attention(
+                q_BxTxNxH,
+                k_BxTxKxH,
+                v_BxTxKxH,
+                config.dropout,
+                k_probs,
+                segment_ids_BxT,
+                segments.position_BxT if out_of_order else None,
+            )
         elif kind == "splash":
             y_BxTxNxH = splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
         elif out_of_order:  # is_causal would compare array indices
-            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, implementation=kind,
-                                                     mask=position_mask(segments.position_BxT, segment_ids_BxT))
+            y_BxTxNxH = jax.nn.dot_product_attention(
+                q_BxTxNxH,
+                k_BxTxKxH,
+                v_BxTxKxH,
+                implementation=kind,
+                mask=position_mask(segments.position_BxT, segment_ids_BxT),
+            )
         else:  # cuDNN takes the segments' mask as an additive bias
             mask = None if segments is None else same_segment(segment_ids_BxT, 0, T, T)
-            y_BxTxNxH = jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True,
-                                                     implementation=kind)
-        y_BTxD = linear(y_BxTxNxH.reshape(B * T, N * H), self.out_kernel.reshape(N * H, D), self.out_bias,
-                        config.quantization)
+            y_BxTxNxH = jax.nn.dot_product_attention(
+                q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True, implementation=kind
+            )
+        y_BTxD = linear(
+            y_BxTxNxH.reshape(B * T, N * H), self.out_kernel.reshape(N * H, D), self.out_bias, config.quantization
+        )
         return dropout(y_BTxD, config.dropout, k_out), new
 
     def _splash_heads_major(self, x_BTxD, batch_size: int, position_BxT, segment_ids_BxT):
@@ -342,7 +364,8 @@ def keeping_attention(policy):
     (layers/attention.SPLASH_RESIDUALS: a whole forward kernel, and the q, k, v layout work, not to redo
     in the backward pass)."""
     return jax.checkpoint_policies.save_from_both_policies(
-        policy, jax.checkpoint_policies.save_only_these_names(SPLASH_RESIDUALS))
+        policy, jax.checkpoint_policies.save_only_these_names(SPLASH_RESIDUALS)
+    )
 
 
 REMAT_POLICIES = {
@@ -401,21 +424,30 @@ class GPT(nnx.Module):
         k_wte, k_wpe, k_blocks = jax.random.split(key, 3)
         V, D = config.padded_vocab_size, config.n_embd
         self.wte = param(normal(k_wte, (V, D), 0.02), ("vocab", "embed"))
-        self.wpe = (param(normal(k_wpe, (config.block_size, D), 0.02), ("seq_table", "embed"))
-                    if config.pos_embedding == "learned" else None)  # RoPE: q and k turn instead
+        self.wpe = (
+            param(normal(k_wpe, (config.block_size, D), 0.02), ("seq_table", "embed"))
+            if config.pos_embedding == "learned"
+            else None
+        )  # RoPE: q and k turn instead
         # GPT-2 ties the output layer to wte; Llama-style models may have their own.
-        self.lm_head_kernel = None if config.tie_embeddings else param(
-            normal(jax.random.fold_in(key, 1), (D, V), 0.02), ("embed", "vocab"))
+        self.lm_head_kernel = (
+            None
+            if config.tie_embeddings
+            else param(normal(jax.random.fold_in(key, 1), (D, V), 0.02), ("embed", "vocab"))
+        )
 
         # One Block per layer key, stacked: each weight gets a leading `layers` axis. With experts,
         # the first moe_dense_layers are a dense stack of their own (a stack has one shape).
         def make_blocks(layer_keys, sparse: bool):
-            return nnx.vmap(lambda k: Block(config, k, sparse),
-                            transform_metadata={nnx.PARTITION_NAME: "layers"})(layer_keys)
+            return nnx.vmap(lambda k: Block(config, k, sparse), transform_metadata={nnx.PARTITION_NAME: "layers"})(
+                layer_keys
+            )
 
         layer_keys, n_dense = jax.random.split(k_blocks, config.n_layer), config.n_layer - config.sparse_layers
         self.dense_blocks = make_blocks(layer_keys[:n_dense], False) if config.sparse_layers and n_dense else None
-        self.blocks = make_blocks(layer_keys[n_dense:], True) if config.sparse_layers else make_blocks(layer_keys, False)
+        self.blocks = (
+            make_blocks(layer_keys[n_dense:], True) if config.sparse_layers else make_blocks(layer_keys, False)
+        )
         self.ln_f = NORMS[config.norm](config)
         self.config = config
 
@@ -560,16 +592,35 @@ class GPT(nnx.Module):
         # the kernel takes the whole cache and a layer number (a slice of the cache would be a copy)
         in_place = attend == FILLED
         stack_cache = lambda lo, hi: cache if in_place else part(cache, lo, hi)
-        x_BTxD, dense_new, _ = self._run_stack(self.dense_blocks, x_BTxD, batch_size, start_B,
-                                               part(layer_keys, 0, n), stack_cache(0, n), segments, attend)
-        x_BTxD, sparse_new, stats = self._run_stack(self.blocks, x_BTxD, batch_size, start_B,
-                                                    part(layer_keys, n, None), stack_cache(n, None), segments, attend,
-                                                    first_layer=n if in_place else 0)
+        x_BTxD, dense_new, _ = self._run_stack(
+            self.dense_blocks, x_BTxD, batch_size, start_B, part(layer_keys, 0, n), stack_cache(0, n), segments, attend
+        )
+        x_BTxD, sparse_new, stats = self._run_stack(
+            self.blocks,
+            x_BTxD,
+            batch_size,
+            start_B,
+            part(layer_keys, n, None),
+            stack_cache(n, None),
+            segments,
+            attend,
+            first_layer=n if in_place else 0,
+        )
         new = None if cache is None else jax.tree.map(lambda a, b: jnp.concatenate([a, b]), dense_new, sparse_new)
         return x_BTxD, new, stats
 
-    def _run_stack(self, blocks, x_BTxD, batch_size: int, start_B, layer_keys, cache, segments=None, attend=None,
-                   first_layer: int = 0):
+    def _run_stack(
+        self,
+        blocks,
+        x_BTxD,
+        batch_size: int,
+        start_B,
+        layer_keys,
+        cache,
+        segments=None,
+        attend=None,
+        first_layer: int = 0,
+    ):
         """The stack of `blocks`, whose layers are the cache's from first_layer on."""
         config = self.config
         graphdef, stacked_state = nnx.split(blocks)
@@ -590,8 +641,10 @@ class GPT(nnx.Module):
                 else:
                     layer_cache = cache.layer(layer_index, prefix, batch_size)
                 x_BTxD, new, stats = nnx.merge(graphdef, layer_state)(
-                    x_BTxD, batch_size, start_B, layer_key, layer_cache, segments)
+                    x_BTxD, batch_size, start_B, layer_key, layer_cache, segments
+                )
                 return x_BTxD, (new, stats)
+
             if config.remat_policy == "none" or cache is not None:  # decoding keeps no activations
                 return layer
             return jax.checkpoint(layer, policy=REMAT_POLICIES[config.remat_policy])
@@ -609,15 +662,19 @@ class GPT(nnx.Module):
         if config.pipeline_stages == 1 or cache is not None:  # decoding never pipelines
             layers_here = jax.tree.leaves(stacked_state)[0].shape[0]
             layer_indices = None if cache is None else first_layer + jnp.arange(layers_here)
-            x_BTxD, (new, stats) = run_layers(x_BTxD, (stacked_state, layer_keys, layer_indices), batch_size,
-                                              start_B, segments)
+            x_BTxD, (new, stats) = run_layers(
+                x_BTxD, (stacked_state, layer_keys, layer_indices), batch_size, start_B, segments
+            )
             return x_BTxD, new, stats
 
         M = config.pipeline_microbatches
         rows = batch_size // M
         # The micro-batches' segments, as pipeline.run cuts the rows: micro-batch m has rows m, m + M, ...
-        micro_segments = None if segments is None else jax.tree.map(
-            lambda a_BxT: a_BxT.reshape(rows, M, -1).swapaxes(0, 1), segments)
+        micro_segments = (
+            None
+            if segments is None
+            else jax.tree.map(lambda a_BxT: a_BxT.reshape(rows, M, -1).swapaxes(0, 1), segments)
+        )
 
         def micro_batch_layers(x_NxD, layers, microbatch):
             state, keys = layers
@@ -626,9 +683,16 @@ class GPT(nnx.Module):
             x_NxD, (_, stats) = run_layers(x_NxD, (state, keys, None), rows, start_B[:rows], segments)
             return x_NxD, stats
 
-        x_BTxD, stats = pipeline.run(micro_batch_layers, (stacked_state, layer_keys), x_BTxD, batch_size,
-                                     stages=config.pipeline_stages, microbatches=config.pipeline_microbatches,
-                                     layers_per_stage=config.layers_per_stage, constrain=constrain)
+        x_BTxD, stats = pipeline.run(
+            micro_batch_layers,
+            (stacked_state, layer_keys),
+            x_BTxD,
+            batch_size,
+            stages=config.pipeline_stages,
+            microbatches=config.pipeline_microbatches,
+            layers_per_stage=config.layers_per_stage,
+            constrain=constrain,
+        )
         return x_BTxD, None, stats
 
 
@@ -639,6 +703,7 @@ def cast_for_inference(params, dtype):
     or casts itself). A forward pass on the result computes exactly what it computes on the float32
     parameters, and a decode loop reads half the bytes at bfloat16. Works on the parameters' pure
     dict (nnx.to_pure_dict), stacked layers included."""
+
     def cast(path, p):
         name = path[-1].key
         is_matrix = name in ("wte", "wpe") or (name.endswith("_kernel") and name != "router_kernel")
@@ -658,7 +723,8 @@ def matmul_params(config: GPTConfig) -> int:
     the output layer is its own lm_head_kernel (tied, wte counts once, as the output layer).
     Norm scales and biases are in, as nanoGPT counts them (they are ~0.1%)."""
     lookups = (config.block_size * config.n_embd if config.pos_embedding == "learned" else 0) + (
-        0 if config.tie_embeddings else config.padded_vocab_size * config.n_embd)
+        0 if config.tie_embeddings else config.padded_vocab_size * config.n_embd
+    )
     return count_params(config) - lookups
 
 

@@ -39,6 +39,7 @@ def tokens_per_step(out_dir: str) -> int:
 
 def plot(out_dirs: list[str], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
@@ -50,13 +51,20 @@ def plot(out_dirs: list[str], path: str) -> None:
         for tag, label, style in (("train/loss", "train", "-"), ("eval/val_loss", "val", "o-")):
             if series.get(tag):
                 steps, values = zip(*series[tag])
-                loss_ax.plot([s * tokens for s in steps], values, style, markersize=3,
-                             linewidth=1, label=f"{name} {label}")
+                loss_ax.plot(
+                    [s * tokens for s in steps], values, style, markersize=3, linewidth=1, label=f"{name} {label}"
+                )
         for tag in task_tags:  # eval_tasks: e.g. eval/hellaswag_acc_norm
             if series.get(tag):
                 steps, values = zip(*series[tag])
-                axes[0, 1].plot([s * tokens for s in steps], values, "o-", markersize=3, linewidth=1,
-                                label=f"{name} {tag.removeprefix('eval/')}")
+                axes[0, 1].plot(
+                    [s * tokens for s in steps],
+                    values,
+                    "o-",
+                    markersize=3,
+                    linewidth=1,
+                    label=f"{name} {tag.removeprefix('eval/')}",
+                )
     loss_ax.set_ylabel("cross-entropy loss")
     if task_tags:
         axes[0, 1].set_ylabel("accuracy")
@@ -79,7 +87,8 @@ def decode_series(paths: list[str]) -> dict:
                 continue
             key = f"weights {r.get('weight_dtype', 'auto')}, KV {r.get('kv_cache_dtype', 'auto')}"
             series.setdefault(key, []).extend(
-                (run["batch_size"], run["tokens_per_s"], run["step_s"] * 1e3) for run in r["runs"])
+                (run["batch_size"], run["tokens_per_s"], run["step_s"] * 1e3) for run in r["runs"]
+            )
     if not series:
         raise ValueError(f"no bench.py --mode=decode records in {', '.join(paths)}")
     return {key: sorted(points) for key, points in series.items()}
@@ -89,6 +98,7 @@ def plot_decode(paths: list[str], path: str, title: str = "") -> None:
     """Each series a line through its batch sizes: tokens/s (throughput) against ms per token step
     (each row's latency), the batch written at each point."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -115,8 +125,11 @@ def main(argv):
     parser.add_argument("--decode", action="store_true", help="plot bench.py --mode=decode records instead")
     parser.add_argument("--title", default="", help="with --decode: the chart's title")
     args = parser.parse_args(argv)
-    path = args.out or (os.path.splitext(args.out_dirs[0])[0] + "_decode.png" if args.decode
-                        else os.path.join(args.out_dirs[0], "loss.png"))
+    path = args.out or (
+        os.path.splitext(args.out_dirs[0])[0] + "_decode.png"
+        if args.decode
+        else os.path.join(args.out_dirs[0], "loss.png")
+    )
     try:
         if args.decode:
             plot_decode(args.out_dirs, path, args.title)

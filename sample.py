@@ -19,8 +19,16 @@ import configurator
 from data import chat_template
 from devices import memory
 from inference.generate import decode_sample, encode_prompt, generate, stop_token_ids
-from inference.loader import (KV_CACHE_DTYPES, WEIGHT_DTYPES, decode_mesh, default_dtype, load_checkpoint, load_hf,
-                              memory_summary, serving_weights)
+from inference.loader import (
+    KV_CACHE_DTYPES,
+    WEIGHT_DTYPES,
+    decode_mesh,
+    default_dtype,
+    load_checkpoint,
+    load_hf,
+    memory_summary,
+    serving_weights,
+)
 from layers.quantization import MODES as QUANTIZATION_MODES
 
 
@@ -74,6 +82,7 @@ class SampleConfig:
 
 # ----------------------------------------------------------------------------- streaming
 
+
 class StreamPrinter:
     """Prints one sample's text as its tokens arrive (called from inside the decode loop)."""
 
@@ -90,7 +99,7 @@ class StreamPrinter:
         text = decode_sample(self.tok, self.ids)
         if text.endswith("\ufffd") and not final:  # half of a multi-byte character: wait for the rest
             return
-        print(text[len(self.shown):], end="", flush=True)
+        print(text[len(self.shown) :], end="", flush=True)
         self.shown = text
 
     def finish(self):
@@ -114,6 +123,7 @@ def read_prompts(start: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- chat
+
 
 def read_messages(path: str) -> list[dict]:
     """--messages: a JSON list of {role, content}."""
@@ -152,9 +162,20 @@ def converse(cfg: SampleConfig, setup, params, tok, given=None) -> list[dict]:
         prompt = tok.encode(chat_template.render(tok, history))  # a template that wants BOS writes it itself
         print("assistant> ", end="", flush=True)
         stream = StreamPrinter(tok, [], stop_ids)
-        out = generate(setup, params, [prompt], cfg.max_new_tokens, seed=cfg.seed + n, temperature=cfg.temperature,
-                       top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=stop_ids, kv_cache=cfg.kv_cache,
-                       on_token=stream, vocab=tok.vocab_size)
+        out = generate(
+            setup,
+            params,
+            [prompt],
+            cfg.max_new_tokens,
+            seed=cfg.seed + n,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            stop_ids=stop_ids,
+            kv_cache=cfg.kv_cache,
+            on_token=stream,
+            vocab=tok.vocab_size,
+        )
         stream.finish()
         reply = [int(i) for i in out.tokens[0] if int(i) not in stop_ids]
         history.append({"role": "assistant", "content": tok.decode(reply)})
@@ -171,15 +192,17 @@ def main(argv):
             setup, params, step, tok = load_checkpoint(cfg.out_dir, mesh, cfg.quantization, cfg.kv_cache_dtype)
             print(f"loaded step {step} from {os.path.abspath(cfg.out_dir)}", file=sys.stderr)
         else:
-            setup, params, tok = load_hf(cfg.init_from, mesh, cfg.quantization, default_dtype(cfg.dtype),
-                                         cfg.kv_cache_dtype)
+            setup, params, tok = load_hf(
+                cfg.init_from, mesh, cfg.quantization, default_dtype(cfg.dtype), cfg.kv_cache_dtype
+            )
             print(f"loaded {cfg.init_from} ({tok.summary()})", file=sys.stderr)
         params = serving_weights(setup, params, cfg.weight_dtype)  # once: bfloat16 halves the memory, int8 again
         print(memory_summary(setup, params), file=sys.stderr)
         # XLA:TPU refuses, while compiling, what cannot fit: one line with the remedies, not its traceback
         rows = 1 if cfg.chat else len(texts) * cfg.num_samples
-        refusing = memory.refusing_out_of_memory(f"sampling {rows} rows", list(mesh.devices.flat),
-                                                 memory.sampling_remedies(cfg, len(texts)), params)
+        refusing = memory.refusing_out_of_memory(
+            f"sampling {rows} rows", list(mesh.devices.flat), memory.sampling_remedies(cfg, len(texts)), params
+        )
         if cfg.chat:
             with refusing:
                 converse(cfg, setup, params, tok, given)
@@ -188,9 +211,20 @@ def main(argv):
         stop_ids = stop_token_ids(tok, cfg.stop)
         stream = StreamPrinter(tok, prompts[0], stop_ids) if cfg.stream else None
         with refusing:
-            out = generate(setup, params, prompts, cfg.max_new_tokens, seed=cfg.seed,
-                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=stop_ids,
-                           kv_cache=cfg.kv_cache, on_token=stream, vocab=tok.vocab_size)
+            out = generate(
+                setup,
+                params,
+                prompts,
+                cfg.max_new_tokens,
+                seed=cfg.seed,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                stop_ids=stop_ids,
+                kv_cache=cfg.kv_cache,
+                on_token=stream,
+                vocab=tok.vocab_size,
+            )
     except (OSError, ValueError) as e:  # also CheckpointError, sharding.MeshError
         sys.exit(f"error: {e}")
     for i, (ids, new) in enumerate(zip(prompts, out.tokens)):
@@ -200,11 +234,13 @@ def main(argv):
             print(decode_sample(tok, ids + new))
         print("---------------")
     rows = len(prompts)
-    print(f"prefill: {out.prompt_tokens} prompt tokens in {out.prefill_s * 1e3:.1f} ms "
-          f"({out.prompt_tokens / out.prefill_s:,.0f} tok/s) | decode: {out.decode_tokens} tokens in "
-          f"{out.decode_s:.2f} s ({out.decode_tokens / out.decode_s:,.1f} tok/s, {rows} rows"
-          f"{', KV cache' if cfg.kv_cache else ', recomputed'}) | compile {out.compile_s:.1f} s",
-          file=sys.stderr)
+    print(
+        f"prefill: {out.prompt_tokens} prompt tokens in {out.prefill_s * 1e3:.1f} ms "
+        f"({out.prompt_tokens / out.prefill_s:,.0f} tok/s) | decode: {out.decode_tokens} tokens in "
+        f"{out.decode_s:.2f} s ({out.decode_tokens / out.decode_s:,.1f} tok/s, {rows} rows"
+        f"{', KV cache' if cfg.kv_cache else ', recomputed'}) | compile {out.compile_s:.1f} s",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -101,8 +101,10 @@ class ServeConfig:
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if len(os.fsencode(self.uds)) > MAX_SOCKET_PATH:
-            raise configurator.ConfigError(f"--uds={self.uds} is {len(os.fsencode(self.uds))} bytes long; a unix "
-                                           f"socket's path takes at most {MAX_SOCKET_PATH}: choose a shorter one")
+            raise configurator.ConfigError(
+                f"--uds={self.uds} is {len(os.fsencode(self.uds))} bytes long; a unix "
+                f"socket's path takes at most {MAX_SOCKET_PATH}: choose a shorter one"
+            )
         if self.http_workers < -1:
             raise configurator.ConfigError(f"http_workers must be >= 0, or -1 (auto), got {self.http_workers}")
         if not 0 < self.port < 65536:
@@ -113,14 +115,19 @@ class ServeConfig:
         configurator.check_choice("kv_cache_dtype", self.kv_cache_dtype, loader.KV_CACHE_DTYPES)
         configurator.check_choice("decode_attention", self.decode_attention, engine.DECODE_ATTENTION)
         if self.decode_attention == "pallas" and self.mesh_data * self.mesh_tensor > 1:
-            raise configurator.ConfigError("decode_attention='pallas' runs on one device: use mesh_data=1 and "
-                                           "mesh_tensor=1, or decode_attention='auto' or 'xla'")
+            raise configurator.ConfigError(
+                "decode_attention='pallas' runs on one device: use mesh_data=1 and "
+                "mesh_tensor=1, or decode_attention='auto' or 'xla'"
+            )
         if self.slots % self.mesh_data:
-            raise configurator.ConfigError(f"slots={self.slots} is not divisible by mesh_data={self.mesh_data}: "
-                                           f"the slots are split over it; use a multiple of {self.mesh_data}")
+            raise configurator.ConfigError(
+                f"slots={self.slots} is not divisible by mesh_data={self.mesh_data}: "
+                f"the slots are split over it; use a multiple of {self.mesh_data}"
+            )
 
 
 # ----------------------------------------------------------------------------- the server
+
 
 class Server:
     """The model, its tokenizer and the engine (None until compiled), and the request log."""
@@ -129,17 +136,20 @@ class Server:
         self.cfg = cfg
         mesh = loader.decode_mesh(cfg.mesh_data, cfg.mesh_tensor)
         if cfg.init_from == "resume":
-            setup, params, step, self.tok = loader.load_checkpoint(cfg.out_dir, mesh, cfg.quantization,
-                                                                      cfg.kv_cache_dtype)
+            setup, params, step, self.tok = loader.load_checkpoint(
+                cfg.out_dir, mesh, cfg.quantization, cfg.kv_cache_dtype
+            )
             source = f"step {step} of {cfg.out_dir}"
         else:
-            setup, params, self.tok = loader.load_hf(cfg.init_from, mesh, cfg.quantization,
-                                                        loader.default_dtype(cfg.dtype), cfg.kv_cache_dtype)
+            setup, params, self.tok = loader.load_hf(
+                cfg.init_from, mesh, cfg.quantization, loader.default_dtype(cfg.dtype), cfg.kv_cache_dtype
+            )
             source = cfg.init_from
         self.setup, self.params = setup, loader.serving_weights(setup, params, cfg.weight_dtype)
         self.context = setup.model_config.block_size
-        self.name = cfg.model_name or os.path.basename(os.path.normpath(
-            cfg.out_dir if cfg.init_from == "resume" else cfg.init_from))
+        self.name = cfg.model_name or os.path.basename(
+            os.path.normpath(cfg.out_dir if cfg.init_from == "resume" else cfg.init_from)
+        )
         self.created = int(time.time())
         self.engine: engine.Engine | None = None
         self.memory: dict | None = None  # the start-up memory check's numbers (memory.check)
@@ -147,23 +157,38 @@ class Server:
         self.token_scorer = None  # echo with logprobs: made on first use
         self.after_tokens = None  # the engine's after_tokens (serving/workers.py's, with HTTP workers)
         self.stopping = False
-        print(f"loaded {source} as '{self.name}' ({self.tok.summary()}, {setup.model_config.dtype}, "
-              f"context {self.context}); {loader.memory_summary(setup, self.params)}", flush=True)
+        print(
+            f"loaded {source} as '{self.name}' ({self.tok.summary()}, {setup.model_config.dtype}, "
+            f"context {self.context}); {loader.memory_summary(setup, self.params)}",
+            flush=True,
+        )
 
     def start_engine(self, on_failure=None) -> None:
         """Compile the engine's programs (in a thread: /health answers 503 meanwhile) and check that they
         fit the devices; if they cannot, keep the reason in self.failure and call on_failure."""
+
         def fail(error):
             self.failure = str(error)
             if on_failure is not None:
                 on_failure()
 
         try:  # XLA:TPU refuses, while compiling, programs that cannot fit: the same one line as the check's
-            with memory.refusing_out_of_memory("serving", list(self.setup.mesh.devices.flat),
-                                               memory.serving_remedies(self.cfg, len(jax.devices())), self.params):
-                e = engine.Engine(self.setup, self.params, self.cfg.slots, self.cfg.max_queue,
-                                  vocab=self.tok.vocab_size, decode_steps=self.cfg.decode_steps,
-                                  decode_attention=self.cfg.decode_attention, after_tokens=self.after_tokens)
+            with memory.refusing_out_of_memory(
+                "serving",
+                list(self.setup.mesh.devices.flat),
+                memory.serving_remedies(self.cfg, len(jax.devices())),
+                self.params,
+            ):
+                e = engine.Engine(
+                    self.setup,
+                    self.params,
+                    self.cfg.slots,
+                    self.cfg.max_queue,
+                    vocab=self.tok.vocab_size,
+                    decode_steps=self.cfg.decode_steps,
+                    decode_attention=self.cfg.decode_attention,
+                    after_tokens=self.after_tokens,
+                )
         except (configurator.ConfigError, engine.EngineError) as error:
             return fail(error)
         if self.cfg.memory_check:
@@ -173,20 +198,23 @@ class Server:
                 e.shutdown()
                 return fail(error)
         self.engine = e
-        print(f"ready: {e.slots} slots x {self.context} tokens, KV cache {e.kv_bytes / 2**20:,.1f} MiB "
-              f"({e.kv_bytes_per_token:,} bytes per token), weights {e.weight_bytes / 2**20:,.1f} MiB; "
-              f"{len(e.buckets)} prompt buckets ({', '.join(map(str, e.buckets))}); decode attention: "
-              f"{'the kernel' if e.reads_filled else 'XLA over prefix buckets'}; "
-              f"compiled in {e.compile_s:.1f} s",
-              flush=True)
+        print(
+            f"ready: {e.slots} slots x {self.context} tokens, KV cache {e.kv_bytes / 2**20:,.1f} MiB "
+            f"({e.kv_bytes_per_token:,} bytes per token), weights {e.weight_bytes / 2**20:,.1f} MiB; "
+            f"{len(e.buckets)} prompt buckets ({', '.join(map(str, e.buckets))}); decode attention: "
+            f"{'the kernel' if e.reads_filled else 'XLA over prefix buckets'}; "
+            f"compiled in {e.compile_s:.1f} s",
+            flush=True,
+        )
 
     def check_memory(self, e: engine.Engine) -> dict:
         """memory.check of the engine's programs: each holds the weights and every slot's cache (its
         arguments, donated back); an admission also its prompts' activations."""
         devices = list(e.mesh.devices.flat)
         need = memory.needed([e.step_program, *e.admit_programs.values()], devices[0].platform)
-        return memory.check("serving", need, devices, self.cfg.memory_limit_gib,
-                            memory.serving_remedies(self.cfg, len(jax.devices())))
+        return memory.check(
+            "serving", need, devices, self.cfg.memory_limit_gib, memory.serving_remedies(self.cfg, len(jax.devices()))
+        )
 
     def ready(self) -> engine.Engine:
         if self.stopping or self.engine is None:
@@ -216,9 +244,16 @@ class Server:
         e = self.engine
         if e is None or self.stopping:
             return 503, {"status": "stopping" if self.stopping else "loading"}
-        return 200, {"status": "ok", "model": self.name, "context": self.context, "weight_bytes": e.weight_bytes,
-                     "kv_bytes_per_token": e.kv_bytes_per_token, "memory_bandwidth": e.memory_bandwidth,
-                     "memory": self.memory, **e.stats()}
+        return 200, {
+            "status": "ok",
+            "model": self.name,
+            "context": self.context,
+            "weight_bytes": e.weight_bytes,
+            "kv_bytes_per_token": e.kv_bytes_per_token,
+            "memory_bandwidth": e.memory_bandwidth,
+            "memory": self.memory,
+            **e.stats(),
+        }
 
     def prompt_logprobs(self, ids: list) -> list:
         """The prompt as engine.Tokens, as echo with logprobs reports them (lm-evaluation-harness's
@@ -230,15 +265,17 @@ class Server:
             self.token_scorer = scoring.make_token_scorer(self.setup, engine.TOP_LOGPROBS)
         length = next(b for b in e.buckets if b >= len(ids))
         tokens_1xL = np.zeros((1, length), np.int32)
-        tokens_1xL[0, :len(ids)] = ids
+        tokens_1xL[0, : len(ids)] = ids
         with sharding.activate(e.mesh):
             picked, (top_logprobs, top_ids) = self.token_scorer(e.params, tokens_1xL)
         picked, top_logprobs, top_ids = (np.asarray(a)[0].tolist() for a in (picked, top_logprobs, top_ids))
         return [engine.Token(ids[0], None, None)] + [
-            engine.Token(token, picked[t], tuple(zip(top_ids[t], top_logprobs[t]))) for t, token in enumerate(ids[1:])]
+            engine.Token(token, picked[t], tuple(zip(top_ids[t], top_logprobs[t]))) for t, token in enumerate(ids[1:])
+        ]
 
 
 # ----------------------------------------------------------------------------- running it
+
 
 def summaries(server: Server, stop: threading.Event) -> None:
     """A line every log_interval seconds while requests come: slots busy, queue, tokens/s, and where a
@@ -255,13 +292,17 @@ def summaries(server: Server, stop: threading.Event) -> None:
             last_time = server.engine.started
         if s["tokens"] != last["tokens"] or s["busy"] or s["queued"]:
             steps, seconds = s["steps"] - last["steps"], now - last_time
-            line = (f"engine: {s['busy']}/{s['slots']} slots busy, {s['queued']} queued, "
-                    f"{(s['tokens'] - last['tokens']) / seconds:,.1f} tok/s, {steps / seconds:,.1f} steps/s")
+            line = (
+                f"engine: {s['busy']}/{s['slots']} slots busy, {s['queued']} queued, "
+                f"{(s['tokens'] - last['tokens']) / seconds:,.1f} tok/s, {steps / seconds:,.1f} steps/s"
+            )
             if steps:
                 per_step = {k: (v - last["seconds"][k]) / steps * 1e3 for k, v in s["seconds"].items()}
-                line += (f"; a step {seconds / steps * 1e3 - per_step['idle']:.2f} ms busy: the program "
-                         f"{per_step['step']:.2f}, tokens out {per_step['tokens']:.2f}, "
-                         f"admitting {per_step['admit']:.2f}")
+                line += (
+                    f"; a step {seconds / steps * 1e3 - per_step['idle']:.2f} ms busy: the program "
+                    f"{per_step['step']:.2f}, tokens out {per_step['tokens']:.2f}, "
+                    f"admitting {per_step['admit']:.2f}"
+                )
             print(line, flush=True)
         last, last_time = s, now
 
@@ -274,13 +315,15 @@ def check_socket_path(path: str) -> None:
     if not os.path.lexists(path):
         return
     if not stat.S_ISSOCK(os.lstat(path).st_mode):
-        raise configurator.ConfigError(f"--uds={path} exists and is not a socket: serve.py won't replace it; "
-                                       f"choose another path")
+        raise configurator.ConfigError(
+            f"--uds={path} exists and is not a socket: serve.py won't replace it; choose another path"
+        )
     with socket.socket(socket.AF_UNIX) as probe:
         listening = probe.connect_ex(path) == 0
     if listening:
-        raise configurator.ConfigError(f"--uds={path}: another server is listening on it; stop that one, or "
-                                       f"choose another path")
+        raise configurator.ConfigError(
+            f"--uds={path}: another server is listening on it; stop that one, or choose another path"
+        )
 
 
 def listen(cfg: ServeConfig) -> socket.socket:
@@ -301,12 +344,15 @@ def serve_in_process(server: Server, compile_engine) -> str | None:
     """uvicorn on this process's event loop until SIGTERM or Ctrl-C; why it could not listen, if not."""
     cfg = server.cfg
     where = {"uds": cfg.uds} if cfg.uds else {"host": cfg.host, "port": cfg.port}
+
     def stop():  # the engine ends the open requests, so that their streams end and uvicorn can stop
         server.stopping = True
         if server.engine is not None:
             server.engine.stop()
-    uv = workers.StoppingUvicorn(uvicorn.Config(app.make_app(server), **where, log_level="warning",
-                                                timeout_graceful_shutdown=30), on_stop=stop)
+
+    uv = workers.StoppingUvicorn(
+        uvicorn.Config(app.make_app(server), **where, log_level="warning", timeout_graceful_shutdown=30), on_stop=stop
+    )
     compiling = compile_engine(on_failure=lambda: setattr(uv, "should_exit", True))
     try:
         uv.run()
@@ -361,10 +407,12 @@ def main(argv) -> None:
 
     def compile_engine(on_failure, then=lambda: None) -> threading.Thread:
         """Compile the engine's programs in a thread (/health answers 503 meanwhile), then call `then`."""
+
         def start():
             server.start_engine(on_failure)
             if server.engine is not None:
                 then()
+
         thread = threading.Thread(target=start, name="compile", daemon=True)
         thread.start()
         return thread
@@ -377,8 +425,11 @@ def main(argv) -> None:
         workers_count = AUTO_HTTP_WORKERS if server.setup.mesh.devices.flat[0].platform != "cpu" else 0
     address = f"unix socket {cfg.uds}" if cfg.uds else f"http://{cfg.host}:{cfg.port}"
     in_workers = f"; HTTP in {workers_count} worker process{'es' if workers_count > 1 else ''}" if workers_count else ""
-    print(f"serving on {address}: the chat page at /, the API at /v1"
-          f"{' (API key required)' if cfg.api_key else ''} (GET /health is 200 once compiled){in_workers}", flush=True)
+    print(
+        f"serving on {address}: the chat page at /, the API at /v1"
+        f"{' (API key required)' if cfg.api_key else ''} (GET /health is 200 once compiled){in_workers}",
+        flush=True,
+    )
     not_listening = None
     try:
         if workers_count:

@@ -73,15 +73,25 @@ def resolve_mesh_shape(sizes: dict, n_devices: int) -> dict:
         shape[unknown[0]] = n_devices // known
     if math.prod(shape.values()) != n_devices:
         product = " x ".join(f"{axis}={n}" for axis, n in shape.items())
-        raise MeshError(f"mesh {product} = {math.prod(shape.values())} devices, but there are "
-                        f"{n_devices}; set one of {flags} to -1")
+        raise MeshError(
+            f"mesh {product} = {math.prod(shape.values())} devices, but there are {n_devices}; set one of {flags} to -1"
+        )
     return shape
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None,
-              dcn: tuple[int, int, int] = (1, 1, 1), expert: int = 1, dcn_expert: int = 1,
-              stage: int = 1, dcn_stage: int = 1, context: int = 1,
-              dcn_context: int = 1) -> jax.sharding.Mesh:
+def make_mesh(
+    data: int = -1,
+    fsdp: int = 1,
+    tensor: int = 1,
+    devices=None,
+    dcn: tuple[int, int, int] = (1, 1, 1),
+    expert: int = 1,
+    dcn_expert: int = 1,
+    stage: int = 1,
+    dcn_stage: int = 1,
+    context: int = 1,
+    dcn_context: int = 1,
+) -> jax.sharding.Mesh:
     """A (stage, data, expert, fsdp, context, tensor) mesh. `dcn` (data, fsdp, tensor), `dcn_expert` and
     `dcn_stage` multiply each axis across slices (or hosts).
 
@@ -96,9 +106,9 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None,
     n_slices = math.prod(dcn_shape)
     if len(devices) % n_slices:
         raise MeshError(f"{len(devices)} devices can't form dcn mesh {dcn} ({n_slices} slices)")
-    sizes = resolve_mesh_shape(dict(stage=stage, data=data, expert=expert, fsdp=fsdp, context=context,
-                                    tensor=tensor),
-                               len(devices) // n_slices)
+    sizes = resolve_mesh_shape(
+        dict(stage=stage, data=data, expert=expert, fsdp=fsdp, context=context, tensor=tensor), len(devices) // n_slices
+    )
     ici = tuple(sizes.values())
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if n_slices == 1:
@@ -113,8 +123,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None,
     return jax.sharding.Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
-def initialize_distributed(coordinator_address: str = "", num_processes: int = 1,
-                           process_id: int = 0) -> None:
+def initialize_distributed(coordinator_address: str = "", num_processes: int = 1, process_id: int = 0) -> None:
     """Join the other processes of a multi-host run (JAX's runtime does the communication).
 
     Explicit arguments win; otherwise JAX's own cluster detection is used when the
@@ -129,60 +138,87 @@ def initialize_distributed(coordinator_address: str = "", num_processes: int = 1
 
 def _launched_as_several_processes() -> bool:
     env = os.environ
-    return (int(env.get("SLURM_NTASKS", "1")) > 1
-            or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
-            or "," in env.get("TPU_WORKER_HOSTNAMES", "")
-            or "JAX_COORDINATOR_ADDRESS" in env)
+    return (
+        int(env.get("SLURM_NTASKS", "1")) > 1
+        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+        or "," in env.get("TPU_WORKER_HOSTNAMES", "")
+        or "JAX_COORDINATOR_ADDRESS" in env
+    )
 
 
-def check_model_fits_mesh(mesh, *, n_head: int, n_embd: int, batch_size: int, n_kv_head: int = 0,
-                          mlp_hidden: int = 0, n_experts: int = 0, n_layer: int = 0,
-                          microbatches: int = 1, layers_per_stage: int = 0) -> None:
+def check_model_fits_mesh(
+    mesh,
+    *,
+    n_head: int,
+    n_embd: int,
+    batch_size: int,
+    n_kv_head: int = 0,
+    mlp_hidden: int = 0,
+    n_experts: int = 0,
+    n_layer: int = 0,
+    microbatches: int = 1,
+    layers_per_stage: int = 0,
+) -> None:
     """Fail before compiling when the model's sizes can't be split the way the mesh asks.
     n_kv_head and mlp_hidden: 0 = GPT-2's (n_head, 4 * n_embd); n_experts: 0 = dense;
     microbatches and layers_per_stage: the pipeline's, when mesh_stage > 1."""
     tensor, expert = mesh.shape["tensor"], mesh.shape["expert"]
     if expert > 1 and (not n_experts or n_experts % expert):
-        raise MeshError(f"mesh_expert={expert} splits a mixture of experts' experts, but n_experts={n_experts} "
-                        f"is not a multiple of it: use a mesh_expert that divides n_experts (or 1)")
+        raise MeshError(
+            f"mesh_expert={expert} splits a mixture of experts' experts, but n_experts={n_experts} "
+            f"is not a multiple of it: use a mesh_expert that divides n_experts (or 1)"
+        )
     if n_head % tensor:
         raise MeshError(f"n_head={n_head} is not divisible by mesh_tensor={tensor}")
     # model.py keeps each key/value head with its query heads; with fewer key/value heads than tensor
     # devices, every device holds all of them (their projection and cache replicated over tensor).
     if n_kv_head and n_kv_head % tensor and tensor % n_kv_head:
-        raise MeshError(f"n_kv_head={n_kv_head} is not divisible by mesh_tensor={tensor}, nor mesh_tensor by it: "
-                        f"tensor splits the groups of query heads that share a key/value head (or replicates "
-                        f"the key/value heads when there are fewer); use a mesh_tensor that divides n_kv_head "
-                        f"or a multiple of it")
+        raise MeshError(
+            f"n_kv_head={n_kv_head} is not divisible by mesh_tensor={tensor}, nor mesh_tensor by it: "
+            f"tensor splits the groups of query heads that share a key/value head (or replicates "
+            f"the key/value heads when there are fewer); use a mesh_tensor that divides n_kv_head "
+            f"or a multiple of it"
+        )
     mlp_hidden = mlp_hidden or 4 * n_embd
     if mlp_hidden % tensor:
         raise MeshError(f"the MLP width {mlp_hidden} is not divisible by mesh_tensor={tensor}")
     rows, split = batch_shards(mesh), " x ".join(f"mesh_{a}" for a in BATCH_AXES)
     if batch_size % rows:
-        raise MeshError(f"batch_size={batch_size} is not divisible by {split} = {rows}; use a batch_size "
-                        f"that is a multiple of {rows}")
+        raise MeshError(
+            f"batch_size={batch_size} is not divisible by {split} = {rows}; use a batch_size "
+            f"that is a multiple of {rows}"
+        )
     stages = mesh.shape["stage"]
     if stages > 1:
         check_pipeline(stages, n_layer, batch_size, rows, split, microbatches, layers_per_stage)
 
 
-def check_pipeline(stages: int, n_layer: int, batch_size: int, rows: int, split: str,
-                   microbatches: int, layers_per_stage: int) -> None:
+def check_pipeline(
+    stages: int, n_layer: int, batch_size: int, rows: int, split: str, microbatches: int, layers_per_stage: int
+) -> None:
     if n_layer % stages:
-        raise MeshError(f"n_layer={n_layer} is not divisible by mesh_stage={stages}: each pipeline stage "
-                        f"holds as many layers; use a mesh_stage that divides n_layer")
+        raise MeshError(
+            f"n_layer={n_layer} is not divisible by mesh_stage={stages}: each pipeline stage "
+            f"holds as many layers; use a mesh_stage that divides n_layer"
+        )
     per_stage = layers_per_stage or n_layer // stages
     if n_layer % (stages * per_stage):
-        raise MeshError(f"layers_per_stage={layers_per_stage}: n_layer={n_layer} is not a multiple of "
-                        f"mesh_stage x layers_per_stage = {stages * per_stage}; use a divisor of "
-                        f"{n_layer // stages} (or 0 for GPipe)")
+        raise MeshError(
+            f"layers_per_stage={layers_per_stage}: n_layer={n_layer} is not a multiple of "
+            f"mesh_stage x layers_per_stage = {stages * per_stage}; use a divisor of "
+            f"{n_layer // stages} (or 0 for GPipe)"
+        )
     if per_stage < n_layer // stages and microbatches < stages:
-        raise MeshError(f"the circular pipeline (layers_per_stage={layers_per_stage} < n_layer / mesh_stage) "
-                        f"needs pipeline_microbatches >= mesh_stage={stages}, got {microbatches}")
+        raise MeshError(
+            f"the circular pipeline (layers_per_stage={layers_per_stage} < n_layer / mesh_stage) "
+            f"needs pipeline_microbatches >= mesh_stage={stages}, got {microbatches}"
+        )
     if batch_size % (rows * microbatches):
-        raise MeshError(f"batch_size={batch_size} can't be cut into pipeline_microbatches={microbatches} "
-                        f"of rows split {split} = {rows} ways; use a batch_size that is a multiple of "
-                        f"{rows * microbatches}")
+        raise MeshError(
+            f"batch_size={batch_size} can't be cut into pipeline_microbatches={microbatches} "
+            f"of rows split {split} = {rows} ways; use a batch_size that is a multiple of "
+            f"{rows * microbatches}"
+        )
 
 
 BATCH_AXES = dict(RULES)["batch"]
@@ -214,8 +250,7 @@ def param_shardings(abstract_state, mesh, rules=RULES):
             axes.append(mesh_axis if dim % size == 0 else None)
         return NamedSharding(mesh, PartitionSpec(*axes))
 
-    return jax.tree.map(to_sharding, logical_specs, abstract_state,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(to_sharding, logical_specs, abstract_state, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def _as_tuple(mesh_axis) -> tuple:

@@ -44,17 +44,27 @@ class TrainingError(RuntimeError):
 
 # ----------------------------------------------------------------------------- state
 
+
 def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
-    return sharding.make_mesh(config.mesh_data, config.mesh_fsdp, config.mesh_tensor, devices,
-                              dcn=(config.dcn_data, config.dcn_fsdp, config.dcn_tensor),
-                              expert=config.mesh_expert, dcn_expert=config.dcn_expert,
-                              stage=config.mesh_stage, dcn_stage=config.dcn_stage, context=config.mesh_context,
-                              dcn_context=config.dcn_context)
+    return sharding.make_mesh(
+        config.mesh_data,
+        config.mesh_fsdp,
+        config.mesh_tensor,
+        devices,
+        dcn=(config.dcn_data, config.dcn_fsdp, config.dcn_tensor),
+        expert=config.mesh_expert,
+        dcn_expert=config.dcn_expert,
+        stage=config.mesh_stage,
+        dcn_stage=config.dcn_stage,
+        context=config.mesh_context,
+        dcn_context=config.dcn_context,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """Everything that describes the computation but holds no arrays."""
+
     config: Config
     model_config: GPTConfig
     mesh: jax.sharding.Mesh
@@ -92,7 +102,8 @@ def make_setup(config: Config, mesh, vocab_size: int, document_start: int | None
         raise configurator.ConfigError(
             "document_masking=True starts a document at each begin-of-text or end-of-text token, and the "
             "dataset has neither (a char-level tokenizer, or no meta.json to name one): prepare the data with "
-            "a tokenizer that has them (GPT-2's, a Hugging Face one), or set document_masking=False")
+            "a tokenizer that has them (GPT-2's, a Hugging Face one), or set document_masking=False"
+        )
     model = loader.model_setup(config, mesh, vocab_size)
     param_shardings, abstract_params = model.param_shardings, model.abstract_params
     optimizer = make_optimizer(config)
@@ -100,14 +111,17 @@ def make_setup(config: Config, mesh, vocab_size: int, document_start: int | None
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     opt_shardings = state_shardings(optimizer, abstract_opt_state, param_shardings, replicated)
     compute = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
-    shardings = {name: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
-                 if name in offloaded_parts(config, mesh) else tree for name, tree in compute.items()}
-    abstract = {"params": abstract_params, "opt_state": abstract_opt_state,
-                "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract, shardings)
-    return Setup(config, model.model_config, mesh, model.graphdef, optimizer, shardings, abstract, compute,
-                 document_start)
+    shardings = {
+        name: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
+        if name in offloaded_parts(config, mesh)
+        else tree
+        for name, tree in compute.items()
+    }
+    abstract = {"params": abstract_params, "opt_state": abstract_opt_state, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return Setup(
+        config, model.model_config, mesh, model.graphdef, optimizer, shardings, abstract, compute, document_start
+    )
 
 
 def offloaded_parts(config: Config, mesh) -> tuple:
@@ -117,8 +131,10 @@ def offloaded_parts(config: Config, mesh) -> tuple:
     parts = {"none": (), "optimizer": ("opt_state",), "params_and_optimizer": ("params", "opt_state")}[config.offload]
     device = mesh.devices.flat[0]
     if parts and "pinned_host" not in {m.kind for m in device.addressable_memories()}:
-        raise configurator.ConfigError(f"offload={config.offload!r} keeps state in the host's pinned memory, "
-                                       f"which {device.platform} devices here can't address; use offload='none'")
+        raise configurator.ConfigError(
+            f"offload={config.offload!r} keeps state in the host's pinned memory, "
+            f"which {device.platform} devices here can't address; use offload='none'"
+        )
     return parts
 
 
@@ -130,11 +146,11 @@ def on_device(tree, shardings):
 def init_state(setup: Setup, params=None) -> dict:
     """A fresh train state, created directly in its sharded layout (never whole on one device):
     for `params` (pretrained weights, already sharded) or from a random initialization."""
+
     def init(params):
         if params is None:
             params = nnx.to_pure_dict(nnx.state(GPT(setup.model_config, jax.random.key(setup.config.seed))))
-        return {"params": params, "opt_state": setup.optimizer.init(params),
-                "step": jnp.zeros((), jnp.int32)}
+        return {"params": params, "opt_state": setup.optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
     with sharding.activate(setup.mesh):
         return jax.jit(init, out_shardings=setup.state_shardings)(params)
@@ -202,8 +218,7 @@ def summed_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None, packed_BxT
     x_BxT, y_BxT, ids_BxT, order_T = balanced_rows(setup, x_BxT, y_BxT, segment_ids(setup, x_BxT, packed_BxT))
     gpt = nnx.merge(setup.graphdef, params)
     x_BTxD, stats, w_DxV = gpt.features(x_BxT, dropout_key, ids_BxT, order_T)
-    total, count = chunked_cross_entropy(lambda x_NxD: gpt.head(x_NxD, w_DxV), x_BTxD, y_BxT,
-                                         setup.config.loss_chunks)
+    total, count = chunked_cross_entropy(lambda x_NxD: gpt.head(x_NxD, w_DxV), x_BTxD, y_BxT, setup.config.loss_chunks)
     return total, count, stats
 
 
@@ -262,7 +277,8 @@ def per_shard(micro_step_grads, axes: tuple[str, ...], shards: int):
         keys = None if key is None else jax.random.split(key, shards)
         with nnx.logical_axis_rules(rules):
             grads_S, (loss_S, router) = jax.vmap(micro_step_grads, spmd_axis_name=axes)(
-                split(x_BxT), split(y_BxT), split(packed_BxT), keys)
+                split(x_BxT), split(y_BxT), split(packed_BxT), keys
+            )
         return grads_S, (loss_S.sum(), router)
 
     return run
@@ -309,11 +325,11 @@ def make_train_step(setup: Setup):
 
         # Gradient accumulation as a scan: one compiled loop, not one dispatch per micro-step.
         zeros = jax.tree.map(lambda p: jnp.zeros((shards, *p.shape) if kept_apart else p.shape, p.dtype), params)
-        grads, (losses, router) = jax.lax.scan(micro_step, zeros,
-                                               (x_AxBxT, y_AxBxT, packed_AxBxT, jnp.arange(n_micro)))
+        grads, (losses, router) = jax.lax.scan(micro_step, zeros, (x_AxBxT, y_AxBxT, packed_AxBxT, jnp.arange(n_micro)))
         if kept_apart:  # the shards' partial sums, reduced once for the step
-            grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g.sum(0), grads),
-                                                     setup.compute_shardings["params"])
+            grads = jax.lax.with_sharding_constraint(
+                jax.tree.map(lambda g: g.sum(0), grads), setup.compute_shardings["params"]
+            )
         loss, grad_norm = losses.sum(), optax.tree.norm(grads)
         # Offloaded optimizer state comes to the device only now, after the backward passes.
         old_opt_state = on_device(state["opt_state"], setup.compute_shardings["opt_state"])
@@ -322,11 +338,12 @@ def make_train_step(setup: Setup):
         # can never reach a checkpoint; nan_policy decides whether training goes on.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        new_state = {"params": keep_if_bad(optax.apply_updates(params, updates), params),
-                     "opt_state": schedules_from(opt_state, keep_if_bad(opt_state, old_opt_state)),
-                     "step": state["step"] + 1}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite,
-                   "lr": learning_rate(config, state["step"])}
+        new_state = {
+            "params": keep_if_bad(optax.apply_updates(params, updates), params),
+            "opt_state": schedules_from(opt_state, keep_if_bad(opt_state, old_opt_state)),
+            "step": state["step"] + 1,
+        }
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "lr": learning_rate(config, state["step"])}
         if router:  # a mixture of experts: its router's losses, dropped share and load
             metrics["router"] = jax.tree.map(lambda per_micro_step: per_micro_step.mean(0), router)
         return new_state, metrics
@@ -339,8 +356,9 @@ def schedules_from(new_opt_state, opt_state):
     moments and Adam's bias correction as they were (no update was applied), but the schedule
     goes on with the step, so the learning rate of step s is always lr(s), the one logged."""
     is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)
-    return jax.tree.map(lambda kept, new: new if is_schedule(kept) else kept, opt_state, new_opt_state,
-                        is_leaf=is_schedule)
+    return jax.tree.map(
+        lambda kept, new: new if is_schedule(kept) else kept, opt_state, new_opt_state, is_leaf=is_schedule
+    )
 
 
 def make_eval_step(setup: Setup):
@@ -349,15 +367,20 @@ def make_eval_step(setup: Setup):
 
 def jit_train_step(setup: Setup):
     micro_batches = (setup.micro_batch_sharding,) * batch_arrays(setup.config)
-    return jax.jit(make_train_step(setup), donate_argnums=0,
-                   in_shardings=(setup.state_shardings, micro_batches),
-                   out_shardings=(setup.state_shardings, setup.state_shardings["step"]))
+    return jax.jit(
+        make_train_step(setup),
+        donate_argnums=0,
+        in_shardings=(setup.state_shardings, micro_batches),
+        out_shardings=(setup.state_shardings, setup.state_shardings["step"]),
+    )
 
 
 def jit_eval_step(setup: Setup):
-    return jax.jit(make_eval_step(setup),
-                   in_shardings=(setup.state_shardings["params"], (setup.batch_sharding,) * batch_arrays(setup.config)),
-                   out_shardings=setup.state_shardings["step"])  # replicated: every host can read it
+    return jax.jit(
+        make_eval_step(setup),
+        in_shardings=(setup.state_shardings["params"], (setup.batch_sharding,) * batch_arrays(setup.config)),
+        out_shardings=setup.state_shardings["step"],
+    )  # replicated: every host can read it
 
 
 def batch_struct(setup: Setup) -> tuple:
@@ -376,6 +399,7 @@ def lower(setup: Setup):
 
 # ----------------------------------------------------------------------------- checkpoints
 
+
 def start_state(setup: Setup, tok, log) -> tuple:
     """(checkpoint manager, train state, the checkpoint's meta or None): resumed from out_dir, or
     fresh (from scratch or from pretrained weights) in an out_dir that holds no other run. The
@@ -384,9 +408,11 @@ def start_state(setup: Setup, tok, log) -> tuple:
     if config.init_from != "resume":
         checkpoint.start_fresh(config, log)
         manager = checkpoint.checkpoint_manager(config)
-        pretrained = None if config.init_from == "scratch" else checkpoint.load_pretrained(
-            setup, hf.resolve(config.init_from))  # a Hugging Face model: fine-tune it
+        pretrained = (
+            None if config.init_from == "scratch" else checkpoint.load_pretrained(setup, hf.resolve(config.init_from))
+        )  # a Hugging Face model: fine-tune it
         return manager, init_state(setup, pretrained), None
+
     def abstract_for(meta):
         checkpoint.check_resumable(meta, config, tok)
         check_optimizer_state(setup, meta["config"])
@@ -431,10 +457,12 @@ def check_optimizer_state(setup: Setup, saved: dict) -> None:
         + "; ".join(f"{k}: checkpoint {saved[k]!r}, config {getattr(config, k)!r}" for k in culprits)
         + "): resume with the checkpoint's values, or start the new optimizer in another --out_dir (the "
         "weights carry over through export_hf.py and --init_from=EXPORTED_DIR where export_hf.py can export "
-        "the model)")
+        "the model)"
+    )
 
 
 # ----------------------------------------------------------------------------- the loop
+
 
 def estimate_losses(eval_step, params, splits: dict, setup: Setup, rows) -> dict:
     """Mean loss over eval_iters fixed batches of each split (the same batches every eval)."""
@@ -444,8 +472,10 @@ def estimate_losses(eval_step, params, splits: dict, setup: Setup, rows) -> dict
         total, start = 0.0, time.perf_counter()
         for i in range(config.eval_iters):
             arrays = dataset.step_batch(tokens, config, i, split, rows, n_micro=1, stream=1)
-            batch = tuple(sharding.global_batch(a[0], setup.batch_sharding, (config.batch_size,
-                          config.block_size)) for a in arrays)
+            batch = tuple(
+                sharding.global_batch(a[0], setup.batch_sharding, (config.batch_size, config.block_size))
+                for a in arrays
+            )
             total += eval_step(params, batch)
             if (i + 1) % 10 == 0 or i + 1 == config.eval_iters:
                 total = float(total)  # wait here now and then, so the progress line is honest
@@ -461,18 +491,24 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     vocab_size = config.vocab_size or tok.vocab_size
     check_pretrained_tokenizer(config, tok)
     if tok is not None and tok.vocab_size > vocab_size:  # e.g. a dataset made with another tokenizer
-        raise dataset.DataError(f"{dataset.dataset_dir(config)}: its tokenizer ({tok.summary()}) has more "
-                                f"tokens than the model's vocab_size {vocab_size}: prepare the data with "
-                                f"the model's tokenizer, or raise vocab_size")
+        raise dataset.DataError(
+            f"{dataset.dataset_dir(config)}: its tokenizer ({tok.summary()}) has more "
+            f"tokens than the model's vocab_size {vocab_size}: prepare the data with "
+            f"the model's tokenizer, or raise vocab_size"
+        )
     chat = dataset.chat_meta(config) is not None  # a fine-tuning set: conversations and a loss mask
     # Packing text is a mistake; with no dataset yet, opening train.bin below says to run data/chat/prepare.py.
     if config.packing and not chat and os.path.isfile(os.path.join(dataset.dataset_dir(config), "train.bin")):
-        raise dataset.DataError(f"packing=True packs the conversations of a fine-tuning set, and "
-                                f"{dataset.dataset_dir(config)} holds text: prepare one with data/chat/prepare.py "
-                                f"(for text, document_masking=True keeps documents apart)")
+        raise dataset.DataError(
+            f"packing=True packs the conversations of a fine-tuning set, and "
+            f"{dataset.dataset_dir(config)} holds text: prepare one with data/chat/prepare.py "
+            f"(for text, document_masking=True keeps documents apart)"
+        )
     if config.document_masking and chat:
-        raise dataset.DataError(f"document_masking=True splits text into its documents, and "
-                                f"{dataset.dataset_dir(config)} is a fine-tuning set: use packing=True instead")
+        raise dataset.DataError(
+            f"document_masking=True splits text into its documents, and "
+            f"{dataset.dataset_dir(config)} is a fine-tuning set: use packing=True instead"
+        )
     open_split = dataset.open_chat_split if chat else dataset.open_split
     splits = {s: open_split(config, s, vocab_size) for s in ("train", "val")}
     tasks = scoring.load_tasks(config.eval_tasks, config.eval_tasks_limit)  # read now: a bad file fails early
@@ -487,11 +523,13 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     if config.memory_check:  # compile now (the step runs this program) and refuse what cannot fit
         devices, remedies = list(mesh.devices.flat), memory.training_remedies(config, mesh.size)
         if not config.compiled_train_step:  # XLA:TPU refuses what cannot fit here: the same one line
-            with memory.refusing_out_of_memory("the train step", devices, remedies,
-                                               (setup.abstract_state, batch_struct(setup))):
+            with memory.refusing_out_of_memory(
+                "the train step", devices, remedies, (setup.abstract_state, batch_struct(setup))
+            ):
                 train_step = lower(setup).compile()
-        memory_line = memory.preflight("the train step", [train_step], devices, config.memory_limit_gib,
-                                       remedies, say=lambda line: None)["line"]
+        memory_line = memory.preflight(
+            "the train step", [train_step], devices, config.memory_limit_gib, remedies, say=lambda line: None
+        )["line"]
     if config.init_from == "resume" and not os.path.isdir(checkpoint.checkpoint_dir(config.out_dir)):
         raise CheckpointError(checkpoint.no_checkpoint_message(config.out_dir))
     lock = checkpoint.OutDirLock(config.out_dir)  # the one run writing to out_dir, or an error
@@ -512,11 +550,13 @@ def check_pretrained_tokenizer(config: Config, tok) -> None:
         raise dataset.DataError(
             f"init_from={config.init_from} reads ids with {theirs.summary()}, but {dataset.dataset_dir(config)}"
             f"/meta.json describes {tok.summary()}: the model would read the data as other tokens. Prepare the "
-            f"data with the model's tokenizer (data/text/prepare.py --tokenizer={directory})")
+            f"data with the model's tokenizer (data/text/prepare.py --tokenizer={directory})"
+        )
 
 
-def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step, tasks=(),
-               memory_line: str = "") -> list[tuple[int, float]]:
+def train_loop(
+    setup: Setup, splits: dict, tok, lock, train_step, eval_step, tasks=(), memory_line: str = ""
+) -> list[tuple[int, float]]:
     """Evaluate every eval_interval steps (and at the end), save, train, log; stop at max_iters
     or on a signal. The out_dir lock is held."""
     config = setup.config
@@ -552,8 +592,10 @@ def train_loop(setup: Setup, splits: dict, tok, lock, train_step, eval_step, tas
                     run.log_step(metrics)
                 if preemption.requested():
                     run.save_and_wait(None)
-                    run.log.print(f"{preemption.signal_name}: saved a checkpoint at step {run.step}; "
-                                  f"continue with --init_from=resume")
+                    run.log.print(
+                        f"{preemption.signal_name}: saved a checkpoint at step {run.step}; "
+                        f"continue with --init_from=resume"
+                    )
                     break
         checkpoint.wait(manager)
     finally:
@@ -606,8 +648,7 @@ class Run:
         self.log.print(line)
         self.log.scalars(self.step, values)
         if self.config.sample_tokens and self.tok and jax.process_count() == 1:
-            self.log.text(self.step, "samples", sample_for_log(self.setup, self.device_params(), self.splits,
-                                                               self.tok))
+            self.log.text(self.step, "samples", sample_for_log(self.setup, self.device_params(), self.splits, self.tok))
         return losses["val"]
 
     def save_if_due(self, val_loss: float, last: bool) -> None:
@@ -626,7 +667,8 @@ class Run:
             raise TrainingError(
                 f"every step since step {self.start_step} was non-finite and skipped "
                 f"(nan_policy=skip_step), so no checkpoint was saved. Check the data and lower "
-                f"learning_rate")
+                f"learning_rate"
+            )
         best = min(self.best_val, float("inf") if val_loss is None else val_loss)
         meta = self.meta | {"val_loss": val_loss, "best_val_loss": best if math.isfinite(best) else None}
         checkpoint.save(self.manager, self.state, meta, val_loss)
@@ -639,8 +681,9 @@ class Run:
     def train_one_step(self, train_step) -> dict:
         config, step = self.config, self.step
         n_micro = config.gradient_accumulation_steps
-        arrays = dataset.step_batch(self.splits["train"], config, 0 if config.overfit_batch else step,
-                                    "train", self.rows, n_micro)
+        arrays = dataset.step_batch(
+            self.splits["train"], config, 0 if config.overfit_batch else step, "train", self.rows, n_micro
+        )
         shape = (n_micro, config.batch_size, config.block_size)
         batch = tuple(sharding.global_batch(a, self.setup.micro_batch_sharding, shape) for a in arrays)
         if step == self.profile_start:
@@ -652,8 +695,10 @@ class Run:
         if step == self.profile_stop:
             jax.block_until_ready(self.state)
             jax.profiler.stop_trace()
-            self.log.print(f"profile of steps {self.profile_start}..{self.profile_stop - 1} written to "
-                           f"{os.path.abspath(config.out_dir)}/profile (open it with TensorBoard's profile tab)")
+            self.log.print(
+                f"profile of steps {self.profile_start}..{self.profile_stop - 1} written to "
+                f"{os.path.abspath(config.out_dir)}/profile (open it with TensorBoard's profile tab)"
+            )
         if step == self.start_step + 1:  # the first call compiles: keep it out of the step times
             jax.block_until_ready(metrics)
             self.clock.restart(step)
@@ -675,20 +720,29 @@ class Run:
             tokens_per_s = self.config.tokens_per_step / seconds
             achieved = self.flops_per_token * tokens_per_s
             if self.peak and achieved > self.peak:  # a CPU peak measured at a busy moment: measure again
-                self.peak = hardware.best_peak_flops(self.setup.mesh.devices.flatten().tolist(), self.peak,
-                                                     achieved)
+                self.peak = hardware.best_peak_flops(self.setup.mesh.devices.flatten().tolist(), self.peak, achieved)
                 self.clock.restart(step)  # the measurement is not billed to the next steps
             mfu = achieved / self.peak if self.peak else float("nan")
-            line += (f"{seconds * 1e3:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu:.1%} | "
-                     f"{self.clock.elapsed()} elapsed, ETA {self.clock.eta(step, seconds)}")
-            scalars |= {"train/grad_norm": metrics["grad_norm"], "train/step_ms": seconds * 1e3,
-                        "train/tokens_per_sec": tokens_per_s, "train/mfu": mfu}
+            line += (
+                f"{seconds * 1e3:.1f} ms | {tokens_per_s:,.0f} tok/s | mfu {mfu:.1%} | "
+                f"{self.clock.elapsed()} elapsed, ETA {self.clock.eta(step, seconds)}"
+            )
+            scalars |= {
+                "train/grad_norm": metrics["grad_norm"],
+                "train/step_ms": seconds * 1e3,
+                "train/tokens_per_sec": tokens_per_s,
+                "train/mfu": mfu,
+            }
         if "router" in metrics:
             r = {k: np.asarray(v) for k, v in metrics["router"].items()}
             busiest = r["load"].max() * len(r["load"])  # 1.0: every expert gets its share
             line += f" | experts: busiest x{busiest:.2f}, dropped {r['dropped']:.1%}"
-            scalars |= {"moe/balance_loss": r["balance_loss"], "moe/z_loss": r["z_loss"],
-                        "moe/dropped": r["dropped"], "moe/busiest_expert_load": busiest}
+            scalars |= {
+                "moe/balance_loss": r["balance_loss"],
+                "moe/z_loss": r["z_loss"],
+                "moe/dropped": r["dropped"],
+                "moe/busiest_expert_load": busiest,
+            }
         if self.n_skipped:
             line += f" | skipped {self.n_skipped} non-finite steps"
         self.log.print(line)
@@ -708,7 +762,8 @@ class Run:
             raise TrainingError(
                 f"non-finite loss or gradient norm at step {first_bad}; nothing from that step "
                 f"on was saved ({latest_checkpoint(self.manager)}). Lower "
-                f"learning_rate, check the data, or use --nan_policy=skip_step")
+                f"learning_rate, check the data, or use --nan_policy=skip_step"
+            )
         self.n_skipped += int((~finite).sum())
 
 
@@ -747,16 +802,24 @@ def main(argv: list[str]) -> None:
     hardware.keep_freed_host_memory()
     config = configurator.load_config_or_exit(argv, complete=complete_config)
     try:
-        sharding.initialize_distributed(config.coordinator_address, config.num_processes,
-                                        config.process_id)
+        sharding.initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
         train(config)
-    except (configurator.ConfigError, dataset.DataError, CheckpointError, TrainingError, sharding.MeshError,
-            compiled_step.AotError, scoring.EvalError) as e:
+    except (
+        configurator.ConfigError,
+        dataset.DataError,
+        CheckpointError,
+        TrainingError,
+        sharding.MeshError,
+        compiled_step.AotError,
+        scoring.EvalError,
+    ) as e:
         sys.exit(f"error: {e}")
     except OSError as e:  # a full disk or a read-only folder outside a checkpoint's write (the lock, logs)
         where = f"writing {e.filename}" if e.filename else "writing to out_dir"
-        sys.exit(f"error: {where} failed ({e.strerror or e}); free space or choose another --out_dir (the "
-                 f"checkpoints written before are intact)")
+        sys.exit(
+            f"error: {where} failed ({e.strerror or e}); free space or choose another --out_dir (the "
+            f"checkpoints written before are intact)"
+        )
 
 
 if __name__ == "__main__":

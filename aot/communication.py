@@ -67,8 +67,9 @@ def expected(setup) -> dict:
             bytes_of["collective-permute"] = bytes_of.get("collective-permute", 0) + ring
         else:
             bytes_of["all-gather"] = bytes_of.get("all-gather", 0) + A * c.n_layer * passes * keys_values
-            bytes_of["reduce-scatter"] = (bytes_of.get("reduce-scatter", 0)
-                                          + A * c.n_layer * keys_values // mesh["context"])
+            bytes_of["reduce-scatter"] = (
+                bytes_of.get("reduce-scatter", 0) + A * c.n_layer * keys_values // mesh["context"]
+            )
     if mesh["expert"] > 1:
         routed = activation * c.experts_per_token * (c.capacity_factor or 1.0)
         bytes_of["all-to-all"] = A * 4 * (c.n_layer - c.moe_dense_layers) * routed
@@ -86,9 +87,12 @@ def table(compiled: dict, expected_bytes: dict, device, compute_seconds: float |
     then that time against the compute time at 100% MFU: which bounds the step."""
     chip = hardware.chip_of(device.device_kind)
     one_way = chip.interconnect / 2 if chip and chip.interconnect else None
-    lines = ["", "communication per device per step (compiled: result bytes, loops counted; expected: the "
-             "scaling book's account of the mesh)",
-             f"  {'collective':<20}{'compiled':>12}{'expected':>12}{'ratio':>8}{'time':>12}"]
+    lines = [
+        "",
+        "communication per device per step (compiled: result bytes, loops counted; expected: the "
+        "scaling book's account of the mesh)",
+        f"  {'collective':<20}{'compiled':>12}{'expected':>12}{'ratio':>8}{'time':>12}",
+    ]
     seconds = 0.0
     for kind in KINDS:
         got, want = compiled.get(kind, (0, 0))[0], expected_bytes.get(kind, 0)
@@ -100,14 +104,20 @@ def table(compiled: dict, expected_bytes: dict, device, compute_seconds: float |
         when = f"{wire / one_way * 1e3:.2f} ms" if one_way else "-"
         lines.append(f"  {kind:<20}{mib(got):>12}{mib(want):>12}{ratio:>8}{when:>12}")
     if expected_bytes.get("reduce-scatter") and "reduce-scatter" not in compiled:
-        lines.append("  (no reduce-scatter: XLA all-reduced the gradients and kept each device's slice, as XLA:CPU does)")
+        lines.append(
+            "  (no reduce-scatter: XLA all-reduced the gradients and kept each device's slice, as XLA:CPU does)"
+        )
     if not one_way:
         lines.append(f"  no interconnect bandwidth known for {device.device_kind}: no times")
         return lines
-    lines.append(f"  at {one_way / 1e9:.0f} GB/s one way per chip ({chip.kinds[0]}: half of its links' both-way "
-                 f"total), not overlapped: {seconds * 1e3:.2f} ms per step")
+    lines.append(
+        f"  at {one_way / 1e9:.0f} GB/s one way per chip ({chip.kinds[0]}: half of its links' both-way "
+        f"total), not overlapped: {seconds * 1e3:.2f} ms per step"
+    )
     if compute_seconds:
         bound = "communication" if seconds > compute_seconds else "compute"
-        lines.append(f"  verdict: {bound}-bound: communication {seconds * 1e3:.2f} ms against compute "
-                     f"{compute_seconds * 1e3:.2f} ms at 100% MFU ({seconds / compute_seconds:.2f}x)")
+        lines.append(
+            f"  verdict: {bound}-bound: communication {seconds * 1e3:.2f} ms against compute "
+            f"{compute_seconds * 1e3:.2f} ms at 100% MFU ({seconds / compute_seconds:.2f}x)"
+        )
     return lines

@@ -102,35 +102,44 @@ def per_device_bytes(tree) -> int:
 
 def abstract_outputs(compiled, lowered):
     """The outputs of a compiled program as sharded ShapeDtypeStructs: the next program's inputs."""
-    return jax.tree.map(lambda info, s: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=s),
-                        lowered.out_info, compiled.output_shardings)
+    return jax.tree.map(
+        lambda info, s: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=s),
+        lowered.out_info,
+        compiled.output_shardings,
+    )
 
 
 def serving_params(setup: loader.ModelSetup, weight_dtype: str):
     """The weights as inference.serving_weights holds them, abstract: its shapes, and each parameter's
     sharding (an int8 weight's scales replicated along the input axes they don't have). Not compiled:
     on the target, converting float32 weights may not fit where serving does."""
-    shapes = jax.eval_shape(functools.partial(loader.serving_weights, setup, weight_dtype=weight_dtype),
-                            setup.abstract_params)
+    shapes = jax.eval_shape(
+        functools.partial(loader.serving_weights, setup, weight_dtype=weight_dtype), setup.abstract_params
+    )
 
     def place(param, shape):
         if not isinstance(shape, Int8Weight):
             return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=param.sharding)
         spec = param.sharding.spec + (None,) * (len(shape.shape) - len(param.sharding.spec))
         scale_spec = jax.sharding.PartitionSpec(*(axes if n > 1 else None for axes, n in zip(spec, shape.scale.shape)))
-        return Int8Weight(jax.ShapeDtypeStruct(shape.q.shape, shape.q.dtype, sharding=param.sharding),
-                          jax.ShapeDtypeStruct(shape.scale.shape, shape.scale.dtype,
-                                               sharding=jax.sharding.NamedSharding(setup.mesh, scale_spec)))
+        return Int8Weight(
+            jax.ShapeDtypeStruct(shape.q.shape, shape.q.dtype, sharding=param.sharding),
+            jax.ShapeDtypeStruct(
+                shape.scale.shape, shape.scale.dtype, sharding=jax.sharding.NamedSharding(setup.mesh, scale_spec)
+            ),
+        )
 
     return jax.tree.map(place, setup.abstract_params, shapes, is_leaf=lambda x: isinstance(x, Int8Weight))
 
 
-def serving_setup(config: configurator.Config, devices, vocab_size: int, context: int,
-                  kv_cache_dtype: str) -> loader.ModelSetup:
+def serving_setup(
+    config: configurator.Config, devices, vocab_size: int, context: int, kv_cache_dtype: str
+) -> loader.ModelSetup:
     """The model on the training mesh keys' mesh, with the engine's context as its block size."""
     mesh = train.make_mesh(config, devices)
-    config = dataclasses.replace(config, block_size=context or config.block_size,
-                                 batch_size=sharding.batch_shards(mesh))
+    config = dataclasses.replace(
+        config, block_size=context or config.block_size, batch_size=sharding.batch_shards(mesh)
+    )
     return loader.model_setup(config, mesh, vocab_size, kv_cache_dtype)
 
 
@@ -143,22 +152,35 @@ def chip_numbers(target, chip: str, hbm_gib: float) -> tuple[str, int | None, fl
     if not chip:
         found = next((c for gen, c in hardware.TPU_GENERATIONS.items() if f"({gen}:" in target.name), found)
     if chip and found is None:
-        raise configurator.ConfigError(f"--chip={chip} is not in devices/hardware.py's table: use one of "
-                                       f"{', '.join(c.kinds[0] for c in hardware.CHIPS)}")
+        raise configurator.ConfigError(
+            f"--chip={chip} is not in devices/hardware.py's table: use one of "
+            f"{', '.join(c.kinds[0] for c in hardware.CHIPS)}"
+        )
     if found is None:  # this CPU: no HBM; its measured bandwidth, shared by the simulated devices
         return devices[0].device_kind, int(hbm_gib * GiB) or None, hardware.peak_bandwidth(devices)[0] / len(devices)
     return found.kinds[0], int(hbm_gib * GiB) or found.hbm_bytes, found.hbm_bandwidth
 
 
-def compile_serving(config: configurator.Config, target, vocab_size: int, slots: int, context: int = 0,
-                    weight_dtype: str = "auto", kv_cache_dtype: str = "auto", chip: str = "",
-                    hbm_gib: float = 0.0, decode_attention: str = "auto") -> ServeResult:
+def compile_serving(
+    config: configurator.Config,
+    target,
+    vocab_size: int,
+    slots: int,
+    context: int = 0,
+    weight_dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
+    chip: str = "",
+    hbm_gib: float = 0.0,
+    decode_attention: str = "auto",
+) -> ServeResult:
     """Lower and compile the engine's programs for `target` (compile_aot.Target)."""
     setup = serving_setup(config, target.devices, vocab_size, context, kv_cache_dtype)
     c, mesh = setup.model_config, setup.mesh
     if slots % sharding.batch_shards(mesh):
-        raise configurator.ConfigError(f"slots={slots} is not divisible by the mesh's batch axes "
-                                       f"({sharding.batch_shards(mesh)}): use a multiple of it")
+        raise configurator.ConfigError(
+            f"slots={slots} is not divisible by the mesh's batch axes "
+            f"({sharding.batch_shards(mesh)}): use a multiple of it"
+        )
     attend = kv_cache.FILLED if engine.reads_filled_positions(decode_attention, mesh, c) else None  # as the engine's
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     one = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -168,17 +190,35 @@ def compile_serving(config: configurator.Config, target, vocab_size: int, slots:
         lowered = engine.empty_state_program(c, slots, c.block_size).lower()
         state = abstract_outputs(lowered.compile(), lowered)
         try:
-            step = engine.decode_program(setup.graphdef, c.vocab_size, engine.DECODE_STEPS, attend).lower(
-                params, state, one(jnp.bool_, (slots,))).compile()
+            step = (
+                engine.decode_program(setup.graphdef, c.vocab_size, engine.DECODE_STEPS, attend)
+                .lower(params, state, one(jnp.bool_, (slots,)))
+                .compile()
+            )
             step_memory = xla_memory(step, target.devices[0].platform)
             # the admissions with the most tokens: one prompt of the whole context, and the most rows of a bucket
-            widest = max(((P, R) for P in engine.prompt_buckets(c.block_size) for R in engine.admit_rows(P, slots)),
-                         key=lambda bucket_rows: (bucket_rows[1], bucket_rows[0]))
+            widest = max(
+                ((P, R) for P in engine.prompt_buckets(c.block_size) for R in engine.admit_rows(P, slots)),
+                key=lambda bucket_rows: (bucket_rows[1], bucket_rows[0]),
+            )
             for P, R in {(c.block_size, 1), widest}:
                 rows = lambda dtype: one(dtype, (R,))
-                admit = engine.admit_program(setup.graphdef, c.vocab_size).lower(
-                    params, state, one(jnp.int32, (R, P)), rows(jnp.int32), rows(jnp.int32), rows(jnp.int32),
-                    rows(jnp.float32), rows(jnp.int32), rows(jnp.float32), rows(jnp.bool_)).compile()
+                admit = (
+                    engine.admit_program(setup.graphdef, c.vocab_size)
+                    .lower(
+                        params,
+                        state,
+                        one(jnp.int32, (R, P)),
+                        rows(jnp.int32),
+                        rows(jnp.int32),
+                        rows(jnp.int32),
+                        rows(jnp.float32),
+                        rows(jnp.int32),
+                        rows(jnp.float32),
+                        rows(jnp.bool_),
+                    )
+                    .compile()
+                )
                 prefill_temporaries = max(prefill_temporaries, admit.memory_analysis().temp_size_in_bytes)
         except Exception as e:  # XLA:TPU refuses a program that can't fit; anything else is a bug
             if "RESOURCE_EXHAUSTED" not in str(e):
@@ -186,14 +226,28 @@ def compile_serving(config: configurator.Config, target, vocab_size: int, slots:
             oom = str(e).strip().splitlines()[0]
             # XLA:TPU's message: '... the total memory required for HLO temporaries (21.59G) exceeds ...'
             if found := re.search(r"temporaries \(([\d.]+)([KMGT]?)\)", oom):
-                step_memory = {"arguments": per_device_bytes((params, state)),
-                               "temporaries": int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " "))}
+                step_memory = {
+                    "arguments": per_device_bytes((params, state)),
+                    "temporaries": int(float(found.group(1)) * 1024 ** " KMGT".index(found.group(2) or " ")),
+                }
     chip_name, hbm, bandwidth = chip_numbers(target, chip, hbm_gib)
-    return ServeResult(target.name, setup, slots, c.block_size, weight_dtype, chip_name, hbm, bandwidth,
-                       weight_bytes=loader.weight_bytes(params), weight_bytes_per_chip=per_device_bytes(params),
-                       kv_bytes_per_token=loader.kv_bytes_per_token(c),
-                       cache_bytes_per_chip=per_device_bytes(state["cache"]), step_memory=step_memory,
-                       prefill_temporaries=prefill_temporaries, oom=oom)
+    return ServeResult(
+        target.name,
+        setup,
+        slots,
+        c.block_size,
+        weight_dtype,
+        chip_name,
+        hbm,
+        bandwidth,
+        weight_bytes=loader.weight_bytes(params),
+        weight_bytes_per_chip=per_device_bytes(params),
+        kv_bytes_per_token=loader.kv_bytes_per_token(c),
+        cache_bytes_per_chip=per_device_bytes(state["cache"]),
+        step_memory=step_memory,
+        prefill_temporaries=prefill_temporaries,
+        oom=oom,
+    )
 
 
 def xla_memory(compiled, platform: str) -> dict:
@@ -217,33 +271,44 @@ def serve_report(r: ServeResult) -> str:
     layout = " x ".join(f"{axis}={n}" for axis, n in mesh.shape.items() if n > 1) or "one device"
     analytic_weights = count_params(c) * jnp.dtype(c.dtype).itemsize
     kv_dtype = c.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
-    lines = [f"serving on {r.target_name}, mesh {layout}; numbers per chip for {r.chip_name}",
-             f"model {count_params(c):,} parameters, compute {c.dtype}, weights {r.weight_dtype}, "
-             f"KV cache {kv_dtype}; {r.slots} slots x {r.context} tokens of context",
-             f"  weights         {size(r.weight_bytes)} in all ({size(analytic_weights)} at {c.dtype}: "
-             f"parameters x bytes), {size(r.weight_bytes_per_chip)} per chip",
-             f"  KV per token    {r.kv_bytes_per_token:,} B (analytic {analytic_kv_bytes_per_token(c):,} B); "
-             f"per slot {size(r.kv_bytes_per_token * r.context)}, {size(r.slot_bytes_per_chip)} of it per chip "
-             f"that holds the slot",
-             f"  cache per chip  {size(r.cache_bytes_per_chip)} ({r.rows_per_chip} slots)"]
+    lines = [
+        f"serving on {r.target_name}, mesh {layout}; numbers per chip for {r.chip_name}",
+        f"model {count_params(c):,} parameters, compute {c.dtype}, weights {r.weight_dtype}, "
+        f"KV cache {kv_dtype}; {r.slots} slots x {r.context} tokens of context",
+        f"  weights         {size(r.weight_bytes)} in all ({size(analytic_weights)} at {c.dtype}: "
+        f"parameters x bytes), {size(r.weight_bytes_per_chip)} per chip",
+        f"  KV per token    {r.kv_bytes_per_token:,} B (analytic {analytic_kv_bytes_per_token(c):,} B); "
+        f"per slot {size(r.kv_bytes_per_token * r.context)}, {size(r.slot_bytes_per_chip)} of it per chip "
+        f"that holds the slot",
+        f"  cache per chip  {size(r.cache_bytes_per_chip)} ({r.rows_per_chip} slots)",
+    ]
     if r.oom:
         lines.append(f"  XLA: {r.oom}")
     else:
         m = r.step_memory
-        lines.append(f"  decode step     arguments {size(m['arguments'])} + temporaries {size(m['temporaries'])}"
-                     + (f", peak {size(m['peak'])}" if "peak" in m else "")
-                     + f"; admitting prompts: temporaries {size(r.prefill_temporaries)}")
+        lines.append(
+            f"  decode step     arguments {size(m['arguments'])} + temporaries {size(m['temporaries'])}"
+            + (f", peak {size(m['peak'])}" if "peak" in m else "")
+            + f"; admitting prompts: temporaries {size(r.prefill_temporaries)}"
+        )
     if r.most_slots is not None:
-        lines.append(f"  most slots      {r.most_slots} ({size(r.hbm)} HBM per chip - weights - the programs' "
-                     f"temporaries)")
-    lines.append(f"  per decode step {r.step_flops:.3e} FLOP (all chips), {size(r.step_bytes_per_chip)} read per chip "
-                 f"(weights + every slot's full cache)")
+        lines.append(
+            f"  most slots      {r.most_slots} ({size(r.hbm)} HBM per chip - weights - the programs' temporaries)"
+        )
+    lines.append(
+        f"  per decode step {r.step_flops:.3e} FLOP (all chips), {size(r.step_bytes_per_chip)} read per chip "
+        f"(weights + every slot's full cache)"
+    )
     if r.bandwidth:
         seconds = r.step_bytes_per_chip / r.bandwidth
-        lines.append(f"  memory-bound    {seconds * 1e3:.2f} ms per step at {r.bandwidth / 1e9:,.0f} GB/s per chip: "
-                     f"{r.slots / seconds:,.0f} tokens/s, {1 / seconds:,.1f} tokens/s per slot")
-    verdict = {True: f"fits: {size(r.needed)} of {size(r.hbm)} per chip", None: "fits: unknown (no HBM size; "
-               "pass --hbm_gib or --chip)", False: f"DOES NOT FIT: {size(r.needed)} of {size(r.hbm)} per chip"}
+        lines.append(
+            f"  memory-bound    {seconds * 1e3:.2f} ms per step at {r.bandwidth / 1e9:,.0f} GB/s per chip: "
+            f"{r.slots / seconds:,.0f} tokens/s, {1 / seconds:,.1f} tokens/s per slot"
+        )
+    verdict = {
+        True: f"fits: {size(r.needed)} of {size(r.hbm)} per chip",
+        None: "fits: unknown (no HBM size; pass --hbm_gib or --chip)",
+        False: f"DOES NOT FIT: {size(r.needed)} of {size(r.hbm)} per chip",
+    }
     lines.append(f"verdict: {verdict[r.fits]}")
     return "\n".join(lines)
-

@@ -50,8 +50,7 @@ def losses(config, steps: int) -> list[float]:
     vocab_size = config.vocab_size or 65
     mesh = train.make_mesh(config, jax.devices())
     setup = train.make_setup(config, mesh, vocab_size, DOCUMENT_START)
-    print(f"  {config.attention!r} runs {setup.model_config.attention!r} on {jax.devices()[0].device_kind}",
-          flush=True)
+    print(f"  {config.attention!r} runs {setup.model_config.attention!r} on {jax.devices()[0].device_kind}", flush=True)
     step, state, out = train.jit_train_step(setup), train.init_state(setup), []
     with sharding.activate(mesh):
         for x_y in batches(config, vocab_size, steps):
@@ -74,8 +73,10 @@ def main(argv: list[str]) -> None:
     for i, (a, b) in enumerate(zip(*runs)):
         print(f"  {i:>4} {a:>10.5f} {b:>10.5f} {a - b:>10.2e}")
     worst = max(abs(a - b) for a, b in zip(*runs))
-    print(f"attention agreement over {options.steps} steps ({config.dtype}): largest loss difference {worst:.2e}; "
-          f"final losses {runs[0][-1]:.5f} ({kinds[0]}) and {runs[1][-1]:.5f} ({kinds[1]}), first {runs[0][0]:.5f}")
+    print(
+        f"attention agreement over {options.steps} steps ({config.dtype}): largest loss difference {worst:.2e}; "
+        f"final losses {runs[0][-1]:.5f} ({kinds[0]}) and {runs[1][-1]:.5f} ({kinds[1]}), first {runs[0][0]:.5f}"
+    )
 
 
 if __name__ == "__main__":

@@ -48,10 +48,17 @@ SHAPES = {
 }
 VOCAB = 65  # shakespeare_char
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
-OWN_FLAGS = {"base": os.path.join(os.path.dirname(HERE), "config", "shakespeare_char.py"),  # the CPU config
-             "shapes": "small,medium", "rounds": "6", "steps": "0", "warmup": "3",
-             "nanogpt": "", "torch_python": "/work/torchvenv/bin/python", "torch_preload": "",
-             "json": "bench_compare.jsonl"}
+OWN_FLAGS = {
+    "base": os.path.join(os.path.dirname(HERE), "config", "shakespeare_char.py"),  # the CPU config
+    "shapes": "small,medium",
+    "rounds": "6",
+    "steps": "0",
+    "warmup": "3",
+    "nanogpt": "",
+    "torch_python": "/work/torchvenv/bin/python",
+    "torch_preload": "",
+    "json": "bench_compare.jsonl",
+}
 
 
 class TorchWorker:
@@ -97,15 +104,18 @@ def cpu_description() -> str:
     except OSError:
         return "unknown CPU (no /proc/cpuinfo)"
     flags = [f for f in ISA_FLAGS if f in info.get("flags", "").split()]
-    return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}): "
-            f"{' '.join(flags) or 'no AVX2'}")
+    return (
+        f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}): "
+        f"{' '.join(flags) or 'no AVX2'}"
+    )
 
 
 def compare(name: str, flags: dict, nanomax_argv: list[str]) -> dict:
     shape, target = SHAPES[name]
     base = [flags["base"]] if flags["base"] else []
-    config = configurator.load_config(base + [f"--{k}={v}" for k, v in shape.items()] +
-                                      [f"--vocab_size={VOCAB}", "--dropout=0.0"] + nanomax_argv)
+    config = configurator.load_config(
+        base + [f"--{k}={v}" for k, v in shape.items()] + [f"--vocab_size={VOCAB}", "--dropout=0.0"] + nanomax_argv
+    )
     ours = bench.TrainBench(config, jax.devices()[:1])
     theirs = TorchWorker(flags["torch_python"], shape, flags["nanogpt"], flags["torch_preload"])
     # about 1.5 s of work per side per round unless --steps says otherwise
@@ -125,8 +135,14 @@ def compare(name: str, flags: dict, nanomax_argv: list[str]) -> dict:
     s = {side: {"min_s": min(t), "median_s": statistics.median(t), "n": len(t)} for side, t in times.items()}
     tokens = config.tokens_per_step
     return {
-        "shape": name, **shape, "vocab_size": VOCAB, "nanomax_flags": nanomax_argv, "torch": theirs.info,
-        "nanomax_compile_s": ours.compile_s, "load_average": load, "target": target,
+        "shape": name,
+        **shape,
+        "vocab_size": VOCAB,
+        "nanomax_flags": nanomax_argv,
+        "torch": theirs.info,
+        "nanomax_compile_s": ours.compile_s,
+        "load_average": load,
+        "target": target,
         "nanomax": s["nanomax"] | {"tokens_per_s": tokens / s["nanomax"]["median_s"]},
         "pytorch": s["torch"] | {"tokens_per_s": tokens / s["torch"]["median_s"]},
         "ratio_median": s["torch"]["median_s"] / s["nanomax"]["median_s"],
@@ -148,40 +164,59 @@ def main(argv: list[str]) -> None:
     if flags["torch_preload"] and not os.path.isfile(flags["torch_preload"]):
         sys.exit(f"error: --torch_preload={flags['torch_preload']} is no file: build it as bench/NOTES.md shows")
     if not os.path.exists(flags["torch_python"]):
-        sys.exit(f"error: no PyTorch python at {flags['torch_python']}: python3 -m venv /work/torchvenv && "
-                 f"/work/torchvenv/bin/pip install torch==2.13.0 numpy (or pass --torch_python=...)")
+        sys.exit(
+            f"error: no PyTorch python at {flags['torch_python']}: python3 -m venv /work/torchvenv && "
+            f"/work/torchvenv/bin/pip install torch==2.13.0 numpy (or pass --torch_python=...)"
+        )
     results = [compare(name, flags, nanomax_argv) for name in flags["shapes"].split(",")]
     ref = results[0]["torch"]
-    print(f"nanomax (jax {jax.__version__}) vs PyTorch {ref['torch']} ({ref['model']}, {ref['threads']} threads), "
-          f"CPU x {os.cpu_count()}; float32, one step = fwd + bwd + clip + AdamW")
+    print(
+        f"nanomax (jax {jax.__version__}) vs PyTorch {ref['torch']} ({ref['model']}, {ref['threads']} threads), "
+        f"CPU x {os.cpu_count()}; float32, one step = fwd + bwd + clip + AdamW"
+    )
     print(f"CPU: {cpu_description()}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    print(f"nanomax: {os.path.relpath(flags['base']) if flags['base'] else 'Config defaults'}"
-          f"{' ' + ' '.join(nanomax_argv) if nanomax_argv else ''}")
-    print(f"{'shape':<8} {'L x D, T, B':<16} {'nanomax ms min/med':>19} {'PyTorch ms min/med':>19} "
-          f"{'ratio med':>9} {'ratio min':>9} {'target':>7} {'load':>10} {'matmul GFLOP/s JAX/PyTorch':>27}")
+    print(
+        f"nanomax: {os.path.relpath(flags['base']) if flags['base'] else 'Config defaults'}"
+        f"{' ' + ' '.join(nanomax_argv) if nanomax_argv else ''}"
+    )
+    print(
+        f"{'shape':<8} {'L x D, T, B':<16} {'nanomax ms min/med':>19} {'PyTorch ms min/med':>19} "
+        f"{'ratio med':>9} {'ratio min':>9} {'target':>7} {'load':>10} {'matmul GFLOP/s JAX/PyTorch':>27}"
+    )
     for r in results:
         n, t = r["nanomax"], r["pytorch"]
         ok = "ok" if min(r["ratio_median"], r["ratio_min"]) >= r["target"] else "BELOW"
         if r["matmul_flops"]["torch"] < 0.8 * r["matmul_flops"]["jax"]:
             ok = "?"  # against a handicapped PyTorch: no verdict (the warning below says why)
-        print(f"{r['shape']:<8} {r['n_layer']}x{r['n_embd']}, {r['block_size']}, {r['batch_size']:<5} "
-              f"{n['min_s'] * 1e3:>8.1f} / {n['median_s'] * 1e3:>7.1f} {t['min_s'] * 1e3:>8.1f} / "
-              f"{t['median_s'] * 1e3:>7.1f} {r['ratio_median']:>8.2f}x {r['ratio_min']:>8.2f}x "
-              f"{r['target']:>5.1f}x {ok:<5} {r['load_average'][0]:.1f}-{r['load_average'][1]:.1f} "
-              f"{r['matmul_flops']['jax'] / 1e9:>14.0f} / {r['matmul_flops']['torch'] / 1e9:.0f}")
+        print(
+            f"{r['shape']:<8} {r['n_layer']}x{r['n_embd']}, {r['block_size']}, {r['batch_size']:<5} "
+            f"{n['min_s'] * 1e3:>8.1f} / {n['median_s'] * 1e3:>7.1f} {t['min_s'] * 1e3:>8.1f} / "
+            f"{t['median_s'] * 1e3:>7.1f} {r['ratio_median']:>8.2f}x {r['ratio_min']:>8.2f}x "
+            f"{r['target']:>5.1f}x {ok:<5} {r['load_average'][0]:.1f}-{r['load_average'][1]:.1f} "
+            f"{r['matmul_flops']['jax'] / 1e9:>14.0f} / {r['matmul_flops']['torch'] / 1e9:.0f}"
+        )
     slowest = min(r["matmul_flops"]["torch"] / r["matmul_flops"]["jax"] for r in results)
     if slowest < 0.8:  # "?" rows
-        print(f"warning: PyTorch's matmul ran at {slowest:.0%} of JAX's, so the ratios flatter nanomax; on an "
-              f"AMD CPU pass --torch_preload with bench/NOTES.md's MKL shim, and compare where the two match")
+        print(
+            f"warning: PyTorch's matmul ran at {slowest:.0%} of JAX's, so the ratios flatter nanomax; on an "
+            f"AMD CPU pass --torch_preload with bench/NOTES.md's MKL shim, and compare where the two match"
+        )
     busiest = max(max(r["load_average"]) for r in results)
     if busiest > os.cpu_count() + 0.5:  # this run itself keeps about cpu_count threads busy
-        print(f"warning: load average reached {busiest:.1f} on {os.cpu_count()} cores: other processes "
-              f"took CPU time, and PyTorch's spinning threads lose more to that than XLA's; rerun on "
-              f"a quiet machine before trusting the ratio")
+        print(
+            f"warning: load average reached {busiest:.1f} on {os.cpu_count()} cores: other processes "
+            f"took CPU time, and PyTorch's spinning threads lose more to that than XLA's; rerun on "
+            f"a quiet machine before trusting the ratio"
+        )
     if flags["json"]:
-        stamp = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": bench.git_revision(), "argv": argv,
-                 "torch_preload": flags["torch_preload"],
-                 "cpu": cpu_description(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+        stamp = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "git": bench.git_revision(),
+            "argv": argv,
+            "torch_preload": flags["torch_preload"],
+            "cpu": cpu_description(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        }
         with open(flags["json"], "a") as f:
             for r in results:
                 f.write(json.dumps(stamp | r) + "\n")

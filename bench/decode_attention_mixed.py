@@ -49,13 +49,22 @@ def main(argv: list[str]) -> None:
     small = argv[:1] == ["small"]
     for B, S, short, long in SMALL_SHAPES if small else SHAPES:
         config = model.GPTConfig(block_size=S, dtype="bfloat16", **(SMALL_MODEL if small else {}))
-        cases = {"all as long": [short] * B} if short == long else {
-            "all as long": [short] * B, "one row in 64 longer": [long if b % 64 == 0 else short for b in range(B)]}
+        cases = (
+            {"all as long": [short] * B}
+            if short == long
+            else {
+                "all as long": [short] * B,
+                "one row in 64 longer": [long if b % 64 == 0 else short for b in range(B)],
+            }
+        )
         for name, lengths in cases.items():
             bucket = next(b for b in generate.attend_buckets(S) if b >= max(lengths))
             xla, kernel = step_ms(config, lengths, bucket), step_ms(config, lengths, FILLED)
-            print(f"rows {B}, cache {S}, {name} (longest {max(lengths)}, mean {np.mean(lengths):.0f}): "
-                  f"XLA over {bucket} positions {xla:.3f} ms, the kernel {kernel:.3f} ms", flush=True)
+            print(
+                f"rows {B}, cache {S}, {name} (longest {max(lengths)}, mean {np.mean(lengths):.0f}): "
+                f"XLA over {bucket} positions {xla:.3f} ms, the kernel {kernel:.3f} ms",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

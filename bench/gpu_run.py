@@ -27,6 +27,7 @@ def top_ops(trace_dir: str, n: int = 40) -> None:
     import collections
     import glob
     import gzip
+
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not files:
         return print(f"no *.trace.json.gz under {trace_dir}")
@@ -49,9 +50,11 @@ def check_attention(B=8, T=1024, N=12, H=64) -> None:
     ref32 = jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v)), is_causal=True)
     print(f"causal attention, bf16 (B={B}, T={T}, N={N}, H={H}), forward + backward:")
     for impl in ("xla", "cudnn"):
+
         def loss(q, k, v):
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
             return (y.astype(jnp.float32) * dy.astype(jnp.float32)).sum(), y
+
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
         try:
             (_, y), grads = jax.block_until_ready(step(q, k, v))
@@ -65,29 +68,37 @@ def check_attention(B=8, T=1024, N=12, H=64) -> None:
             times.append(time.perf_counter() - start)
         err = float(jnp.linalg.norm(y.astype(jnp.float32) - ref32) / jnp.linalg.norm(ref32))
         flops = 4 * B * N * T * T * H / 2 * 3.5  # causal half; backward ~2.5x the forward
-        print(f"  {impl:>5}: rel. error vs float32 {err:.1e}, {statistics.median(times) * 1e3:.2f} ms "
-              f"(median of 20), ~{flops / statistics.median(times) / 1e12:.0f} TFLOP/s")
+        print(
+            f"  {impl:>5}: rel. error vs float32 {err:.1e}, {statistics.median(times) * 1e3:.2f} ms "
+            f"(median of 20), ~{flops / statistics.median(times) / 1e12:.0f} TFLOP/s"
+        )
 
 
 def summary(path: str) -> None:
     records = [json.loads(line) for line in open(path)]
-    print(f"{'mode':<6} {'attention':<9} {'quant':<5} {'B':>3} {'remat':<32} {'xla_flags':<28} {'ms/step':>8} "
-          f"{'tokens/s':>10} {'MFU':>6} {'peak mem':>9} {'compile':>7}")
+    print(
+        f"{'mode':<6} {'attention':<9} {'quant':<5} {'B':>3} {'remat':<32} {'xla_flags':<28} {'ms/step':>8} "
+        f"{'tokens/s':>10} {'MFU':>6} {'peak mem':>9} {'compile':>7}"
+    )
     for r in records:
         c = r["config"]
         if r["mode"] == "train":
             mem = f"{r['peak_memory_bytes'] / 2**30:.1f}G" if r["peak_memory_bytes"] else "?"
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "?"
-            print(f"train  {r['attention']:<9} {c['quantization']:<5} {c['batch_size']:>3} {c['remat_policy']:<32} "
-                  f"{r['xla_flags'][:28]:<28} {r['median_s'] * 1e3:>8.1f} {r['tokens_per_s']:>10,.0f} "
-                  f"{mfu:>6} {mem:>9} {r['compile_s']:>6.0f}s")
+            print(
+                f"train  {r['attention']:<9} {c['quantization']:<5} {c['batch_size']:>3} {c['remat_policy']:<32} "
+                f"{r['xla_flags'][:28]:<28} {r['median_s'] * 1e3:>8.1f} {r['tokens_per_s']:>10,.0f} "
+                f"{mfu:>6} {mem:>9} {r['compile_s']:>6.0f}s"
+            )
         else:
             for run in r["runs"]:
                 frac = f"{run['roofline_fraction']:.0%}" if run["roofline_fraction"] is not None else "?"
                 what = f"scan_layers={c['scan_layers']}"
-                print(f"decode {r['attention']:<9} {c['quantization']:<5} {run['batch_size']:>3} "
-                      f"{what:<32} {r['xla_flags'][:28]:<28} "
-                      f"{run['step_s'] * 1e3:>8.3f} {run['tokens_per_s']:>10,.0f} {frac:>6} roofline")
+                print(
+                    f"decode {r['attention']:<9} {c['quantization']:<5} {run['batch_size']:>3} "
+                    f"{what:<32} {r['xla_flags'][:28]:<28} "
+                    f"{run['step_s'] * 1e3:>8.3f} {run['tokens_per_s']:>10,.0f} {frac:>6} roofline"
+                )
 
 
 def main(argv: list[str]) -> None:
@@ -102,6 +113,7 @@ def main(argv: list[str]) -> None:
     if "--check_attention" in own:
         return check_attention()
     import bench
+
     bench.main(rest)
 
 

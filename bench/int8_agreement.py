@@ -41,13 +41,15 @@ NEW_TOKENS, PROMPT_TOKENS = 64, 16
 
 def logits_along(setup, params, tokens_BxT) -> np.ndarray:
     """Float32 logits (B, T-1, V) after each prefix of the rows, one token at a time through the cache."""
+
     def run(params, tokens_BxT):
         gpt = nnx.merge(setup.graphdef, generate.weights_in_compute_dtype(setup.graphdef, params))
         B, T = tokens_BxT.shape
 
         def step(cache, t):
-            logits_BxV, cache = gpt.decode(jax.lax.dynamic_slice_in_dim(tokens_BxT, t, 1, 1), cache,
-                                           jnp.full(B, t, jnp.int32))
+            logits_BxV, cache = gpt.decode(
+                jax.lax.dynamic_slice_in_dim(tokens_BxT, t, 1, 1), cache, jnp.full(B, t, jnp.int32)
+            )
             return cache, logits_BxV
 
         logits_TxBxV = jax.lax.scan(step, kv_cache.init_cache(gpt.config, B, T), jnp.arange(T - 1))[1]
@@ -64,11 +66,12 @@ def perplexity(logits_BxTxV, tokens_BxT) -> float:
 def rounded_weights(params, group: int):
     """The blocks' kernels (those int8_weights converts) rounded to int8 and back, in float: a scale
     per output channel and per `group` rows of the flattened input (0: all of them)."""
+
     def convert(path, p):
         module, name = (path[-2].key if len(path) > 1 else None), path[-1].key
         if name not in loader.INT8_KERNELS or not (module == "attn" or (module == "mlp" and p.ndim == 3)):
             return p
-        inputs = int(np.prod(p.shape[1:1 + loader.INT8_KERNELS[name]]))  # after the layers' axis
+        inputs = int(np.prod(p.shape[1 : 1 + loader.INT8_KERNELS[name]]))  # after the layers' axis
         grouped = p.reshape(p.shape[0], inputs // (group or inputs), group or inputs, -1)
         q, scale = quantization.quantize_int8(grouped, axis=2)
         return (q * scale).reshape(p.shape).astype(p.dtype)
@@ -93,21 +96,27 @@ class Reference:
         same = logits.argmax(-1) == self.logits.argmax(-1)
         tokens = generate.generate(setup, params, self.prompts, NEW_TOKENS, temperature=0).tokens
         agree = np.mean([a == b for want, got in zip(self.tokens, tokens) for a, b in zip(want, got)])
-        firsts = {b: next((i for i, (x, y) in enumerate(zip(want, got)) if x != y), None)
-                  for b, (want, got) in enumerate(zip(self.tokens, tokens))}
+        firsts = {
+            b: next((i for i, (x, y) in enumerate(zip(want, got)) if x != y), None)
+            for b, (want, got) in enumerate(zip(self.tokens, tokens))
+        }
         generated_logits = logits_along(setup, params, self.generated_BxT)
         flips = []
         for b, i in firsts.items():
             if i is not None:  # the logits that chose new token i
                 want, got = self.generated_logits[b, PROMPT_TOKENS - 1 + i], generated_logits[b, PROMPT_TOKENS - 1 + i]
                 top = np.sort(want)[::-1]
-                flips.append(f"row {b} at token {i}: margin {top[0] - top[1]:.4f}, "
-                             f"largest logit change {np.abs(got - want).max():.4f}")
+                flips.append(
+                    f"row {b} at token {i}: margin {top[0] - top[1]:.4f}, "
+                    f"largest logit change {np.abs(got - want).max():.4f}"
+                )
         change = np.sqrt(np.mean((logits - self.logits) ** 2))
-        row = (f"| {name} | {loader.weight_bytes(params):,} B | {loader.kv_bytes_per_token(setup.model_config):,} B "
-               f"| {ppl:.4f} ({(ppl / self.perplexity - 1) * 100:+.3f}%) | {same.mean() * 100:.1f}% "
-               f"({(~same).sum()} of {same.size}) | {agree * 100:.1f}% ({len(flips)} of {len(tokens)} rows diverge) "
-               f"| {change:.4f} |")
+        row = (
+            f"| {name} | {loader.weight_bytes(params):,} B | {loader.kv_bytes_per_token(setup.model_config):,} B "
+            f"| {ppl:.4f} ({(ppl / self.perplexity - 1) * 100:+.3f}%) | {same.mean() * 100:.1f}% "
+            f"({(~same).sum()} of {same.size}) | {agree * 100:.1f}% ({len(flips)} of {len(tokens)} rows diverge) "
+            f"| {change:.4f} |"
+        )
         return "\n".join([row] + [f"    {line}" for line in flips])
 
 
@@ -122,33 +131,46 @@ def main(argv):
 
     setup, params, step, _ = loader.load_checkpoint(args.out_dir)
     int8_kv = loader.load_checkpoint(args.out_dir, kv_cache_dtype="int8")[0]
-    in_dtype = lambda s, dtype, kv="auto": loader.model_setup(dataclasses.replace(s.config, dtype=dtype), s.mesh,
-                                                                 s.model_config.vocab_size, kv)
+    in_dtype = lambda s, dtype, kv="auto": loader.model_setup(
+        dataclasses.replace(s.config, dtype=dtype), s.mesh, s.model_config.vocab_size, kv
+    )
     if args.dtype:
         setup, int8_kv = in_dtype(setup, args.dtype), in_dtype(int8_kv, args.dtype, "int8")
         params = generate.weights_in_compute_dtype(setup.graphdef, params)
     val = np.fromfile(os.path.join(dataset.dataset_dir(setup.config), "val.bin"), np.uint16).astype(np.int32)
     T = setup.model_config.block_size
-    rows_BxT = jnp.asarray(val[:args.rows * T].reshape(args.rows, T))
+    rows_BxT = jnp.asarray(val[: args.rows * T].reshape(args.rows, T))
     starts = np.linspace(0, len(val) - 4 * T, args.prompts).astype(int)
-    reference = Reference(setup, params, rows_BxT, [val[s:s + PROMPT_TOKENS].tolist() for s in starts])
+    reference = Reference(setup, params, rows_BxT, [val[s : s + PROMPT_TOKENS].tolist() for s in starts])
 
-    print(f"{args.out_dir}, step {step}, {sum(p.size for p in jax.tree.leaves(params)):,} parameters, "
-          f"{setup.model_config.dtype}; {args.rows} rows of {T} validation tokens, {args.prompts} prompts\n")
-    print("| | weights | KV cache per token | perplexity | greedy token after the same prefix "
-          f"| {NEW_TOKENS} tokens generated freely | rms logit change |")
+    print(
+        f"{args.out_dir}, step {step}, {sum(p.size for p in jax.tree.leaves(params)):,} parameters, "
+        f"{setup.model_config.dtype}; {args.rows} rows of {T} validation tokens, {args.prompts} prompts\n"
+    )
+    print(
+        "| | weights | KV cache per token | perplexity | greedy token after the same prefix "
+        f"| {NEW_TOKENS} tokens generated freely | rms logit change |"
+    )
     print("|---|---|---|---|---|---|---|")
-    print(f"| {setup.model_config.dtype} | {loader.weight_bytes(params):,} B "
-          f"| {loader.kv_bytes_per_token(setup.model_config):,} B | {reference.perplexity:.4f} | - | - | - |")
+    print(
+        f"| {setup.model_config.dtype} | {loader.weight_bytes(params):,} B "
+        f"| {loader.kv_bytes_per_token(setup.model_config):,} B | {reference.perplexity:.4f} | - | - | - |"
+    )
     int8_params = loader.int8_weights(params)
-    for name, s, p in (("int8 weights", setup, int8_params), ("int8 KV cache", int8_kv, params),
-                       ("both", int8_kv, int8_params)):
+    for name, s, p in (
+        ("int8 weights", setup, int8_params),
+        ("int8 KV cache", int8_kv, params),
+        ("both", int8_kv, int8_params),
+    ):
         print(reference.compare(name, s, p))
     if setup.model_config.dtype != "bfloat16":
         print(reference.compare("bfloat16 compute (yardstick)", in_dtype(setup, "bfloat16"), params))
     for group in [int(g) for g in args.groups.split(",") if g]:
-        print(reference.compare(f"int8 weights in float, groups of {group or 'all'} rows", setup,
-                                rounded_weights(params, group)))
+        print(
+            reference.compare(
+                f"int8 weights in float, groups of {group or 'all'} rows", setup, rounded_weights(params, group)
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ DOCS_PER_ROW_GROUP = 1000
 
 # ---- the corpus
 
+
 def make_corpus(work: Path, mb: int, shards=4, seed=0):
     """work/parquet/*.parquet and work/jsonl/*.jsonl with the same documents. Returns
     (documents, bytes of text). Made once; a later run with the same --mb reuses it."""
@@ -77,8 +78,9 @@ def make_corpus(work: Path, mb: int, shards=4, seed=0):
             doc = "\n\n".join(parts)
             docs.append(doc)
             size += len(doc.encode())
-        pq.write_table(pa.table({"text": docs}), work / "parquet" / f"{shard:03d}.parquet",
-                       row_group_size=DOCS_PER_ROW_GROUP)
+        pq.write_table(
+            pa.table({"text": docs}), work / "parquet" / f"{shard:03d}.parquet", row_group_size=DOCS_PER_ROW_GROUP
+        )
         with open(work / "jsonl" / f"{shard:03d}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
         n_docs, n_bytes = n_docs + len(docs), n_bytes + size
@@ -88,6 +90,7 @@ def make_corpus(work: Path, mb: int, shards=4, seed=0):
 
 
 # ---- build-nanogpt's approach, rewritten
+
 
 def nanogpt_tokenize(text):
     ids = [GPT2_EOT]  # build-nanogpt puts the end token in front of each document
@@ -114,7 +117,7 @@ def run_nanogpt(folder, out_dir, nprocs):
         for ids in pool.imap(nanogpt_tokenize, parquet_texts(folder), chunksize=16):
             while len(ids):  # a document that does not fit ends this shard and starts the next
                 take = min(len(ids), SHARD_TOKENS - count)
-                buffer[count:count + take] = ids[:take]
+                buffer[count : count + take] = ids[:take]
                 count, ids = count + take, ids[take:]
                 if count == SHARD_TOKENS:
                     np.save(out_dir / f"shard_{'val' if shard == 0 else 'train'}_{shard:06d}", buffer)
@@ -126,6 +129,7 @@ def run_nanogpt(folder, out_dir, nprocs):
 
 
 # ---- measuring a run
+
 
 def tree_pss(root_pid):
     """Memory of root_pid and all its descendants now: the sum of their proportional set sizes
@@ -198,43 +202,80 @@ def main():
     prepare = [sys.executable, "data/text/prepare.py", "--val_fraction=0.0005"]
     own_default = max(1, (os.cpu_count() or 1) // 2)
     runs = [
-        (f"data/text/prepare.py, parquet, --num_proc={args.num_proc}",
-         prepare + [f"--input_dir={work / 'parquet'}", f"--out_dir={work / 'out_parquet'}",
-                    f"--num_proc={args.num_proc}"], work / "out_parquet"),
-        (f"data/text/prepare.py, jsonl, --num_proc={args.num_proc}",
-         prepare + [f"--input_dir={work / 'jsonl'}", f"--out_dir={work / 'out_jsonl'}",
-                    f"--num_proc={args.num_proc}"], work / "out_jsonl"),
-        ("data/text/prepare.py, parquet, --num_proc=1",
-         prepare + [f"--input_dir={work / 'parquet'}", f"--out_dir={work / 'out_parquet1'}", "--num_proc=1"],
-         work / "out_parquet1"),
-        (f"build-nanogpt approach, parquet, nprocs={args.num_proc}",
-         [sys.executable, __file__, "--nanogpt", str(work / "parquet"), str(work / "out_nanogpt"),
-          str(args.num_proc)], work / "out_nanogpt"),
+        (
+            f"data/text/prepare.py, parquet, --num_proc={args.num_proc}",
+            prepare
+            + [f"--input_dir={work / 'parquet'}", f"--out_dir={work / 'out_parquet'}", f"--num_proc={args.num_proc}"],
+            work / "out_parquet",
+        ),
+        (
+            f"data/text/prepare.py, jsonl, --num_proc={args.num_proc}",
+            prepare
+            + [f"--input_dir={work / 'jsonl'}", f"--out_dir={work / 'out_jsonl'}", f"--num_proc={args.num_proc}"],
+            work / "out_jsonl",
+        ),
+        (
+            "data/text/prepare.py, parquet, --num_proc=1",
+            prepare + [f"--input_dir={work / 'parquet'}", f"--out_dir={work / 'out_parquet1'}", "--num_proc=1"],
+            work / "out_parquet1",
+        ),
+        (
+            f"build-nanogpt approach, parquet, nprocs={args.num_proc}",
+            [
+                sys.executable,
+                __file__,
+                "--nanogpt",
+                str(work / "parquet"),
+                str(work / "out_nanogpt"),
+                str(args.num_proc),
+            ],
+            work / "out_nanogpt",
+        ),
     ]
     if own_default != args.num_proc:
-        runs.append((f"build-nanogpt approach, parquet, nprocs={own_default} (its default here)",
-                     [sys.executable, __file__, "--nanogpt", str(work / "parquet"), str(work / "out_nanogpt1"),
-                      str(own_default)], work / "out_nanogpt1"))
-    print(f"{os.cpu_count()} CPU cores; {n_docs:,} documents, {n_bytes / 1e6:,.0f} MB of text; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+        runs.append(
+            (
+                f"build-nanogpt approach, parquet, nprocs={own_default} (its default here)",
+                [
+                    sys.executable,
+                    __file__,
+                    "--nanogpt",
+                    str(work / "parquet"),
+                    str(work / "out_nanogpt1"),
+                    str(own_default),
+                ],
+                work / "out_nanogpt1",
+            )
+        )
+    print(
+        f"{os.cpu_count()} CPU cores; {n_docs:,} documents, {n_bytes / 1e6:,.0f} MB of text; "
+        f"load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     best = {}  # name -> (seconds, CPU seconds, tokens, peak)
     for _ in range(args.repeat):
         for name, cmd, out in runs:
             shutil.rmtree(out, ignore_errors=True)
             seconds, cpu, peak = measure(cmd)
-            tokens = sum(np.load(p, mmap_mode="r").size if p.suffix == ".npy" else p.stat().st_size // 2
-                         for p in out.iterdir() if p.suffix in (".bin", ".npy"))
+            tokens = sum(
+                np.load(p, mmap_mode="r").size if p.suffix == ".npy" else p.stat().st_size // 2
+                for p in out.iterdir()
+                if p.suffix in (".bin", ".npy")
+            )
             shutil.rmtree(out, ignore_errors=True)
             old = best.get(name, (float("inf"), float("inf"), 0, 0))
             best[name] = (min(old[0], seconds), min(old[1], cpu), tokens, max(old[3], peak))
             print(f"  {name}: {seconds:.1f} s, {cpu:.1f} CPU s", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}\n")
-    print("| run | seconds | input MB/s | tokens/s | CPU seconds | MB per CPU second "
-          "| peak memory (PSS, all processes) |")
+    print(
+        "| run | seconds | input MB/s | tokens/s | CPU seconds | MB per CPU second | peak memory (PSS, all processes) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, (seconds, cpu, tokens, peak) in best.items():
-        print(f"| {name} | {seconds:.1f} | {n_bytes / 1e6 / seconds:.1f} | {tokens / seconds / 1e6:.2f}M | {cpu:.1f} "
-              f"| {n_bytes / 1e6 / cpu:.1f} | {peak / 2**20:,.0f} MB |")
+        print(
+            f"| {name} | {seconds:.1f} | {n_bytes / 1e6 / seconds:.1f} | {tokens / seconds / 1e6:.2f}M | {cpu:.1f} "
+            f"| {n_bytes / 1e6 / cpu:.1f} | {peak / 2**20:,.0f} MB |"
+        )
 
 
 if __name__ == "__main__":

@@ -99,8 +99,10 @@ class ReferenceGPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)  # not fused: a CPU run
 
 
@@ -166,9 +168,12 @@ def main(argv):
             seconds.append(time.perf_counter() - start)
         return seconds
 
-    info = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-            "model": "nanoGPT model.py" if args.nanogpt else "bench/torch_reference.py",
-            "params": sum(p.numel() for p in model.parameters())}
+    info = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "model": "nanoGPT model.py" if args.nanogpt else "bench/torch_reference.py",
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     if not args.serve:
         timed(3)
         s = sorted(timed(args.steps))

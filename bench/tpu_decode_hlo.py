@@ -43,19 +43,32 @@ SERVING_FLAGS = ("--weight_dtype", "--kv_cache_dtype")
 
 def compile_for_v5e(batch: int, flags: list[str]):
     serving = dict(f[2:].split("=", 1) for f in flags if f.split("=")[0] in SERVING_FLAGS)
-    config = configurator.load_config([os.path.join(ROOT, "config/gpt2_124m.py"), *[f for f in flags if f.split("=")[0] not in SERVING_FLAGS]],
-                                      complete=hf.with_model_keys)
+    config = configurator.load_config(
+        [os.path.join(ROOT, "config/gpt2_124m.py"), *[f for f in flags if f.split("=")[0] not in SERVING_FLAGS]],
+        complete=hf.with_model_keys,
+    )
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[:1]  # one chip
     mesh = sharding.make_mesh(1, 1, 1, devices=devices)
     setup = loader.model_setup(config, mesh, 50257, serving.get("kv_cache_dtype", "auto"))
     one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    params = jax.eval_shape(lambda p: loader.serving_weights(setup, p, serving.get("weight_dtype", "auto")),
-                            setup.abstract_params)
+    params = jax.eval_shape(
+        lambda p: loader.serving_weights(setup, p, serving.get("weight_dtype", "auto")), setup.abstract_params
+    )
     abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one)
     key = jax.eval_shape(lambda: jax.random.key(0))
     rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    inputs = jax.tree.map(abstract, (params, jax.ShapeDtypeStruct((batch, PROMPT), jnp.int32), rows, rows, rows, key,
-                                     jax.ShapeDtypeStruct((1,), jnp.int32)))
+    inputs = jax.tree.map(
+        abstract,
+        (
+            params,
+            jax.ShapeDtypeStruct((batch, PROMPT), jnp.int32),
+            rows,
+            rows,
+            rows,
+            key,
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+        ),
+    )
     length = min(PROMPT + NEW, config.block_size)
     return config, generate.compile_programs(setup, inputs, length, (0.0, 0, 1.0), True, 50257)
 
@@ -72,12 +85,22 @@ def big_operations(text: str, smallest: int) -> collections.Counter:
             computation = head.group(1)
             continue
         m = re.match(r"(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\](\{[^}]*\})? ([\w-]+)\(", line.strip())
-        if computation in fused or not m or m.group(5) in ("parameter", "get-tuple-element", "tuple", "bitcast", "while"):
+        if (
+            computation in fused
+            or not m
+            or m.group(5) in ("parameter", "get-tuple-element", "tuple", "bitcast", "while")
+        ):
             continue
         if np.prod([int(d) for d in m.group(3).split(",") if d] or [1]) >= smallest:
             name = re.sub(r"\.\d+(\.clone.*)?$", "", m.group(1))
-            found[("loop" if computation in loop_bodies else "entry", m.group(5), name,
-                   f"{m.group(2)}[{m.group(3)}]{m.group(4) or ''}")] += 1
+            found[
+                (
+                    "loop" if computation in loop_bodies else "entry",
+                    m.group(5),
+                    name,
+                    f"{m.group(2)}[{m.group(3)}]{m.group(4) or ''}",
+                )
+            ] += 1
     return found
 
 
@@ -88,8 +111,10 @@ def main(argv: list[str]) -> None:
         with open(f"/tmp/tpu_decode_B{batch}_{name}.hlo", "w") as f:
             f.write(program.as_text())
         m = program.memory_analysis()
-        print(f"{name}: arguments {m.argument_size_in_bytes / 2**20:,.1f} MiB, temporaries "
-              f"{m.temp_size_in_bytes / 2**20:,.1f} MiB, aliased {m.alias_size_in_bytes / 2**20:,.1f} MiB")
+        print(
+            f"{name}: arguments {m.argument_size_in_bytes / 2**20:,.1f} MiB, temporaries "
+            f"{m.temp_size_in_bytes / 2**20:,.1f} MiB, aliased {m.alias_size_in_bytes / 2**20:,.1f} MiB"
+        )
     head_size = config.n_embd // config.n_head
     layer_slice = batch * 32 * (config.n_kv_head or config.n_head) * head_size // 2
     print(f"decode: top-level operations on arrays of {layer_slice:,} elements or more (count, where, op, name, type):")

@@ -31,14 +31,56 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 HBM_BYTES_PER_S = 819e9  # TPU v5e
-BYTES_OF = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
-            "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+BYTES_OF = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s4": 1,
+    "u4": 1,
+}
 # Operations that move no bytes of their own (or are accounted elsewhere: a loop's body, a fusion's callee).
-FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "call", "conditional",
-        "copy-done", "slice-done", "after-all", "partition-id", "replica-id", "iota", "opt-barrier"}
+FREE = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "while",
+    "call",
+    "conditional",
+    "copy-done",
+    "slice-done",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "iota",
+    "opt-barrier",
+}
 ASYNC_MOVES = {"copy-start", "slice-start"}  # HBM <-> VMEM prefetches and evictions, overlapped with compute
-LAYOUT_OPS = {"parameter", "bitcast", "copy", "transpose", "reshape", "slice", "tuple", "reduce-precision",
-              "get-tuple-element", "concatenate"}
+LAYOUT_OPS = {
+    "parameter",
+    "bitcast",
+    "copy",
+    "transpose",
+    "reshape",
+    "slice",
+    "tuple",
+    "reduce-precision",
+    "get-tuple-element",
+    "concatenate",
+}
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([\w-]+)\((.*)$")
 
 
@@ -82,8 +124,11 @@ def trip_count(while_rest: str, condition: list) -> int:
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"', while_rest)
     if known:
         return int(known.group(1))
-    bounds = [int(re.match(r"(\d+)", rest).group(1)) for name, t, op, _, rest in condition
-              if op == "constant" and re.match(r"s32\[\]", t) and re.match(r"\d+\)", rest)]
+    bounds = [
+        int(re.match(r"(\d+)", rest).group(1))
+        for name, t, op, _, rest in condition
+        if op == "constant" and re.match(r"s32\[\]", t) and re.match(r"\d+\)", rest)
+    ]
     return bounds[0] if len(bounds) == 1 and any("direction=LT" in i[4] for i in condition) else 1
 
 
@@ -143,7 +188,8 @@ def classify(computations: dict, opcode: str, rest: str) -> str:
     if "dynamic-update-slice" in opcodes:
         return "dynamic-update-slice"
     if opcodes <= LAYOUT_OPS | {"constant", "broadcast", "convert", "multiply"} and (
-            opcodes & {"copy", "transpose", "slice", "concatenate"}):
+        opcodes & {"copy", "transpose", "slice", "concatenate"}
+    ):
         return "copy/transpose"
     if opcodes & {"reduce", "reduce-window"}:
         return "reduce fusion"
@@ -159,8 +205,17 @@ def memory_bound_ops(text: str) -> tuple[list, dict]:
     found, moves = [], collections.Counter()
     loops = [rest for _, _, opcode, _, rest in computations[entry] if opcode == "while"]
     # a step without accumulation: the layers' forward loop, the loss, the backward loop, the optimizer
-    phases = {"entry": "entry: embedding", "loop 1": "layers forward", "entry after loop 1": "entry: loss",
-              "loop 2": "layers backward", "entry after loop 2": "entry: optimizer"} if len(loops) == 2 else {}
+    phases = (
+        {
+            "entry": "entry: embedding",
+            "loop 1": "layers forward",
+            "entry after loop 1": "entry: loss",
+            "loop 2": "layers backward",
+            "entry after loop 2": "entry: optimizer",
+        }
+        if len(loops) == 2
+        else {}
+    )
     # (computation, times per step, where): the entry, then loop bodies (and called computations) inside it
     pending, loop_number = [(entry, 1, "entry")], 0
     while pending:
@@ -200,10 +255,18 @@ def memory_bound_ops(text: str) -> tuple[list, dict]:
             op_name = op_name.group(1) if op_name else ""
             label = where if computation != entry else f"entry after loop {loop_number}" if loops_seen else "entry"
             label = phases.get(label, label)
-            found.append((nbytes / HBM_BYTES_PER_S * 1e3, nbytes, times, label,
-                          classify(computations, opcode, rest),
-                          re.sub(r"\.clone.*$", "", name), re.sub(r"\{[^}]*\}", "", hlo_type)[:70],
-                          "/".join(op_name.split("/")[-2:])))
+            found.append(
+                (
+                    nbytes / HBM_BYTES_PER_S * 1e3,
+                    nbytes,
+                    times,
+                    label,
+                    classify(computations, opcode, rest),
+                    re.sub(r"\.clone.*$", "", name),
+                    re.sub(r"\{[^}]*\}", "", hlo_type)[:70],
+                    "/".join(op_name.split("/")[-2:]),
+                )
+            )
     return sorted(found, reverse=True), moves
 
 
@@ -213,6 +276,7 @@ def compile_for_v5e(flags: list[str]):
 
     import configurator
     import train
+
     config = configurator.load_config(flags, complete=train.complete_config)
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[:1]  # one chip
     setup = train.make_setup(config, train.make_mesh(config, devices), 50257)
@@ -232,16 +296,22 @@ def main(argv: list[str]) -> None:
         with open("/tmp/tpu_train.hlo", "w") as f:
             f.write(text)
         m = compiled.memory_analysis()
-        print(f"memory: arguments {m.argument_size_in_bytes / 2**20:,.1f} MiB, outputs {m.output_size_in_bytes / 2**20:,.1f}"
-              f" MiB (aliased {m.alias_size_in_bytes / 2**20:,.1f}), temporaries {m.temp_size_in_bytes / 2**20:,.1f} MiB, "
-              f"code {m.generated_code_size_in_bytes / 2**20:,.1f} MiB")
+        print(
+            f"memory: arguments {m.argument_size_in_bytes / 2**20:,.1f} MiB, outputs {m.output_size_in_bytes / 2**20:,.1f}"
+            f" MiB (aliased {m.alias_size_in_bytes / 2**20:,.1f}), temporaries {m.temp_size_in_bytes / 2**20:,.1f} MiB, "
+            f"code {m.generated_code_size_in_bytes / 2**20:,.1f} MiB"
+        )
     ops, moves = memory_bound_ops(text)
     top = int(options.get("top", 25))
-    print(f"\nthe {top} largest of {len(ops)} memory-bound operations (HBM bytes read + written per step, "
-          f"ms at {HBM_BYTES_PER_S / 1e9:.0f} GB/s):")
+    print(
+        f"\nthe {top} largest of {len(ops)} memory-bound operations (HBM bytes read + written per step, "
+        f"ms at {HBM_BYTES_PER_S / 1e9:.0f} GB/s):"
+    )
     print(f"  {'ms':>6} {'MB':>8} {'x':>3}  {'where':22} {'kind':22} {'operation':38} {'result':40} from")
     for ms, nbytes, times, where, kind, name, hlo_type, op_name in ops[:top]:
-        print(f"  {ms:6.2f} {nbytes / 1e6:8.1f} {times:3d}  {where:22} {kind:22} {name[:38]:38} {hlo_type[:40]:40} {op_name}")
+        print(
+            f"  {ms:6.2f} {nbytes / 1e6:8.1f} {times:3d}  {where:22} {kind:22} {name[:38]:38} {hlo_type[:40]:40} {op_name}"
+        )
     for title, key in (("where", 3), ("kind", 4)):
         totals = collections.defaultdict(lambda: [0.0, 0])
         for op in ops:
@@ -251,10 +321,14 @@ def main(argv: list[str]) -> None:
         for group, (ms, nbytes) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
             if ms >= 0.005:
                 print(f"  {ms:7.2f} ms {nbytes / 1e9:7.2f} GB  {group}")
-    print(f"\ntotal: {sum(op[0] for op in ops):.2f} ms, {sum(op[1] for op in ops) / 1e9:.2f} GB in "
-          f"{sum(op[2] for op in ops)} operation runs per step")
-    print("asynchronous HBM <-> VMEM copies (overlapped): " + ", ".join(
-        f"{where} {nbytes / 1e9:.2f} GB" for where, nbytes in moves.items()))
+    print(
+        f"\ntotal: {sum(op[0] for op in ops):.2f} ms, {sum(op[1] for op in ops) / 1e9:.2f} GB in "
+        f"{sum(op[2] for op in ops)} operation runs per step"
+    )
+    print(
+        "asynchronous HBM <-> VMEM copies (overlapped): "
+        + ", ".join(f"{where} {nbytes / 1e9:.2f} GB" for where, nbytes in moves.items())
+    )
 
 
 if __name__ == "__main__":

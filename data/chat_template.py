@@ -16,8 +16,10 @@ ROLES = ("system", "user", "assistant")
 
 # For a model without a template (a base model, the quickstart's characters): plain text that any
 # vocabulary with letters can spell, ending where the assistant's turn begins.
-DEFAULT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | upper }}: {{ message['content'] }}\n\n"
-                    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: {{ message['content'] }}\n\n"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
 
 
 class ChatError(ValueError):
@@ -38,8 +40,7 @@ def check_messages(messages) -> list[dict]:
 
 @functools.lru_cache(maxsize=8)
 def _compiled(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
     return env.from_string(template)
 
@@ -54,8 +55,11 @@ def render(tok, messages, add_generation_prompt: bool = True) -> str:
     special = lambda i: None if i is None else tok.decode([i])
     try:
         return _compiled(tok.chat_template or DEFAULT_TEMPLATE).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=special(tok.bos_token) or "", eos_token=special(tok.eot_token) or "")
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=special(tok.bos_token) or "",
+            eos_token=special(tok.eot_token) or "",
+        )
     except jinja2.TemplateError as e:
         raise ChatError(f"the model's chat template failed: {e}") from None
 
@@ -82,10 +86,12 @@ def tokenize_conversation(tok, messages) -> tuple[list[int], list[int]]:
         if message["role"] != "assistant":
             continue
         prompt = render(tok, messages[:i], add_generation_prompt=True)
-        upto = render(tok, messages[:i + 1], add_generation_prompt=False)
+        upto = render(tok, messages[: i + 1], add_generation_prompt=False)
         if not (upto.startswith(prompt) and text.startswith(upto)):
-            raise ChatError(f"the chat template does not render messages[{i}] (the assistant's) as an "
-                            f"addition to the conversation before it, so its tokens can't be told apart")
+            raise ChatError(
+                f"the chat template does not render messages[{i}] (the assistant's) as an "
+                f"addition to the conversation before it, so its tokens can't be told apart"
+            )
         spans.append((len(prompt), len(upto)))
     ids, starts = tok.encode_with_offsets(text)
     mask, stop = [0] * len(ids), set(tok.stop_tokens)

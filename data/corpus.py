@@ -35,8 +35,14 @@ import pyarrow.parquet as pq
 from huggingface_hub import HfApi
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import snapshot_download
-from huggingface_hub.errors import (IncompleteSnapshotError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                    RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+from huggingface_hub.errors import (
+    IncompleteSnapshotError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 
 from data.writer import PrepareError
 
@@ -78,8 +84,9 @@ def find_files(input_dir, max_files=None):
         raise InputError(f"input directory {input_dir} does not exist")
     if not root.is_dir():
         raise InputError(f"--input_dir {input_dir} is a file, not a folder")
-    files = sorted((p for p in root.rglob("*") if format_of(p) and p.is_file()),
-                   key=lambda p: p.relative_to(root).as_posix())
+    files = sorted(
+        (p for p in root.rglob("*") if format_of(p) and p.is_file()), key=lambda p: p.relative_to(root).as_posix()
+    )
     if not files:
         raise InputError(f"no {', '.join(FORMATS[:-1])} or {FORMATS[-1]} files under {input_dir}")
     return files[:max_files]
@@ -88,15 +95,16 @@ def find_files(input_dir, max_files=None):
 @dataclass(frozen=True)
 class Segment:
     """Part of one file, read from start to end by one process."""
-    path: str    # as opened
-    name: str    # relative to the input folder, POSIX: what the val draw hashes
+
+    path: str  # as opened
+    name: str  # relative to the input folder, POSIX: what the val draw hashes
     format: str  # "txt", "jsonl", "jsonl.gz", "jsonl.zst" or "parquet"
-    start: int   # .jsonl: bytes [start, stop); .parquet: row groups [start, stop); else 0, 1
+    start: int  # .jsonl: bytes [start, stop); .parquet: row groups [start, stop); else 0, 1
     stop: int
-    size: int    # input bytes it stands for, for the progress line
+    size: int  # input bytes it stands for, for the progress line
     first_row: int  # .parquet: the file's row number of row group `start`
-    stamp: tuple    # (file size, mtime in ns): a file that changed is read again
-    whole: bool     # the segment is all of its file
+    stamp: tuple  # (file size, mtime in ns): a file that changed is read again
+    whole: bool  # the segment is all of its file
 
     def key(self):
         return [self.name, self.format, self.start, self.stop, *self.stamp]
@@ -117,11 +125,14 @@ def parquet_metadata(path, text_key):
         meta = pq.read_metadata(path)
         schema = meta.schema.to_arrow_schema()
     except READ_ERRORS as e:
-        raise BadFile(f"{path}: not a readable parquet file ({first_line(e)}): "
-                      "a truncated download? delete it and download it again") from None
+        raise BadFile(
+            f"{path}: not a readable parquet file ({first_line(e)}): "
+            "a truncated download? delete it and download it again"
+        ) from None
     if text_key not in schema.names:
-        raise InputError(f"{path} has no column {text_key!r}; its columns: {', '.join(schema.names)} "
-                         "(choose one with --text_key)")
+        raise InputError(
+            f"{path} has no column {text_key!r}; its columns: {', '.join(schema.names)} (choose one with --text_key)"
+        )
     kind = schema.field(text_key).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
         raise InputError(f"{path}: column {text_key!r} holds {kind}, not text (choose another with --text_key)")
@@ -134,8 +145,20 @@ def file_segments(path, name, text_key, piece_bytes):
     fmt, stamp = format_of(path), (st.st_size, st.st_mtime_ns)
     if fmt == "jsonl":
         starts = range(0, st.st_size, piece_bytes)
-        return [Segment(str(path), name, fmt, a, min(a + piece_bytes, st.st_size), min(piece_bytes, st.st_size - a),
-                        0, stamp, len(starts) == 1) for a in starts]
+        return [
+            Segment(
+                str(path),
+                name,
+                fmt,
+                a,
+                min(a + piece_bytes, st.st_size),
+                min(piece_bytes, st.st_size - a),
+                0,
+                stamp,
+                len(starts) == 1,
+            )
+            for a in starts
+        ]
     if fmt != "parquet":
         return [Segment(str(path), name, fmt, 0, 1, st.st_size, 0, stamp, True)]
     meta = parquet_metadata(path, text_key)
@@ -144,8 +167,11 @@ def file_segments(path, name, text_key, piece_bytes):
         group = meta.row_group(g)
         size += sum(group.column(c).total_compressed_size for c in range(group.num_columns))
         if size >= piece_bytes or g == meta.num_row_groups - 1:
-            segments.append(Segment(str(path), name, fmt, start, g + 1, size, row, stamp,
-                                    start == 0 and g == meta.num_row_groups - 1))
+            segments.append(
+                Segment(
+                    str(path), name, fmt, start, g + 1, size, row, stamp, start == 0 and g == meta.num_row_groups - 1
+                )
+            )
             row += sum(meta.row_group(i).num_rows for i in range(start, g + 1))
             start, size = g + 1, 0
     return segments
@@ -176,6 +202,7 @@ def plan_pieces(files, root, text_key, piece_bytes, skip_bad=False):
 
 # ---- reading a segment: batches of (position, text)
 
+
 def read_segment(seg, text_key):
     """Yields (docs, done): docs a list of (position, text), done the input bytes of seg read
     so far (seg.size at the end). Raises BadFile naming the file (and line or row)."""
@@ -189,8 +216,9 @@ def read_segment(seg, text_key):
     except READ_ERRORS as e:
         if isinstance(e, FileNotFoundError | PermissionError):  # the user's to fix, not a bad file
             raise
-        raise BadFile(f"{seg.path}: cannot be read to the end ({first_line(e)}): "
-                      "a truncated or corrupt file? get it again") from None
+        raise BadFile(
+            f"{seg.path}: cannot be read to the end ({first_line(e)}): a truncated or corrupt file? get it again"
+        ) from None
 
 
 def _read_txt(path):
@@ -211,8 +239,9 @@ def _parquet_batches(seg, text_key):
     pf = pq.ParquetFile(seg.path, buffer_size=1 << 20, pre_buffer=False)
     rows = sum(pf.metadata.row_group(g).num_rows for g in range(seg.start, seg.stop))
     row = seg.first_row
-    for batch in pf.iter_batches(batch_size=BATCH_DOCS, row_groups=range(seg.start, seg.stop),
-                                 columns=[text_key], use_threads=False):
+    for batch in pf.iter_batches(
+        batch_size=BATCH_DOCS, row_groups=range(seg.start, seg.stop), columns=[text_key], use_threads=False
+    ):
         texts = batch.column(0).to_pylist()
         if None in texts:
             raise BadFile(f"{seg.path}, row {row + texts.index(None)}: {text_key!r} is null, not text")
@@ -287,6 +316,7 @@ def _parse_record(line: bytes, text_key, at) -> str:
 
 # ---- Hugging Face dataset shards
 
+
 def hub_folder_url(repo_id, revision, folder):
     return f"https://huggingface.co/datasets/{repo_id}/tree/{quote(revision, safe='')}/{folder}"
 
@@ -316,11 +346,16 @@ def hub_shards(repo_id, folder, revision="main", max_shards=None, cache_dir=None
         local_files_only, why = True, f"{urlparse(hf_constants.ENDPOINT).hostname} is unreachable"
     if not local_files_only:
         try:
-            names = sorted(f.path for f in HfApi().list_repo_tree(repo_id, path_in_repo=folder, revision=revision,
-                                                                  repo_type="dataset") if f.path.endswith(".parquet"))
+            names = sorted(
+                f.path
+                for f in HfApi().list_repo_tree(repo_id, path_in_repo=folder, revision=revision, repo_type="dataset")
+                if f.path.endswith(".parquet")
+            )
         except (RepositoryNotFoundError, RevisionNotFoundError, RemoteEntryNotFoundError) as e:
-            raise InputError(f"{url} not found ({type(e).__name__}): see the dataset's files at "
-                             f"{hub_folder_url(repo_id, revision, '')}") from None
+            raise InputError(
+                f"{url} not found ({type(e).__name__}): see the dataset's files at "
+                f"{hub_folder_url(repo_id, revision, '')}"
+            ) from None
         except OfflineModeIsEnabled:
             why = "HF_HUB_OFFLINE is set"
         except Exception as e:  # no network, the Hub down, ...: the cache may have it
@@ -331,12 +366,16 @@ def hub_shards(repo_id, folder, revision="main", max_shards=None, cache_dir=None
             names = names[:max_shards]
             print(f"downloading {len(names)} files of {url} into {cache} (kept there; a rerun resumes)")
             try:
-                path = Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, allow_patterns=names,
-                                              cache_dir=cache_dir))
+                path = Path(
+                    snapshot_download(
+                        repo_id, repo_type="dataset", revision=revision, allow_patterns=names, cache_dir=cache_dir
+                    )
+                )
             except Exception as e:
-                raise InputError(f"download from {url} stopped ({type(e).__name__}: {first_line(e)}): run the same "
-                                 f"command again to resume it, or pass --input_dir=FOLDER with its .parquet files") \
-                    from None
+                raise InputError(
+                    f"download from {url} stopped ({type(e).__name__}: {first_line(e)}): run the same "
+                    f"command again to resume it, or pass --input_dir=FOLDER with its .parquet files"
+                ) from None
             return path, [path / name for name in names]
     return cached_shards(repo_id, folder, revision, max_shards, cache_dir, why)
 
@@ -346,20 +385,30 @@ def cached_shards(repo_id, folder, revision, max_shards, cache_dir, why):
     cache, url = cache_dir or hf_constants.HF_HUB_CACHE, hub_folder_url(repo_id, revision, folder)
     missing = None
     try:
-        path = snapshot_download(repo_id, repo_type="dataset", revision=revision, cache_dir=cache_dir,
-                                 allow_patterns=[f"{folder}/*.parquet"], local_files_only=True)
+        path = snapshot_download(
+            repo_id,
+            repo_type="dataset",
+            revision=revision,
+            cache_dir=cache_dir,
+            allow_patterns=[f"{folder}/*.parquet"],
+            local_files_only=True,
+        )
     except IncompleteSnapshotError as e:  # the cache knows the full list, and has only part of it
         path, missing = e.snapshot_path, first_line(e)
     except (LocalEntryNotFoundError, OSError, ValueError):
         path = None
     files = sorted((Path(path) / folder).glob("*.parquet")) if path else []
     if not files:
-        raise InputError(f"cannot reach the Hugging Face Hub ({why}) and the cache {cache} has no copy of {url}: "
-                         f"download its .parquet files into a folder and pass --input_dir=FOLDER, or run again "
-                         f"where huggingface.co is reachable")
+        raise InputError(
+            f"cannot reach the Hugging Face Hub ({why}) and the cache {cache} has no copy of {url}: "
+            f"download its .parquet files into a folder and pass --input_dir=FOLDER, or run again "
+            f"where huggingface.co is reachable"
+        )
     if len(files) < (max_shards or 0) or (missing and max_shards is None):
-        raise InputError(f"cannot reach the Hugging Face Hub ({why}) and the cache {cache} holds {len(files)} of the "
-                         f".parquet files of {url}: run again where huggingface.co is reachable, pass "
-                         f"--max_shards={len(files)}, or --input_dir=FOLDER with all of them")
+        raise InputError(
+            f"cannot reach the Hugging Face Hub ({why}) and the cache {cache} holds {len(files)} of the "
+            f".parquet files of {url}: run again where huggingface.co is reachable, pass "
+            f"--max_shards={len(files)}, or --input_dir=FOLDER with all of them"
+        )
     print(f"offline ({why}): using the {len(files[:max_shards])} files of {url} in {cache}")
     return Path(path), files[:max_shards]

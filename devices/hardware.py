@@ -67,8 +67,10 @@ def measured_peak_flops(devices, peak: float | None = None) -> tuple[float, str]
     if devices[0].platform == "cpu":
         return peak or measure_cpu_peak_flops(), "measured f32 matmul on this host"
     n = 8192
-    return (measure_matmul_flops(devices[0], n, jnp.bfloat16) * len(devices),
-            f"bf16 {n}³ matmul measured on this {devices[0].device_kind} now x {len(devices)}")
+    return (
+        measure_matmul_flops(devices[0], n, jnp.bfloat16) * len(devices),
+        f"bf16 {n}³ matmul measured on this {devices[0].device_kind} now x {len(devices)}",
+    )
 
 
 def measure_matmul_flops(device, n: int, dtype, repeats: int = 10) -> float:

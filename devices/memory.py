@@ -36,12 +36,19 @@ def size(n) -> str:
 def compiler_memory(compiled, platform: str) -> dict:
     """Per-device bytes as XLA's buffer assignment counts them."""
     m = compiled.memory_analysis()
-    memory = {"arguments": m.argument_size_in_bytes,
-              "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,  # donated state is reused
-              "temporaries": m.temp_size_in_bytes,
-              "code": m.generated_code_size_in_bytes}
+    memory = {
+        "arguments": m.argument_size_in_bytes,
+        "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,  # donated state is reused
+        "temporaries": m.temp_size_in_bytes,
+        "code": m.generated_code_size_in_bytes,
+    }
     memory["total"] = sum(memory.values())  # what the preflight checks, on every backend
-    host = m.host_argument_size_in_bytes + m.host_temp_size_in_bytes + m.host_output_size_in_bytes - m.host_alias_size_in_bytes
+    host = (
+        m.host_argument_size_in_bytes
+        + m.host_temp_size_in_bytes
+        + m.host_output_size_in_bytes
+        - m.host_alias_size_in_bytes
+    )
     if host:  # offload: the state kept in host memory (and its traffic), outside the device's total
         memory["host"] = host
     # XLA's simulated peak is reported, not checked: on a TPU it gave GPT-2 124M's step the same 7.92 GiB
@@ -147,8 +154,11 @@ def refusal(what: str, message: str, devices, remedies: list[str], arguments: in
     the device has, and the remedies."""
     sizes = parse_out_of_memory(message)
     compiler = f"XLA:{devices[0].platform.upper()}"
-    need = sizes.get("total") or sizes.get("used") or (
-        sizes["temporaries"] + arguments if "temporaries" in sizes else None)
+    need = (
+        sizes.get("total")
+        or sizes.get("used")
+        or (sizes["temporaries"] + arguments if "temporaries" in sizes else None)
+    )
     at_least = ""
     if need is None and "allocation" in sizes:  # one allocation that failed: the need is more than this
         need, at_least = sizes["allocation"] + arguments, "at least "
@@ -161,7 +171,8 @@ def refusal(what: str, message: str, devices, remedies: list[str], arguments: in
     have = f"the {size(capacity)} of {space}" if capacity else f"the device's {space}"
     return DoesNotFit(
         f"memory: {what} needs {at_least}{size(need)} per device, more than {have} available "
-        f"({compiler} refused it: RESOURCE_EXHAUSTED); {try_}")
+        f"({compiler} refused it: RESOURCE_EXHAUSTED); {try_}"
+    )
 
 
 @contextlib.contextmanager
@@ -182,8 +193,10 @@ def training_remedies(config: configurator.Config, n_devices: int) -> list[str]:
     if config.fsdp_reduce_once and config.mesh_fsdp != 1:
         tips.append("--fsdp_reduce_once=False (each device keeps only its share of the parameters and gradient)")
     if config.batch_size > 1:
-        tips.append(f"--batch_size={config.batch_size // 2} "
-                    f"--gradient_accumulation_steps={2 * config.gradient_accumulation_steps} (same tokens per step)")
+        tips.append(
+            f"--batch_size={config.batch_size // 2} "
+            f"--gradient_accumulation_steps={2 * config.gradient_accumulation_steps} (same tokens per step)"
+        )
     if config.remat_policy != "full":
         lighter = "dots_with_no_batch_dims_saveable"
         tips.append(f"--remat_policy={'full' if config.remat_policy == lighter else lighter}")
@@ -216,10 +229,13 @@ def check(what: str, need: int, devices, limit_gib: float, remedies: list[str], 
     elif need > limit:
         raise DoesNotFit(
             f"memory: {what} needs {need_text}, more than the {have_text} available ({source}); "
-            f"try {', or '.join(remedies) or 'a bigger machine'} (or --memory_check=False to run anyway)")
+            f"try {', or '.join(remedies) or 'a bigger machine'} (or --memory_check=False to run anyway)"
+        )
     elif need > WARN_FRACTION * limit:
-        result["line"] = (f"memory: WARNING {what} needs {need_text} of {have_text} available ({source}), "
-                          f"within {1 - WARN_FRACTION:.0%} of the limit; it may run out")
+        result["line"] = (
+            f"memory: WARNING {what} needs {need_text} of {have_text} available ({source}), "
+            f"within {1 - WARN_FRACTION:.0%} of the limit; it may run out"
+        )
     else:
         result["line"] = f"memory: {what} needs {need_text} of {have_text} available ({source})"
     say(result["line"])

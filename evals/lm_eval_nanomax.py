@@ -32,8 +32,9 @@ try:
     # while it is empty, so they go in before 'nanomax' does.
     importlib.import_module("lm_eval.models")
 except ImportError as e:
-    raise ImportError(f"evals/lm_eval_nanomax.py needs lm-evaluation-harness ({e}): "
-                      f"pip install -r requirements-eval.txt") from None
+    raise ImportError(
+        f"evals/lm_eval_nanomax.py needs lm-evaluation-harness ({e}): pip install -r requirements-eval.txt"
+    ) from None
 
 import numpy as np
 
@@ -47,15 +48,34 @@ class NanomaxLM(TemplateLM):
     """A nanomax checkpoint or Hugging Face model as the harness's LM: loglikelihood (the harness's
     own, over tok_encode and _loglikelihood_tokens below), loglikelihood_rolling, generate_until."""
 
-    def __init__(self, out_dir: str = "out", init_from: str = "resume", batch_size=32, dtype: str = "auto",
-                 devices=0, prefix: str = "auto", max_gen_toks=256, max_batch_size=None, device=None, **unused):
+    def __init__(
+        self,
+        out_dir: str = "out",
+        init_from: str = "resume",
+        batch_size=32,
+        dtype: str = "auto",
+        devices=0,
+        prefix: str = "auto",
+        max_gen_toks=256,
+        max_batch_size=None,
+        device=None,
+        **unused,
+    ):
         super().__init__()
         if unused:
-            raise configurator.ConfigError(f"nanomax model_args: unknown {', '.join(sorted(unused))}; known: "
-                                           f"out_dir, init_from, dtype, devices, prefix, max_gen_toks")
+            raise configurator.ConfigError(
+                f"nanomax model_args: unknown {', '.join(sorted(unused))}; known: "
+                f"out_dir, init_from, dtype, devices, prefix, max_gen_toks"
+            )
         batch_size = 32 if str(batch_size).startswith("auto") else int(batch_size)  # no automatic search
-        self.cfg = loading.EvalConfig(init_from=init_from, out_dir=out_dir, batch_size=batch_size, dtype=dtype,
-                                       devices=int(devices), prefix=prefix)
+        self.cfg = loading.EvalConfig(
+            init_from=init_from,
+            out_dir=out_dir,
+            batch_size=batch_size,
+            dtype=dtype,
+            devices=int(devices),
+            prefix=prefix,
+        )
         self.setup, params, self.tok, self.what = loading.load_model(self.cfg)
         self.params = generate.weights_in_compute_dtype(self.setup.graphdef, params)
         self.scorer = scoring.make_scorer(self.setup)  # one compiled program per batch shape, kept
@@ -74,8 +94,10 @@ class NanomaxLM(TemplateLM):
         """The token an empty context (and each rolling text) is scored after: the harness needs one."""
         start = scoring.text_start(self.tok, self.cfg.prefix) or scoring.text_start(self.tok)
         if not start:
-            raise scoring.EvalError("this tokenizer has neither a BOS nor an end-of-text token, which the harness "
-                                  "scores a text's first token after (empty contexts, loglikelihood_rolling)")
+            raise scoring.EvalError(
+                "this tokenizer has neither a BOS nor an end-of-text token, which the harness "
+                "scores a text's first token after (empty contexts, loglikelihood_rolling)"
+            )
         return start[0]
 
     @property
@@ -112,9 +134,12 @@ class NanomaxLM(TemplateLM):
         encoded with the tokenizer's own first token, so a Llama-style one scores BOS after BOS."""
         pairs, owner = [], []
         for i, (text,) in enumerate(req.args for req in requests):
-            windows = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(text),
-                                                         prefix_token=self.prefix_token_id,
-                                                         max_seq_len=self.block_size, context_len=1)
+            windows = lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(text),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.block_size,
+                context_len=1,
+            )
             for window in map(lm_utils.make_disjoint_window, windows):
                 pairs.append(window)
                 owner.append(i)
@@ -143,10 +168,17 @@ class NanomaxLM(TemplateLM):
             # past the context in windows, so keep at least half of it.
             keep = max(self.block_size - max_new, self.block_size // 2)
             for first in range(0, len(group), self.cfg.batch_size):
-                chunk = group[first:first + self.cfg.batch_size]
+                chunk = group[first : first + self.cfg.batch_size]
                 prompts = [self.tok_encode(context)[-keep:] or [self.prefix_token_id] for _, context, _ in chunk]
-                result = generate.generate(self.setup, self.params, prompts, max_new, temperature=temperature,
-                                           stop_ids=self.tok.stop_tokens, vocab=self.tok.vocab_size)
+                result = generate.generate(
+                    self.setup,
+                    self.params,
+                    prompts,
+                    max_new,
+                    temperature=temperature,
+                    stop_ids=self.tok.stop_tokens,
+                    vocab=self.tok.vocab_size,
+                )
                 for (i, _, _), new in zip(chunk, result.tokens):
                     text = self.tok.decode(new)
                     for stop in until:
@@ -167,8 +199,12 @@ class NanomaxLM(TemplateLM):
 def main(argv) -> None:
     """The `lm_eval` command with this model registered: `--model nanomax` unless another is named,
     and 32 rows a batch unless --batch_size says (the harness's default is 1)."""
-    sys.argv = ["lm_eval", *(["--model", "nanomax"] if "--model" not in argv else []),
-                *(["--batch_size", "32"] if not {"--batch_size", "-b"} & set(argv) else []), *argv]
+    sys.argv = [
+        "lm_eval",
+        *(["--model", "nanomax"] if "--model" not in argv else []),
+        *(["--batch_size", "32"] if not {"--batch_size", "-b"} & set(argv) else []),
+        *argv,
+    ]
     try:
         cli_evaluate()
     except (OSError, ValueError) as e:  # EvalError, ConfigError, CheckpointError, HFError

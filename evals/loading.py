@@ -29,8 +29,10 @@ class EvalConfig:
         configurator.check_init_from(self.init_from, choices=("resume",))
         configurator.check_choice("task", self.task, scoring.TASKS)
         if self.task == "perplexity" and self.limit:
-            raise configurator.ConfigError("--limit counts the examples of hellaswag and choice; perplexity "
-                                           "scores the whole --data file: cut the file to score less")
+            raise configurator.ConfigError(
+                "--limit counts the examples of hellaswag and choice; perplexity "
+                "scores the whole --data file: cut the file to score less"
+            )
         configurator.check_choice("norm", self.norm, ("char", "token"))
         configurator.check_choice("prefix", self.prefix, scoring.PREFIXES)
         configurator.check_choice("hellaswag_text", self.hellaswag_text, scoring.HELLASWAG_TEXTS)
@@ -46,7 +48,7 @@ class EvalConfig:
 
 def load_model(cfg: EvalConfig):
     """(setup, params, tokenizer, what was loaded) for cfg.init_from, on the chosen devices."""
-    devices = jax.devices()[:cfg.devices or jax.device_count()]
+    devices = jax.devices()[: cfg.devices or jax.device_count()]
     if cfg.devices > jax.device_count():
         raise scoring.EvalError(f"--devices={cfg.devices}, but there are {jax.device_count()}")
     mesh = sharding.make_mesh(len(devices), 1, 1, devices=devices)

@@ -53,6 +53,7 @@ class EvalError(ValueError):
 
 # ----------------------------------------------------------------------------- files
 
+
 @dataclasses.dataclass(frozen=True)
 class Example:
     context: str
@@ -80,16 +81,25 @@ def read_examples(path: str, task: str, limit: int = 0, hellaswag_text: str = "h
                     raise EvalError(f"{where}: malformed JSON ({e.msg}, column {e.colno})") from None
                 missing = [k for k in fields if not isinstance(record, dict) or k not in record]
                 if missing:
-                    raise EvalError(f"{where}: no {', '.join(map(repr, missing))} field (a {task} line has "
-                                    f"{', '.join(fields)})")
+                    raise EvalError(
+                        f"{where}: no {', '.join(map(repr, missing))} field (a {task} line has {', '.join(fields)})"
+                    )
                 context, choices, label = (record[k] for k in fields)
-                if task == "hellaswag" and hellaswag_text == "harness" and all(
-                        isinstance(record.get(k), str) for k in HELLASWAG_PARTS):
+                if (
+                    task == "hellaswag"
+                    and hellaswag_text == "harness"
+                    and all(isinstance(record.get(k), str) for k in HELLASWAG_PARTS)
+                ):
                     context, choices = harness_hellaswag(record)
-                if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) for c in choices)
-                        and isinstance(context, str)):
-                    raise EvalError(f"{where}: {fields[0]} must be a string and {fields[1]} a list of at least "
-                                    f"two strings")
+                if not (
+                    isinstance(choices, list)
+                    and len(choices) >= 2
+                    and all(isinstance(c, str) for c in choices)
+                    and isinstance(context, str)
+                ):
+                    raise EvalError(
+                        f"{where}: {fields[0]} must be a string and {fields[1]} a list of at least two strings"
+                    )
                 empty = [i for i, c in enumerate(choices) if not c.strip()]
                 if empty:  # no tokens to score: its log-likelihood is 0, the highest there is, so it always wins
                     raise EvalError(f"{where}: choice {empty[0]} is empty; every choice needs text to score")
@@ -141,16 +151,20 @@ def hellaswag_file(cache_dir: str | None = None) -> str:
         os.replace(tmp, path)  # never a half file under the real name
     except OSError as e:
         os.unlink(tmp)
-        raise EvalError(f"could not download HellaSwag ({e}): fetch {HELLASWAG_URL} where there is a network "
-                        f"and pass --data=FILE, or put it at {path}") from None
+        raise EvalError(
+            f"could not download HellaSwag ({e}): fetch {HELLASWAG_URL} where there is a network "
+            f"and pass --data=FILE, or put it at {path}"
+        ) from None
     return path
 
 
 # ----------------------------------------------------------------------------- rows
 
+
 @dataclasses.dataclass(frozen=True)
 class Rows:
     """Token rows to score: row i is tokens[i], and its targets from index start[i] on count."""
+
     tokens: list
     start: list
     truncated: int  # rows whose beginning was cut to fit the context
@@ -192,7 +206,7 @@ def encode_pair(tok, context: str, continuation: str, prefix: str = "auto") -> t
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     start = context_prefix(tok, prefix)
     context_ids = start + tok.encode(context)
-    return context_ids, (start + tok.encode(context + continuation))[len(context_ids):]
+    return context_ids, (start + tok.encode(context + continuation))[len(context_ids) :]
 
 
 def choice_rows(examples: list, tok, block_size: int, prefix: str = "auto") -> Rows:
@@ -214,9 +228,11 @@ def pair_rows(pairs: list, block_size: int, where: list | None = None) -> Rows:
     tokens, start, truncated = [], [], 0
     for i, (context, ending) in enumerate(pairs):
         if not ending or len(ending) > block_size:
-            raise EvalError(f"{where[i] if where else f'request {i}'}: a continuation of {len(ending)} tokens "
-                            f"does not fit the model's context of {block_size} + 1")
-        row = (context + ending)[-(block_size + 1):]
+            raise EvalError(
+                f"{where[i] if where else f'request {i}'}: a continuation of {len(ending)} tokens "
+                f"does not fit the model's context of {block_size} + 1"
+            )
+        row = (context + ending)[-(block_size + 1) :]
         truncated += len(row) < len(context) + len(ending)
         tokens.append(row)
         start.append(len(row) - len(ending))
@@ -227,7 +243,7 @@ def window_rows(ids: list, block_size: int) -> Rows:
     """Perplexity's windows: block_size + 1 tokens each, half a window apart."""
     stride, tokens, start, scored = max(block_size // 2, 1), [], [], 1  # token 0 is never a target
     for begin in range(0, max(len(ids) - 1, 1), stride):
-        row = ids[begin:begin + block_size + 1]
+        row = ids[begin : begin + block_size + 1]
         tokens.append(row)
         start.append(scored - begin)
         scored = begin + len(row)
@@ -237,6 +253,7 @@ def window_rows(ids: list, block_size: int) -> Rows:
 
 
 # ----------------------------------------------------------------------------- scoring
+
 
 def make_scorer(setup):
     """score(params, tokens_BxL, mask_BxL) -> (summed log-probability of the masked targets,
@@ -251,13 +268,13 @@ def make_scorer(setup):
         picked_BxT = jnp.take_along_axis(logp_BxTxV, target_BxT[..., None], axis=-1)[..., 0]
         mask_BxT = mask_BxL[:, 1:]
         greedy_BxT = jnp.argmax(logits_BxTxV, axis=-1) == target_BxT
-        return (jnp.where(mask_BxT, picked_BxT, 0.0).sum(-1), mask_BxT.sum(-1),
-                (greedy_BxT | ~mask_BxT).all(-1))
+        return (jnp.where(mask_BxT, picked_BxT, 0.0).sum(-1), mask_BxT.sum(-1), (greedy_BxT | ~mask_BxT).all(-1))
 
     batch = setup.batch_sharding
     replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-    return jax.jit(score, in_shardings=(setup.param_shardings, batch, batch),
-                   out_shardings=(replicated, replicated, replicated))
+    return jax.jit(
+        score, in_shardings=(setup.param_shardings, batch, batch), out_shardings=(replicated, replicated, replicated)
+    )
 
 
 def make_token_scorer(setup, top: int):
@@ -286,24 +303,33 @@ def score_rows(setup, params, rows: Rows, batch_rows: int = 32, label: str = "",
     sums, counts, greedy, started = [], [], [], time.perf_counter()
     with sharding.activate(setup.mesh):
         for first in range(0, len(rows.tokens), B):
-            chunk = rows.tokens[first:first + B]
+            chunk = rows.tokens[first : first + B]
             L = min(-(-max(map(len, chunk)) // 64) * 64, setup.model_config.block_size + 1)
             tokens, mask = np.zeros((B, L), np.int32), np.zeros((B, L), bool)
             for i, row in enumerate(chunk):
-                tokens[i, :len(row)] = row
-                mask[i, max(rows.start[first + i], 1):len(row)] = True
+                tokens[i, : len(row)] = row
+                mask[i, max(rows.start[first + i], 1) : len(row)] = True
             batch = [sharding.global_batch(a[local], setup.batch_sharding, (B, L)) for a in (tokens, mask)]
             total, count, argmax = scorer(params, *batch)
-            sums.append(np.asarray(total)[:len(chunk)])
-            counts.append(np.asarray(count)[:len(chunk)])
-            greedy.append(np.asarray(argmax)[:len(chunk)])
+            sums.append(np.asarray(total)[: len(chunk)])
+            counts.append(np.asarray(count)[: len(chunk)])
+            greedy.append(np.asarray(argmax)[: len(chunk)])
             if label:
                 monitor.show_progress(label, min(first + B, len(rows.tokens)), len(rows.tokens), started)
     return np.concatenate(sums).astype(np.float64), np.concatenate(counts), np.concatenate(greedy)
 
 
-def multiple_choice(setup, params, tok, examples: list, norm: str = "char", batch_rows: int = 32,
-                    label: str = "", scorer=None, prefix: str = "auto") -> dict:
+def multiple_choice(
+    setup,
+    params,
+    tok,
+    examples: list,
+    norm: str = "char",
+    batch_rows: int = 32,
+    label: str = "",
+    scorer=None,
+    prefix: str = "auto",
+) -> dict:
     """acc, acc_norm (per character or per token) and the example count of a multiple-choice set."""
     rows = choice_rows(examples, tok, setup.model_config.block_size, prefix)
     sums, counts, _ = score_rows(setup, params, rows, batch_rows, label, scorer)
@@ -317,7 +343,7 @@ def accuracy(examples: list, sums, counts, norm: str = "char") -> dict:
     correct = correct_norm = offset = 0
     for example in examples:
         n = len(example.choices)
-        total, length = sums[offset:offset + n], counts[offset:offset + n]
+        total, length = sums[offset : offset + n], counts[offset : offset + n]
         if norm == "char":
             length = np.array([len(c) for c in example.choices])
         correct += int(np.argmax(total)) == example.label
@@ -326,8 +352,9 @@ def accuracy(examples: list, sums, counts, norm: str = "char") -> dict:
     return {"acc": correct / len(examples), "acc_norm": correct_norm / len(examples), "examples": len(examples)}
 
 
-def perplexity(setup, params, tok, text: str, batch_rows: int = 32, label: str = "", scorer=None,
-               prefix: str = "auto") -> dict:
+def perplexity(
+    setup, params, tok, text: str, batch_rows: int = 32, label: str = "", scorer=None, prefix: str = "auto"
+) -> dict:
     """Loss (nats per token), perplexity and bits per byte of `text` under the model."""
     start = text_start(tok, prefix)
     try:
@@ -336,25 +363,33 @@ def perplexity(setup, params, tok, text: str, batch_rows: int = 32, label: str =
         raise EvalError(f"the text can't be encoded with this model's tokenizer: {e}") from None
     if len(ids) < 2:
         raise EvalError("the text is too short to score: it needs at least one token after the first")
-    sums, counts, _ = score_rows(setup, params, window_rows(ids, setup.model_config.block_size), batch_rows,
-                                 label, scorer)
+    sums, counts, _ = score_rows(
+        setup, params, window_rows(ids, setup.model_config.block_size), batch_rows, label, scorer
+    )
     nats, n = -float(sums.sum()), int(counts.sum())
     n_bytes = len(text.encode("utf-8"))
-    return {"loss": nats / n, "perplexity": math.exp(nats / n), "bits_per_byte": nats / math.log(2) / n_bytes,
-            "tokens": n, "bytes": n_bytes}
+    return {
+        "loss": nats / n,
+        "perplexity": math.exp(nats / n),
+        "bits_per_byte": nats / math.log(2) / n_bytes,
+        "tokens": n,
+        "bytes": n_bytes,
+    }
 
 
 def summary(name: str, result: dict) -> str:
     """The one line a result is reported as."""
     if "acc" in result:
         cut = f", {result['truncated']} rows cut from the left to fit" if result["truncated"] else ""
-        return (f"{name}: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} "
-                f"({result['examples']} examples{cut})")
-    return (f"{name}: loss {result['loss']:.4f} perplexity {result['perplexity']:.2f} bits/byte "
-            f"{result['bits_per_byte']:.4f} ({result['tokens']:,} tokens, {result['bytes']:,} bytes)")
+        return f"{name}: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} ({result['examples']} examples{cut})"
+    return (
+        f"{name}: loss {result['loss']:.4f} perplexity {result['perplexity']:.2f} bits/byte "
+        f"{result['bits_per_byte']:.4f} ({result['tokens']:,} tokens, {result['bytes']:,} bytes)"
+    )
 
 
 # ----------------------------------------------------------------------------- in training
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:

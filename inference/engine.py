@@ -93,6 +93,7 @@ class Token(NamedTuple):  # made for every token: 0.38 us here, a frozen datacla
     """A new token and the model's log-probabilities (before temperature and filtering): its own,
     and the TOP_LOGPROBS most likely tokens' as (id, logprob), most likely first; None for a
     request that did not ask for them (Request.logprobs)."""
+
     id: int
     logprob: float | None
     top: tuple | None
@@ -100,7 +101,7 @@ class Token(NamedTuple):  # made for every token: 0.38 us here, a frozen datacla
 
 def prompt_buckets(block_size: int, smallest: int = 16) -> list[int]:
     """The padded prompt lengths: powers of two from `smallest`, and block_size last."""
-    buckets = [b for b in (2 ** i for i in range(4, 31)) if smallest <= b < block_size]
+    buckets = [b for b in (2**i for i in range(4, 31)) if smallest <= b < block_size]
     return buckets + [block_size]
 
 
@@ -130,11 +131,12 @@ def reads_filled_positions(decode_attention: str, mesh, config) -> bool:
         raise EngineError(f"decode_attention={decode_attention!r}: use one of {', '.join(DECODE_ATTENTION)}")
     devices, platform = mesh.devices.size, mesh.devices.flat[0].platform
     if decode_attention == "pallas" and (devices > 1 or platform not in ("tpu", "cpu")):
-        raise EngineError(f"decode_attention='pallas' runs on one TPU chip (a CPU interprets it, for tests), and "
-                          f"this mesh has {devices} {platform} device(s): use 'xla' or 'auto'")
+        raise EngineError(
+            f"decode_attention='pallas' runs on one TPU chip (a CPU interprets it, for tests), and "
+            f"this mesh has {devices} {platform} device(s): use 'xla' or 'auto'"
+        )
     if decode_attention == "auto":
-        return (devices == 1 and platform == "tpu" and config.kv_cache_dtype != "int8"
-                and config.block_size % 128 == 0)
+        return devices == 1 and platform == "tpu" and config.kv_cache_dtype != "int8" and config.block_size % 128 == 0
     return decode_attention == "pallas"
 
 
@@ -148,9 +150,18 @@ def row_buckets(slots: int, batch_shards: int = 1) -> list[int]:
 class Engine:
     """`slots` requests decode at once; more wait in a queue of at most max_queue."""
 
-    def __init__(self, setup, params, slots: int = 8, max_queue: int = 64, log=print, vocab: int | None = None,
-                 decode_steps: int = DECODE_STEPS, decode_attention: str = "auto",
-                 after_tokens: Callable | None = None):
+    def __init__(
+        self,
+        setup,
+        params,
+        slots: int = 8,
+        max_queue: int = 64,
+        log=print,
+        vocab: int | None = None,
+        decode_steps: int = DECODE_STEPS,
+        decode_attention: str = "auto",
+        after_tokens: Callable | None = None,
+    ):
         """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary).
         decode_steps: tokens per slot per decode program (more: less host work per token; a request
         that ends or arrives waits for the call in flight). decode_attention: one of DECODE_ATTENTION
@@ -159,8 +170,10 @@ class Engine:
         the aborts at a stop): where the callbacks only collect, the time to send them on."""
         self.config, self.mesh, self.graphdef = setup.model_config, setup.mesh, setup.graphdef
         if slots % sharding.batch_shards(self.mesh):  # the slots are the cache's rows, split like a batch
-            raise EngineError(f"slots={slots} is not divisible by the mesh's batch axes (mesh_data = "
-                              f"{sharding.batch_shards(self.mesh)}): use a multiple of it")
+            raise EngineError(
+                f"slots={slots} is not divisible by the mesh's batch axes (mesh_data = "
+                f"{sharding.batch_shards(self.mesh)}): use a multiple of it"
+            )
         if decode_steps < 1:
             raise EngineError(f"decode_steps must be >= 1, got {decode_steps}")
         self.vocab = generate.drawable_ids(setup, vocab)
@@ -212,26 +225,45 @@ class Engine:
             # one decode per cache prefix it reads (a step reads only the bucket its slots have filled;
             # the kernel, each block of slots' filled positions) and per number of slots it runs (the
             # busy ones, which take the lowest free slots)
-            self.step_programs = {(attend, rows): decode_program(graphdef, self.vocab, self.decode_steps, attend,
-                                                                 rows).lower(params, state, active).compile()
-                                  for attend in self.attend_buckets for rows in self.row_buckets}
+            self.step_programs = {
+                (attend, rows): decode_program(graphdef, self.vocab, self.decode_steps, attend, rows)
+                .lower(params, state, active)
+                .compile()
+                for attend in self.attend_buckets
+                for rows in self.row_buckets
+            }
             # the largest, for memory checks
             self.step_program = self.step_programs[self.attend_buckets[-1], self.slots]
             self.admit_programs = {}  # (prompt bucket, rows): the program
             for P in self.buckets:
                 for R in admit_rows(P, self.slots):
                     rows = lambda dtype: one(dtype, (R,))
-                    self.admit_programs[P, R] = admit_program(graphdef, self.vocab).lower(
-                        params, state, one(jnp.int32, (R, P)), rows(jnp.int32), rows(jnp.int32), rows(jnp.int32),
-                        rows(jnp.float32), rows(jnp.int32), rows(jnp.float32), rows(jnp.bool_)).compile()
+                    self.admit_programs[P, R] = (
+                        admit_program(graphdef, self.vocab)
+                        .lower(
+                            params,
+                            state,
+                            one(jnp.int32, (R, P)),
+                            rows(jnp.int32),
+                            rows(jnp.int32),
+                            rows(jnp.int32),
+                            rows(jnp.float32),
+                            rows(jnp.int32),
+                            rows(jnp.float32),
+                            rows(jnp.bool_),
+                        )
+                        .compile()
+                    )
 
     # ------------------------------------------------------------------------- requests
 
     def submit(self, request: Request) -> Request:
         """Queue a request (from any thread); EngineError if it can't be taken."""
         if not 0 < len(request.prompt) < self.context:
-            raise EngineError(f"the prompt is {len(request.prompt)} tokens; this model's context is "
-                              f"{self.context} tokens, with at least one left to generate")
+            raise EngineError(
+                f"the prompt is {len(request.prompt)} tokens; this model's context is "
+                f"{self.context} tokens, with at least one left to generate"
+            )
         if request.max_tokens < 1:
             raise EngineError(f"max_tokens must be at least 1, got {request.max_tokens}")
         with self.wake:
@@ -241,7 +273,7 @@ class Engine:
                 raise QueueFull(f"{len(self.queue)} requests are waiting already (max_queue); try again later")
             request.id, request.submitted_at = next(self.ids), time.perf_counter()
             # Seeds are int32 on the device: any integer is taken modulo 2^31 (inference/generate.py's agree below it).
-            request.seed = random.getrandbits(31) if request.seed is None else request.seed % 2 ** 31
+            request.seed = random.getrandbits(31) if request.seed is None else request.seed % 2**31
             self.queue.append(request)
             self.wake.notify()
         return request
@@ -268,11 +300,20 @@ class Engine:
 
     def stats(self) -> dict:
         with self.wake:
-            return {"slots": self.slots, "busy": sum(r is not None for r in self.running),
-                    "queued": len(self.queue), "tokens": self.tokens_out, "steps": self.steps, "aborted": self.aborted,
-                    "seconds": {**self.seconds, "idle": self.seconds["idle"] + (
-                        0.0 if self.idle_since is None else time.perf_counter() - self.idle_since)},
-                    "compiles_while_serving": _compile_count() - self.compiles_before_serving}
+            return {
+                "slots": self.slots,
+                "busy": sum(r is not None for r in self.running),
+                "queued": len(self.queue),
+                "tokens": self.tokens_out,
+                "steps": self.steps,
+                "aborted": self.aborted,
+                "seconds": {
+                    **self.seconds,
+                    "idle": self.seconds["idle"]
+                    + (0.0 if self.idle_since is None else time.perf_counter() - self.idle_since),
+                },
+                "compiles_while_serving": _compile_count() - self.compiles_before_serving,
+            }
 
     # ------------------------------------------------------------------------- the loop
 
@@ -347,15 +388,22 @@ class Engine:
                 requests = [self.running[slot] for slot in group]
                 tokens = np.zeros((R, P), np.int32)
                 for row, request in enumerate(requests):
-                    tokens[row, :len(request.prompt)] = request.prompt
+                    tokens[row, : len(request.prompt)] = request.prompt
                 # rows past the group's are padding: their slot index (self.slots) is out of range: they write nothing
                 column = lambda values, dtype, pad: np.array(values + [pad] * (R - len(group)), dtype)
                 setting = lambda name, dtype, pad: column([getattr(r, name) for r in requests], dtype, pad)
                 self.state, drawn = self.admit_programs[P, R](
-                    self.params, self.state, tokens, column([len(r.prompt) for r in requests], np.int32, 1),
-                    column(group, np.int32, self.slots), setting("seed", np.int32, 0),
-                    setting("temperature", np.float32, 0), setting("top_k", np.int32, 0),
-                    setting("top_p", np.float32, 1), setting("logprobs", np.bool_, False))
+                    self.params,
+                    self.state,
+                    tokens,
+                    column([len(r.prompt) for r in requests], np.int32, 1),
+                    column(group, np.int32, self.slots),
+                    setting("seed", np.int32, 0),
+                    setting("temperature", np.float32, 0),
+                    setting("top_k", np.int32, 0),
+                    setting("top_p", np.float32, 1),
+                    setting("logprobs", np.bool_, False),
+                )
                 dispatched.append((group, drawn))
         return dispatched
 
@@ -406,8 +454,10 @@ class Engine:
                 if request is None or self.running[slot] is not request:
                     break
                 token = ids[step][slot]
-                self._take(slot, *(_on_host(drawn_at[step], slot, True) if request.logprobs
-                                   else (token, Token(token, None, None))))
+                self._take(
+                    slot,
+                    *(_on_host(drawn_at[step], slot, True) if request.logprobs else (token, Token(token, None, None))),
+                )
         self.steps += self.decode_steps
         self.seconds["step"] += dispatch_s + tokens - waiting_from
         self.seconds["tokens"] += time.perf_counter() - tokens
@@ -446,6 +496,7 @@ class Engine:
 # The jitted programs the engine runs, for whoever lowers them elsewhere (aot/serve_plan.py
 # compiles them for a target that is not here); lower each with the shapes its function takes.
 
+
 def empty_state_program(config, slots: int, length: int):
     """() -> the slots' state (_empty_state) for `slots` slots of `length` positions."""
     return jax.jit(functools.partial(_empty_state, config, slots, length))
@@ -470,10 +521,17 @@ def _empty_state(config, slots: int, length: int) -> dict:
     """The slots' cache and per-slot arrays: newest token and its position, the number of the next
     new token (for its key), the seed, the sampling settings and whether log-probabilities are wanted."""
     zeros = lambda dtype: jnp.zeros((slots,), dtype)
-    return {"cache": kv_cache.init_cache(config, slots, length), "token": zeros(jnp.int32),
-            "position": zeros(jnp.int32), "index": zeros(jnp.int32), "seed": zeros(jnp.int32),
-            "temperature": zeros(jnp.float32), "top_k": zeros(jnp.int32), "top_p": jnp.ones((slots,)),
-            "logprobs": zeros(jnp.bool_)}
+    return {
+        "cache": kv_cache.init_cache(config, slots, length),
+        "token": zeros(jnp.int32),
+        "position": zeros(jnp.int32),
+        "index": zeros(jnp.int32),
+        "seed": zeros(jnp.int32),
+        "temperature": zeros(jnp.float32),
+        "top_k": zeros(jnp.int32),
+        "top_p": jnp.ones((slots,)),
+        "logprobs": zeros(jnp.bool_),
+    }
 
 
 def _draw(logits_BxV, seed_B, index_B, temperature_B, top_k_B, top_p_B, logprobs=True) -> dict:
@@ -481,18 +539,25 @@ def _draw(logits_BxV, seed_B, index_B, temperature_B, top_k_B, top_p_B, logprobs
     log-probabilities where `logprobs` (a step's: any running slot asked for them), zeros otherwise:
     the log-softmax and top-k over the vocabulary were ~40% of a small model's step on a CPU."""
     keys_B = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), 0))(
-        seed_B, index_B)
+        seed_B, index_B
+    )
     token_B = generate.sample_logits(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B)
     B, K = token_B.shape[0], min(TOP_LOGPROBS, logits_BxV.shape[-1])
 
     def computed():
         logprobs_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
         top_logprobs_BxK, top_ids_BxK = jax.lax.top_k(logprobs_BxV, K)
-        return {"logprob": jnp.take_along_axis(logprobs_BxV, token_B[:, None], -1)[:, 0],
-                "top_ids": top_ids_BxK, "top_logprobs": top_logprobs_BxK}
+        return {
+            "logprob": jnp.take_along_axis(logprobs_BxV, token_B[:, None], -1)[:, 0],
+            "top_ids": top_ids_BxK,
+            "top_logprobs": top_logprobs_BxK,
+        }
 
-    skipped = lambda: {"logprob": jnp.zeros(B, logits_BxV.dtype), "top_ids": jnp.zeros((B, K), jnp.int32),
-                       "top_logprobs": jnp.zeros((B, K), logits_BxV.dtype)}
+    skipped = lambda: {
+        "logprob": jnp.zeros(B, logits_BxV.dtype),
+        "top_ids": jnp.zeros((B, K), jnp.int32),
+        "top_logprobs": jnp.zeros((B, K), logits_BxV.dtype),
+    }
     return {"token": token_B, **jax.lax.cond(logprobs, computed, skipped)}
 
 
@@ -507,28 +572,56 @@ def _on_host(drawn: dict, row: int, logprobs: bool) -> tuple:
     return token, Token(token, float(drawn["logprob"]), top)
 
 
-def _admit(graphdef, vocab: int, params, state, tokens_RxP, length_R, slot_R, seed_R, temperature_R, top_k_R,
-           top_p_R, logprobs_R):
+def _admit(
+    graphdef,
+    vocab: int,
+    params,
+    state,
+    tokens_RxP,
+    length_R,
+    slot_R,
+    seed_R,
+    temperature_R,
+    top_k_R,
+    top_p_R,
+    logprobs_R,
+):
     """Prefill R prompts through the training path's attention, draw each one's first token (its
     number 0), and make each slot's row of the cache start with its prompt's, its newest token the
     drawn one at position length, its next one number 1."""
     gpt = nnx.merge(graphdef, params)
     P = tokens_RxP.shape[1]
     logits_RxV, prefix = gpt.prefill(tokens_RxP, P, last_B=length_R - 1)
-    drawn = _draw(logits_RxV[:, :vocab], seed_R, jnp.zeros_like(seed_R), temperature_R, top_k_R, top_p_R,
-                  logprobs=jnp.any(logprobs_R))
+    drawn = _draw(
+        logits_RxV[:, :vocab],
+        seed_R,
+        jnp.zeros_like(seed_R),
+        temperature_R,
+        top_k_R,
+        top_p_R,
+        logprobs=jnp.any(logprobs_R),
+    )
     # keys and values (and an int8 cache's scales), (L, R, P, ...) into (L, slots, S, ...)
     put = lambda big, small: big.at[:, slot_R, :P].set(small.astype(big.dtype), mode="drop")
     at = lambda name, values: state[name].at[slot_R].set(values, mode="drop")
-    return _pinned({"cache": jax.tree.map(put, state["cache"], prefix), "token": at("token", drawn["token"]),
-                    "position": at("position", length_R), "index": at("index", jnp.ones_like(length_R)),
-                    "seed": at("seed", seed_R), "temperature": at("temperature", temperature_R),
-                    "top_k": at("top_k", top_k_R), "top_p": at("top_p", top_p_R),
-                    "logprobs": at("logprobs", logprobs_R)}), drawn
+    return _pinned(
+        {
+            "cache": jax.tree.map(put, state["cache"], prefix),
+            "token": at("token", drawn["token"]),
+            "position": at("position", length_R),
+            "index": at("index", jnp.ones_like(length_R)),
+            "seed": at("seed", seed_R),
+            "temperature": at("temperature", temperature_R),
+            "top_k": at("top_k", top_k_R),
+            "top_p": at("top_p", top_p_R),
+            "logprobs": at("logprobs", logprobs_R),
+        }
+    ), drawn
 
 
-def _decode(graphdef, vocab: int, steps: int, params, state, active_B, attend: int | str | None = None,
-            rows: int | None = None):
+def _decode(
+    graphdef, vocab: int, steps: int, params, state, active_B, attend: int | str | None = None, rows: int | None = None
+):
     """`steps` times: feed each of the first `rows` slots' newest token, sample the next. An active
     slot stops moving at the cache's last position (its request ends there: what it computes after
     is dropped), and slots not in use keep their place (their positions, stale, stay inside the
@@ -543,13 +636,22 @@ def _decode(graphdef, vocab: int, steps: int, params, state, active_B, attend: i
         # a free slot reads nothing (its last request's position would have the kernel read that far)
         position_R = jnp.where(first(active_B), jnp.minimum(first(state["position"]), last), 0)
         logits_RxV, cache = gpt.decode(first(state["token"])[:, None], state["cache"], position_R, attend=attend)
-        drawn = _draw(logits_RxV[:, :vocab], *map(first, (state["seed"], state["index"], state["temperature"],
-                                                          state["top_k"], state["top_p"])),
-                      logprobs=jnp.any(first(state["logprobs"] & active_B)))
+        drawn = _draw(
+            logits_RxV[:, :vocab],
+            *map(first, (state["seed"], state["index"], state["temperature"], state["top_k"], state["top_p"])),
+            logprobs=jnp.any(first(state["logprobs"] & active_B)),
+        )
         moving_B = padded(first(active_B & (state["position"] <= last)))
         step_B = moving_B.astype(jnp.int32)
-        return _pinned({**state, "cache": cache, "token": jnp.where(moving_B, padded(drawn["token"]), state["token"]),
-                        "position": state["position"] + step_B, "index": state["index"] + step_B}), drawn
+        return _pinned(
+            {
+                **state,
+                "cache": cache,
+                "token": jnp.where(moving_B, padded(drawn["token"]), state["token"]),
+                "position": state["position"] + step_B,
+                "index": state["index"] + step_B,
+            }
+        ), drawn
 
     state, drawn = jax.lax.scan(step, state, length=steps)
     return _pinned(state), drawn
@@ -559,8 +661,10 @@ def _pinned(state: dict) -> dict:
     """The state laid out as _empty_state made it (every program was compiled for that layout): the
     cache split as kv_cache.init_cache splits it, the per-slot arrays replicated."""
     axes = kv_cache.cache_axes(state["cache"].kv_heads)
-    return {name: jax.tree.map(lambda a: constrain(a, axes), value) if name == "cache" else constrain(value, (None,))
-            for name, value in state.items()}
+    return {
+        name: jax.tree.map(lambda a: constrain(a, axes), value) if name == "cache" else constrain(value, (None,))
+        for name, value in state.items()
+    }
 
 
 def _compile_count() -> int:

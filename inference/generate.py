@@ -32,6 +32,7 @@ import sharding
 
 # ----------------------------------------------------------------------------- one token
 
+
 def sample_logits(logits_BxV, keys_B, temperature_B, top_k_B, top_p_B):
     """One token id per row, each row with its own settings (arrays of B): greedy at temperature 0,
     else drawn with keys_B[b] from softmax(logits / temperature) over the top_k most likely tokens
@@ -77,15 +78,28 @@ def _add_token(state: dict, logits_BxV, sampling: tuple):
     tokens_BxS = jnp.where(write_here_BxS, token_B[:, None], state["tokens"])
     length_B = state["length"] + adding_B
     done_B = state["done"] | jnp.isin(token_B, state["stop_ids"]) | (length_B >= state["limit"])
-    new_state = {**state, "tokens": tokens_BxS, "length": length_B, "done": done_B,
-                 "index": state["index"] + adding_B}
+    new_state = {**state, "tokens": tokens_BxS, "length": length_B, "done": done_B, "index": state["index"] + adding_B}
     return new_state, token_B, adding_B
 
 
 # ----------------------------------------------------------------------------- the programs
 
-def prefill(graphdef, params, prompt_BxP, prompt_len_B, wanted_B, index_B, key, stop_ids, *, length: int,
-            sampling: tuple, kv_cache: bool, vocab: int) -> dict:
+
+def prefill(
+    graphdef,
+    params,
+    prompt_BxP,
+    prompt_len_B,
+    wanted_B,
+    index_B,
+    key,
+    stop_ids,
+    *,
+    length: int,
+    sampling: tuple,
+    kv_cache: bool,
+    vocab: int,
+) -> dict:
     """Run the prompts (right-padded to P) and sample the first new token of each row that
     wants any: wanted_B[b] more tokens, the first of them its new token number index_B[b].
 
@@ -102,9 +116,16 @@ def prefill(graphdef, params, prompt_BxP, prompt_len_B, wanted_B, index_B, key, 
     else:
         cache = None
         logits_BxV = gpt(tokens_BxS)[rows_B, prompt_len_B - 1]
-    state = {"tokens": tokens_BxS, "length": prompt_len_B, "done": wanted_B <= 0,
-             "limit": jnp.minimum(prompt_len_B + wanted_B, length), "cache": cache,
-             "key": key, "index": index_B, "stop_ids": stop_ids}
+    state = {
+        "tokens": tokens_BxS,
+        "length": prompt_len_B,
+        "done": wanted_B <= 0,
+        "limit": jnp.minimum(prompt_len_B + wanted_B, length),
+        "cache": cache,
+        "key": key,
+        "index": index_B,
+        "stop_ids": stop_ids,
+    }
     return _add_token(state, logits_BxV[:, :vocab], sampling)[0]
 
 
@@ -153,8 +174,7 @@ def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, vo
     return state
 
 
-def compile_programs(setup, inputs: tuple, length: int, sampling: tuple, kv_cache: bool, vocab: int,
-                     on_token=None):
+def compile_programs(setup, inputs: tuple, length: int, sampling: tuple, kv_cache: bool, vocab: int, on_token=None):
     """The compiled prefill and decode for these input shapes and shardings (cached: another
     call with the same shapes and options compiles nothing)."""
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), inputs)
@@ -167,10 +187,14 @@ def _compile(graphdef, mesh, treedef, leaves, length, sampling, kv_cache, vocab,
     params, *inputs = jax.tree.unflatten(treedef, leaves)
     options = dict(sampling=sampling, kv_cache=kv_cache, vocab=vocab)
     with sharding.activate(mesh):
-        run_prefill = jax.jit(functools.partial(prefill, graphdef, length=length, **options)
-                              ).lower(params, *inputs).compile()
-        run_decode = jax.jit(functools.partial(decode, graphdef, on_token=on_token, **options),
-                             donate_argnums=1).lower(params, run_prefill.out_info).compile()
+        run_prefill = (
+            jax.jit(functools.partial(prefill, graphdef, length=length, **options)).lower(params, *inputs).compile()
+        )
+        run_decode = (
+            jax.jit(functools.partial(decode, graphdef, on_token=on_token, **options), donate_argnums=1)
+            .lower(params, run_prefill.out_info)
+            .compile()
+        )
     return run_prefill, run_decode
 
 
@@ -179,8 +203,9 @@ def padded_rows(setup, prompts: list) -> list:
     return [list(ids) for ids in prompts] + [[0]] * (-len(prompts) % sharding.batch_shards(setup.mesh))
 
 
-def segment_inputs(setup, params, prompt_ids: list, wanted_B, new_B, max_new_tokens: int, seed: int,
-                   stop_ids) -> tuple[tuple, int]:
+def segment_inputs(
+    setup, params, prompt_ids: list, wanted_B, new_B, max_new_tokens: int, seed: int, stop_ids
+) -> tuple[tuple, int]:
     """A segment's inputs on the devices, for prompts prompt_ids (one per padded row), and its
     length S (prompt and new tokens, at most the context)."""
     mesh, batch = setup.mesh, sharding.batch_sharding(setup.mesh)
@@ -189,12 +214,17 @@ def segment_inputs(setup, params, prompt_ids: list, wanted_B, new_B, max_new_tok
     P = max(len(ids) for ids in prompt_ids)
     prompt_BxP = np.zeros((len(prompt_ids), P), np.int32)
     for b, ids in enumerate(prompt_ids):
-        prompt_BxP[b, :len(ids)] = ids
+        prompt_BxP[b, : len(ids)] = ids
     prompt_len_B = np.array([len(ids) for ids in prompt_ids], np.int32)
-    inputs = (params, jax.device_put(prompt_BxP, batch), jax.device_put(prompt_len_B, rows_sharding),
-              jax.device_put(wanted_B, rows_sharding), jax.device_put(new_B, rows_sharding),
-              jax.device_put(jax.random.key(seed), replicated),
-              jax.device_put(np.array([*stop_ids] or [-1], np.int32), replicated))  # [-1]: no stop id
+    inputs = (
+        params,
+        jax.device_put(prompt_BxP, batch),
+        jax.device_put(prompt_len_B, rows_sharding),
+        jax.device_put(wanted_B, rows_sharding),
+        jax.device_put(new_B, rows_sharding),
+        jax.device_put(jax.random.key(seed), replicated),
+        jax.device_put(np.array([*stop_ids] or [-1], np.int32), replicated),
+    )  # [-1]: no stop id
     return inputs, min(P + max_new_tokens, setup.model_config.block_size)
 
 
@@ -203,14 +233,26 @@ def drawable_ids(setup, vocab: int | None) -> int:
     return min(vocab or setup.model_config.vocab_size, setup.model_config.vocab_size)
 
 
-def first_programs(setup, params, prompts: list, max_new_tokens: int, *, temperature: float = 1.0,
-                   top_k: int = 0, top_p: float = 1.0, stop_ids=(), kv_cache: bool = True, vocab: int | None = None):
+def first_programs(
+    setup,
+    params,
+    prompts: list,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_ids=(),
+    kv_cache: bool = True,
+    vocab: int | None = None,
+):
     """The compiled prefill and decode that generate() runs first for these arguments (compiled
     here once; generate reuses them): what a memory check needs before generating."""
     rows = padded_rows(setup, prompts)
     wanted_B = np.where(np.arange(len(rows)) < len(prompts), max_new_tokens, 0).astype(np.int32)
-    inputs, S = segment_inputs(setup, params, rows, wanted_B, np.zeros(len(rows), np.int32), max_new_tokens,
-                               0, stop_ids)
+    inputs, S = segment_inputs(
+        setup, params, rows, wanted_B, np.zeros(len(rows), np.int32), max_new_tokens, 0, stop_ids
+    )
     return compile_programs(setup, inputs, S, (temperature, top_k, top_p), kv_cache, drawable_ids(setup, vocab))
 
 
@@ -225,9 +267,21 @@ class Generation:
     decode_s: float
 
 
-def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, stop_ids=(),
-             kv_cache: bool = True, on_token=None, vocab: int | None = None) -> Generation:
+def generate(
+    setup,
+    params,
+    prompts: list,
+    max_new_tokens: int,
+    *,
+    seed: int = 0,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_ids=(),
+    kv_cache: bool = True,
+    on_token=None,
+    vocab: int | None = None,
+) -> Generation:
     """max_new_tokens new tokens for each prompt (a list of token-id lists), fewer where one
     ends at one of the stop_ids; in one batch, and past the context in segments (module docstring).
     Only ids below `vocab` are drawn (the tokenizer's size, where the model's vocabulary is larger:
@@ -240,8 +294,10 @@ def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0
     block_size = setup.model_config.block_size
     for i, ids in enumerate(prompts):
         if not 0 < len(ids) < block_size:
-            raise ValueError(f"prompt {i} is {len(ids)} tokens; the model's context is {block_size} "
-                             f"tokens, with at least one left to generate: shorten the prompt")
+            raise ValueError(
+                f"prompt {i} is {len(ids)} tokens; the model's context is {block_size} "
+                f"tokens, with at least one left to generate: shorten the prompt"
+            )
     rows = padded_rows(setup, prompts)
     new_B = np.zeros(len(rows), np.int32)  # new tokens so far, stop tokens included
     running_B = (np.arange(len(rows)) < len(prompts)) & (max_new_tokens > 0)
@@ -270,7 +326,7 @@ def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0
         decode_s += time.perf_counter() - start
 
         for b in np.flatnonzero(running_B):
-            new = tokens_BxS[b, prompt_len_B[b]:length_B[b]].tolist()
+            new = tokens_BxS[b, prompt_len_B[b] : length_B[b]].tolist()
             rows[b] += new
             new_B[b] += len(new)
             running_B[b] = new_B[b] < max_new_tokens and new[-1] not in stop_ids
@@ -282,13 +338,13 @@ def generate(setup, params, prompts: list, max_new_tokens: int, *, seed: int = 0
 
     new_tokens = []
     for b, ids in enumerate(prompts):
-        new = rows[b][len(ids):]
+        new = rows[b][len(ids) :]
         new_tokens.append(new[:-1] if new and new[-1] in stop_ids else new)
-    return Generation(new_tokens, prompt_tokens, int(new_B.sum()), decode_tokens, compile_s, prefill_s,
-                      decode_s)
+    return Generation(new_tokens, prompt_tokens, int(new_B.sum()), decode_tokens, compile_s, prefill_s, decode_s)
 
 
 # ----------------------------------------------------------------------------- text
+
 
 def encode_prompt(tok, text: str) -> list:
     """Token ids of a prompt, after the tokenizer's begin-of-text token if it has one (Llama);
@@ -315,16 +371,37 @@ def stop_token_ids(tok, stop: str) -> list:
     except ValueError:  # characters outside a char-level vocabulary
         ids = []
     if len(ids) != 1:
-        raise ValueError(f"--stop={stop!r} is {len(ids) or 'not'} tokens in this vocabulary; "
-                         f"it must be exactly one (or 'eos', or '' for none)")
+        raise ValueError(
+            f"--stop={stop!r} is {len(ids) or 'not'} tokens in this vocabulary; "
+            f"it must be exactly one (or 'eos', or '' for none)"
+        )
     return ids
 
 
-def sample_text(setup, params, tok, n_tokens: int, prompt: str = "\n", seed: int = 0,
-                temperature: float = 0.8, top_k: int = 200, num_samples: int = 1,
-                top_p: float = 1.0) -> list[str]:
+def sample_text(
+    setup,
+    params,
+    tok,
+    n_tokens: int,
+    prompt: str = "\n",
+    seed: int = 0,
+    temperature: float = 0.8,
+    top_k: int = 200,
+    num_samples: int = 1,
+    top_p: float = 1.0,
+) -> list[str]:
     """Prompt + sample texts from the model described by `setup` (train.py's eval samples)."""
     ids = encode_prompt(tok, prompt)
-    out = generate(setup, params, [ids] * num_samples, n_tokens, seed=seed, temperature=temperature,
-                   top_k=top_k, top_p=top_p, stop_ids=stop_token_ids(tok, "eos"), vocab=tok.vocab_size)
+    out = generate(
+        setup,
+        params,
+        [ids] * num_samples,
+        n_tokens,
+        seed=seed,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        stop_ids=stop_token_ids(tok, "eos"),
+        vocab=tok.vocab_size,
+    )
     return [decode_sample(tok, ids + new) for new in out.tokens]

@@ -33,9 +33,11 @@ MODEL_KEYS = {*ROLES["model"], *ROLES["compute"], "data_dir", "dataset"}
 # What attention='auto' runs, per platform: the written-out attention on CPUs (the faster step there,
 # bench/NOTES.md), cuDNN's fused kernel on NVIDIA GPUs in bfloat16 (XLA's in float32), the Pallas
 # splash kernel on TPUs (../shared/TPU.md: 35% MFU where XLA's attention gave 20%).
-AUTO_ATTENTION = {"cpu": {"float32": "einsum", "bfloat16": "einsum"},
-                  "gpu": {"float32": "xla", "bfloat16": "cudnn"},
-                  "tpu": {"float32": "splash", "bfloat16": "splash"}}
+AUTO_ATTENTION = {
+    "cpu": {"float32": "einsum", "bfloat16": "einsum"},
+    "gpu": {"float32": "xla", "bfloat16": "cudnn"},
+    "tpu": {"float32": "splash", "bfloat16": "splash"},
+}
 # The kernels that run on one platform only.
 ATTENTION_PLATFORM = {"cudnn": ("gpu", "NVIDIA GPUs"), "splash": ("tpu", "TPUs")}
 
@@ -45,28 +47,40 @@ def attention_implementation(config: Config, platform: str) -> str:
     platform it does not name); a kernel asked for on a platform it cannot run on is an error."""
     needs = ATTENTION_PLATFORM.get(config.attention)
     if needs and needs[0] != platform:
-        raise configurator.ConfigError(f"attention={config.attention!r} needs {needs[1]}, but this run's devices are "
-                                       f"{platform}; use attention='auto' or 'xla'")
+        raise configurator.ConfigError(
+            f"attention={config.attention!r} needs {needs[1]}, but this run's devices are "
+            f"{platform}; use attention='auto' or 'xla'"
+        )
     if config.attention == "auto":
         choice = AUTO_ATTENTION.get(platform, {}).get(config.dtype, "xla")
         return "einsum" if choice == "splash" and attention.splash is None else choice  # a JAX without the kernel
     return config.attention
 
 
-def model_config(config: Config, vocab_size: int, platform: str, stages: int = 1,
-                 kv_cache_dtype: str = "auto") -> GPTConfig:
+def model_config(
+    config: Config, vocab_size: int, platform: str, stages: int = 1, kv_cache_dtype: str = "auto"
+) -> GPTConfig:
     """The model's half of the config, for devices of `platform` ('cpu', 'gpu', 'tpu') and a
     mesh with `stages` pipeline stages; decoding's cache in kv_cache_dtype (not a training key)."""
-    fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size", "attention", "pipeline_stages",
-                                                                "kv_cache_dtype"}
-    return GPTConfig(vocab_size=vocab_size, attention=attention_implementation(config, platform),
-                     pipeline_stages=stages, kv_cache_dtype=kv_cache_dtype,
-                     **{k: getattr(config, k) for k in fields})
+    fields = {f.name for f in dataclasses.fields(GPTConfig)} - {
+        "vocab_size",
+        "attention",
+        "pipeline_stages",
+        "kv_cache_dtype",
+    }
+    return GPTConfig(
+        vocab_size=vocab_size,
+        attention=attention_implementation(config, platform),
+        pipeline_stages=stages,
+        kv_cache_dtype=kv_cache_dtype,
+        **{k: getattr(config, k) for k in fields},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSetup:
     """The model on a mesh, without arrays: what generation and evaluation need."""
+
     config: Config
     model_config: GPTConfig
     mesh: jax.sharding.Mesh
@@ -81,17 +95,26 @@ class ModelSetup:
 
 def model_setup(config: Config, mesh, vocab_size: int, kv_cache_dtype: str = "auto") -> ModelSetup:
     """Shapes and shardings of the model's parameters on `mesh`, derived without allocating them."""
-    gpt_config = model_config(config, vocab_size, mesh.devices.flat[0].platform, mesh.shape["stage"],
-                              kv_cache_dtype)
-    sharding.check_model_fits_mesh(mesh, n_head=config.n_head, n_embd=config.n_embd,
-                                   batch_size=config.batch_size, n_kv_head=gpt_config.kv_heads,
-                                   mlp_hidden=gpt_config.mlp_hidden_size, n_experts=gpt_config.n_experts,
-                                   n_layer=config.n_layer, microbatches=config.pipeline_microbatches,
-                                   layers_per_stage=config.layers_per_stage)
+    gpt_config = model_config(config, vocab_size, mesh.devices.flat[0].platform, mesh.shape["stage"], kv_cache_dtype)
+    sharding.check_model_fits_mesh(
+        mesh,
+        n_head=config.n_head,
+        n_embd=config.n_embd,
+        batch_size=config.batch_size,
+        n_kv_head=gpt_config.kv_heads,
+        mlp_hidden=gpt_config.mlp_hidden_size,
+        n_experts=gpt_config.n_experts,
+        n_layer=config.n_layer,
+        microbatches=config.pipeline_microbatches,
+        layers_per_stage=config.layers_per_stage,
+    )
     graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: GPT(gpt_config, jax.random.key(0))))
     param_shardings = nnx.to_pure_dict(sharding.param_shardings(abstract_params, mesh))
-    abstract_params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                   nnx.to_pure_dict(abstract_params), param_shardings)
+    abstract_params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        nnx.to_pure_dict(abstract_params),
+        param_shardings,
+    )
     return ModelSetup(config, gpt_config, mesh, graphdef, param_shardings, abstract_params)
 
 
@@ -99,9 +122,10 @@ def decode_mesh(data: int = 1, tensor: int = 1):
     """A mesh for generation and serving on the first data x tensor devices: rows (slots) split over
     `data`, heads and the MLP over `tensor`."""
     if data * tensor > jax.device_count():
-        raise sharding.MeshError(f"mesh_data x mesh_tensor = {data} x {tensor} devices, but there are "
-                                 f"{jax.device_count()}: lower them")
-    return sharding.make_mesh(data, 1, tensor, devices=jax.devices()[:data * tensor])
+        raise sharding.MeshError(
+            f"mesh_data x mesh_tensor = {data} x {tensor} devices, but there are {jax.device_count()}: lower them"
+        )
+    return sharding.make_mesh(data, 1, tensor, devices=jax.devices()[: data * tensor])
 
 
 def one_device_mesh():
@@ -121,27 +145,31 @@ def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none", kv_cach
         # gone by now, a learning rate that a later version checks more strictly) doesn't matter here.
         kept = {k: v for k, v in meta["config"].items() if k in MODEL_KEYS}
         matmuls = kept.get("quantization", "none") if quantization == "auto" else quantization
-        config = configurator.config_from_dict({**kept, "attention": "auto", "quantization": matmuls,
-                                                "batch_size": sharding.batch_shards(mesh)})
-        setups.append(model_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config),
-                                  kv_cache_dtype))
+        config = configurator.config_from_dict(
+            {**kept, "attention": "auto", "quantization": matmuls, "batch_size": sharding.batch_shards(mesh)}
+        )
+        setups.append(
+            model_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config), kv_cache_dtype)
+        )
         return {"params": setups[-1].abstract_params}
 
     manager = checkpoint.checkpoint_manager(Config(out_dir=out_dir), read_only=True)
     try:
-        restored = checkpoint.restore_latest(manager, out_dir, abstract_for, move_damaged=False,
-                                             log=lambda line: print(line, file=sys.stderr))
+        restored = checkpoint.restore_latest(
+            manager, out_dir, abstract_for, move_damaged=False, log=lambda line: print(line, file=sys.stderr)
+        )
     finally:
         manager.close()
     setup = setups[-1]
     if restored.meta.get("tokenizer"):
-        tok = tokenizer_from_description(restored.meta["tokenizer"],
-                                         search_dirs=[os.path.join(out_dir, "tokenizer")])
+        tok = tokenizer_from_description(restored.meta["tokenizer"], search_dirs=[os.path.join(out_dir, "tokenizer")])
     else:  # checkpoints written before the vocabulary was stored with them
         tok = load_tokenizer(dataset.dataset_dir(setup.config))
-        print(f"note: this checkpoint does not carry its vocabulary; using "
-              f"{dataset.dataset_dir(setup.config)}/meta.json, which must be the one it was trained on",
-              file=sys.stderr)
+        print(
+            f"note: this checkpoint does not carry its vocabulary; using "
+            f"{dataset.dataset_dir(setup.config)}/meta.json, which must be the one it was trained on",
+            file=sys.stderr,
+        )
     return setup, restored.items["params"], restored.step, tok
 
 
@@ -156,15 +184,19 @@ def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "floa
     setup = model_setup(config, mesh, model.keys["vocab_size"], kv_cache_dtype)
     tok = model_tokenizer(directory, model)
     if tok is None:
-        raise hf.HFError(f"{directory} has no tokenizer.json: nanomax needs the model's tokenizer to turn "
-                         f"prompts into ids. Copy the tokenizer's files (tokenizer.json, tokenizer_config.json) "
-                         f"into it, or sample the nanomax run it was exported from with --out_dir=RUN "
-                         f"(--init_from=resume)")
+        raise hf.HFError(
+            f"{directory} has no tokenizer.json: nanomax needs the model's tokenizer to turn "
+            f"prompts into ids. Copy the tokenizer's files (tokenizer.json, tokenizer_config.json) "
+            f"into it, or sample the nanomax run it was exported from with --out_dir=RUN "
+            f"(--init_from=resume)"
+        )
     if tok.vocab_size > model.keys["vocab_size"]:
-        raise hf.HFError(f"{directory}: the tokenizer has {tok.vocab_size} tokens but the model only "
-                         f"{model.keys['vocab_size']} (vocab_size in config.json): they are not a pair. Put "
-                         f"the model's own tokenizer files in {directory}, or sample the nanomax run it was "
-                         f"exported from with --out_dir=RUN")
+        raise hf.HFError(
+            f"{directory}: the tokenizer has {tok.vocab_size} tokens but the model only "
+            f"{model.keys['vocab_size']} (vocab_size in config.json): they are not a pair. Put "
+            f"the model's own tokenizer files in {directory}, or sample the nanomax run it was "
+            f"exported from with --out_dir=RUN"
+        )
     return setup, checkpoint.load_pretrained(setup, directory), tok
 
 
@@ -197,6 +229,7 @@ def int8_weights(params) -> dict:
     """Parameters for serving with the blocks' dense kernels stored as int8 (quantization.Int8Weight,
     one scale per output channel); embeddings, norms, biases and a mixture of experts' experts
     (their kernels have an expert axis) stay as they are. On the parameters' devices, sharded alike."""
+
     def convert(path, p):
         module, name = (path[-2].key if len(path) > 1 else None), path[-1].key
         dense = module == "attn" or (module == "mlp" and p.ndim == 3)  # (L, in, out): not experts' (L, E, ...)
@@ -232,5 +265,7 @@ def memory_summary(setup: ModelSetup, params) -> str:
     int8 = any(isinstance(p, Int8Weight) for p in jax.tree.leaves(params, is_leaf=lambda p: isinstance(p, Int8Weight)))
     n = weight_bytes(params)
     amount = f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
-    return (f"weights {amount} ({'int8 blocks, ' if int8 else ''}{c.dtype}), "
-            f"KV cache {kv_bytes_per_token(c):,} bytes per token ({kv_dtype})")
+    return (
+        f"weights {amount} ({'int8 blocks, ' if int8 else ''}{c.dtype}), "
+        f"KV cache {kv_bytes_per_token(c):,} bytes per token ({kv_dtype})"
+    )

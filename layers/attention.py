@@ -30,8 +30,9 @@ def segment_positions(segment_ids_BxT):
     """Each token's position within its segment: 0 where a row starts or the id changes (segments
     are contiguous runs of one id), counting up from there."""
     T = segment_ids_BxT.shape[1]
-    starts_BxT = jnp.concatenate([jnp.ones_like(segment_ids_BxT[:, :1], bool),
-                                  segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+    starts_BxT = jnp.concatenate(
+        [jnp.ones_like(segment_ids_BxT[:, :1], bool), segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1
+    )
     t_T = jnp.arange(T, dtype=jnp.int32)
     return t_T - jax.lax.cummax(jnp.where(starts_BxT, t_T, 0), axis=1)
 
@@ -61,6 +62,7 @@ class Segments:
     position within its example, which the position embedding (wpe or RoPE) uses. in_order=False: the
     row's tokens are permuted (context parallelism's balanced_order), so attention's causal mask
     compares these positions instead of array indices."""
+
     ids_BxT: jax.Array
     position_BxT: jax.Array
     in_order: bool = dataclasses.field(default=True, metadata=dict(static=True))
@@ -75,8 +77,9 @@ def permuted_segments(segment_ids_BxT, order_T, batch_size: int) -> Segments:
     """The Segments of rows whose tokens come in order_T (one segment per row without ids): the
     positions are counted in the rows' own order, then permuted as the tokens are."""
     T = len(order_T)
-    ids_BxT = (jnp.zeros((batch_size, T), jnp.int32) if segment_ids_BxT is None
-               else jnp.asarray(segment_ids_BxT, jnp.int32))
+    ids_BxT = (
+        jnp.zeros((batch_size, T), jnp.int32) if segment_ids_BxT is None else jnp.asarray(segment_ids_BxT, jnp.int32)
+    )
     position_BxT = segment_positions(ids_BxT[:, np.argsort(order_T)])[:, order_T]
     return Segments(ids_BxT, position_BxT, in_order=False)
 
@@ -86,8 +89,15 @@ def same_segment(segment_ids_BxT, start: int, end: int, S: int):
     return (segment_ids_BxT[:, start:end, None] == segment_ids_BxT[:, None, :S])[:, None]
 
 
-def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dropout_rate: float = 0.0, dropout_key=None,
-                     segment_ids_BxT=None, position_BxT=None):
+def causal_attention(
+    q_BxTxNxH,
+    k_BxTxKxH,
+    v_BxTxKxH,
+    dropout_rate: float = 0.0,
+    dropout_key=None,
+    segment_ids_BxT=None,
+    position_BxT=None,
+):
     """Causal softmax attention written out ('einsum'), with its backward: scores in float32, heads shared
     by groups of G = N / K query heads (grouped-query: keys and values repeated per group). With a
     dropout_key, attention probabilities are dropped at dropout_rate (nanoGPT's attn_dropout). With
@@ -96,8 +106,9 @@ def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dropout_rate: float = 0.0,
     G = q_BxTxNxH.shape[2] // k_BxTxKxH.shape[2]
     k_BxTxNxH, v_BxTxNxH = (jnp.repeat(x, G, axis=2) if G > 1 else x for x in (k_BxTxKxH, v_BxTxKxH))
     key = dropout_key if dropout_rate > 0 else None
-    return _attend(q_BxTxNxH * q_BxTxNxH.shape[-1] ** -0.5, k_BxTxNxH, v_BxTxNxH, key, segment_ids_BxT,
-                   position_BxT, dropout_rate)
+    return _attend(
+        q_BxTxNxH * q_BxTxNxH.shape[-1] ** -0.5, k_BxTxNxH, v_BxTxNxH, key, segment_ids_BxT, position_BxT, dropout_rate
+    )
 
 
 def attention_keep_mask(key, rate: float, shape_BxNxTxS):
@@ -117,8 +128,7 @@ def query_blocks(T: int) -> list[tuple[int, int]]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _attend(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, position_BxT, dropout_rate: float):
-    return _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, position_BxT,
-                       dropout_rate)[0]
+    return _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, position_BxT, dropout_rate)[0]
 
 
 def _dropped(p_BxNxCxS, keep_mask, start: int, end: int, rate: float):
@@ -139,8 +149,9 @@ def _attend_fwd(q_BxTxNxH, k_BxSxNxH, v_BxSxNxH, dropout_key, segment_ids_BxT, p
     keep_BxNxTxS = None if dropout_key is None else attention_keep_mask(dropout_key, dropout_rate, (B, N, T, S))
     outputs, probabilities = [], []
     for start, end in _blocks(T, position_BxT):
-        s_BxNxCxS = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH[:, start:end], k_BxSxNxH[:, :end],
-                               preferred_element_type=jnp.float32)
+        s_BxNxCxS = jnp.einsum(
+            "btnh,bsnh->bnts", q_BxTxNxH[:, start:end], k_BxSxNxH[:, :end], preferred_element_type=jnp.float32
+        )
         visible = causal_mask(jnp.full(B, start), end - start, end)
         if position_BxT is not None:  # out of order: compare positions (and segments), not indices
             visible = position_mask(position_BxT, segment_ids_BxT)
@@ -177,7 +188,7 @@ def _attend_bwd(dropout_rate, saved, do_BxTxNxH):
         ds_BxNxCxS = (p_BxNxCxS * (dp_BxNxCxS - delta_BxNxT[:, :, start:end, None])).astype(dtype)
         dq_blocks.append(jnp.einsum("bnts,bsnh->btnh", ds_BxNxCxS, k_BxSxNxH[:, :end]))
         dk_BxSxNxH = jnp.einsum("bnts,btnh->bsnh", ds_BxNxCxS, q_BxTxNxH[:, start:end])
-        for j, (key_start, key_end) in enumerate(blocks[:i + 1]):  # keys [0, end), by block
+        for j, (key_start, key_end) in enumerate(blocks[: i + 1]):  # keys [0, end), by block
             dk_blocks[j] += dk_BxSxNxH[:, key_start:key_end]
             dv_blocks[j] += dv_BxSxNxH[:, key_start:key_end]
     return (*(jnp.concatenate(parts, axis=1) for parts in (dq_blocks, dk_blocks, dv_blocks)), None, None, None)
@@ -202,14 +213,16 @@ def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_Bx
 
     def local(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT):
         (B, T, N, H), K = q_BxTxNxH.shape, k_BxTxKxH.shape[2]
-        q_BxTxKxGxH = (q_BxTxNxH * H ** -0.5).reshape(B, T, K, G, H)  # query head k·G + g uses key head k
+        q_BxTxKxGxH = (q_BxTxNxH * H**-0.5).reshape(B, T, K, G, H)  # query head k·G + g uses key head k
 
         @jax.checkpoint
         def take_in(carry, _):
             k_BxSxKxH, v_BxSxKxH, key_position_BxS, key_segment_BxS, max_BxKxGxT, sum_BxKxGxT, o_BxKxGxTxH = carry
             s_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32)
-            visible = ((key_position_BxS[:, None, :] <= position_BxT[:, :, None])
-                       & (key_segment_BxS[:, None, :] == segment_ids_BxT[:, :, None]))[:, None, None]
+            visible = (
+                (key_position_BxS[:, None, :] <= position_BxT[:, :, None])
+                & (key_segment_BxS[:, None, :] == segment_ids_BxT[:, :, None])
+            )[:, None, None]
             s_BxKxGxTxS = jnp.where(visible, s_BxKxGxTxS, -jnp.inf)
             # the first block is the device's own: every query sees itself there, so the max is finite after it
             new_max = jnp.maximum(max_BxKxGxT, s_BxKxGxTxS.max(-1))
@@ -217,22 +230,25 @@ def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_Bx
             rescale = jnp.exp(max_BxKxGxT - new_max)
             sum_BxKxGxT = sum_BxKxGxT * rescale + p_BxKxGxTxS.sum(-1)
             o_BxKxGxTxH = o_BxKxGxTxH * rescale[..., None] + jnp.einsum(
-                "bkgts,bskh->bkgth", p_BxKxGxTxS.astype(v_BxSxKxH.dtype), v_BxSxKxH, preferred_element_type=jnp.float32)
-            passed = [jax.lax.ppermute(a, mesh_axis, to_next)
-                      for a in (k_BxSxKxH, v_BxSxKxH, key_position_BxS, key_segment_BxS)]
+                "bkgts,bskh->bkgth", p_BxKxGxTxS.astype(v_BxSxKxH.dtype), v_BxSxKxH, preferred_element_type=jnp.float32
+            )
+            passed = [
+                jax.lax.ppermute(a, mesh_axis, to_next)
+                for a in (k_BxSxKxH, v_BxSxKxH, key_position_BxS, key_segment_BxS)
+            ]
             return (*passed, new_max, sum_BxKxGxT, o_BxKxGxTxH), None
 
         # the running values start from q's own layout (one per device, split as q is)
         o_BxKxGxTxH = jnp.zeros_like(q_BxTxKxGxH, jnp.float32).transpose(0, 2, 3, 1, 4)
         sum_BxKxGxT = o_BxKxGxTxH[..., 0]
-        start = (k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT, sum_BxKxGxT - jnp.inf, sum_BxKxGxT,
-                 o_BxKxGxTxH)
+        start = (k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT, sum_BxKxGxT - jnp.inf, sum_BxKxGxT, o_BxKxGxTxH)
         (*_, sum_BxKxGxT, o_BxKxGxTxH), _ = jax.lax.scan(take_in, start, length=C)
         o_BxKxGxTxH = o_BxKxGxTxH / sum_BxKxGxT[..., None]
         return o_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q_BxTxNxH.dtype)
 
     return jax.shard_map(local, in_specs=(tokens,) * 5, out_specs=tokens, axis_names={mesh_axis})(
-        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT)
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_BxT
+    )
 
 
 # Splash's tiles by head size, measured on a TPU v5e (one layer's forward + backward; .tpu probe of
@@ -273,20 +289,30 @@ def splash_block_sizes(T: int, head_size: int):
             block //= 2
         return block
 
-    (q, kv, kv_step), (q_bwd, kv_bwd, kv_step_bwd) = ((fit(a), fit(b), fit(c)) for a, b, c in
-                                                       (table["forward"], table["backward"]))
+    (q, kv, kv_step), (q_bwd, kv_bwd, kv_step_bwd) = (
+        (fit(a), fit(b), fit(c)) for a, b, c in (table["forward"], table["backward"])
+    )
     kv_layout = splash.QKVLayout.SEQ_MINOR if head_size < 128 else splash.QKVLayout.HEAD_DIM_MINOR
-    return splash.BlockSizes(block_q=q, block_kv=kv, block_kv_compute=kv_step, block_q_dkv=q_bwd,
-                             block_kv_dkv=kv_bwd, block_kv_dkv_compute=kv_step_bwd, use_fused_bwd_kernel=True,
-                             k_layout=kv_layout, v_layout=kv_layout)
+    return splash.BlockSizes(
+        block_q=q,
+        block_kv=kv,
+        block_kv_compute=kv_step,
+        block_q_dkv=q_bwd,
+        block_kv_dkv=kv_bwd,
+        block_kv_dkv_compute=kv_step_bwd,
+        use_fused_bwd_kernel=True,
+        k_layout=kv_layout,
+        v_layout=kv_layout,
+    )
 
 
 def splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT=None, block_sizes=None):
     """splash_attention_heads_major on the projection's (B, T, heads, H) layout: one transposed copy
     of q, k and v into the kernel's layout, and of the output out of it."""
     q_BxNxTxH, k_BxKxTxH, v_BxKxTxH = (a.transpose(0, 2, 1, 3) for a in (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH))
-    return splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_BxT,
-                                        block_sizes).transpose(0, 2, 1, 3)
+    return splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_BxT, block_sizes).transpose(
+        0, 2, 1, 3
+    )
 
 
 def splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_BxT=None, block_sizes=None):
@@ -319,8 +345,9 @@ def splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_Bx
     rows, heads = split("batch", q_BxNxTxH.shape[0]), split("heads", q_BxNxTxH.shape[1], k_BxKxTxH.shape[1])
     P = jax.sharding.PartitionSpec
     qkv, ids = P(rows, heads, None, None), P(rows, None)
-    return jax.shard_map(local, in_specs=(qkv, qkv, qkv, ids), out_specs=qkv, axis_names=set(free_axes),
-                         check_vma=False)(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT)
+    return jax.shard_map(
+        local, in_specs=(qkv, qkv, qkv, ids), out_specs=qkv, axis_names=set(free_axes), check_vma=False
+    )(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT)
 
 
 def _splash_local(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT, blocks, interpret: bool, segmented: bool):
@@ -328,9 +355,15 @@ def _splash_local(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT, blocks, interpret: b
     map is numpy, made once per trace) and mapped over the rows."""
     _, N, T, H = q_BxNxTxH.shape
     mask = splash.MultiHeadMask([splash.CausalMask((T, T))] * N)
-    kernel = splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret,
-                                    residual_checkpoint_name=SPLASH_RESIDUALS)
-    q_BxNxTxH = q_BxNxTxH * jnp.asarray(H ** -0.5, q_BxNxTxH.dtype)  # XLA fuses it into q's producer
+    kernel = splash.make_splash_mha(
+        mask,
+        block_sizes=blocks,
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=interpret,
+        residual_checkpoint_name=SPLASH_RESIDUALS,
+    )
+    q_BxNxTxH = q_BxNxTxH * jnp.asarray(H**-0.5, q_BxNxTxH.dtype)  # XLA fuses it into q's producer
     # The kernel's inputs are kept with its residuals (model.REMAT_POLICIES): then the backward pass reads
     # them as they are, not the projection's outputs to add the bias and scale to again.
     q_BxNxTxH, k_BxKxTxH, v_BxKxTxH = (checkpoint_name(a, SPLASH_RESIDUALS) for a in (q_BxNxTxH, k_BxKxTxH, v_BxKxTxH))

@@ -43,9 +43,12 @@ def constrain(x, logical_axes):
     rules = dict(rules)
     # A dimension the mesh axes don't divide stays replicated (as sharding.param_shardings leaves
     # such a parameter): a grouped-query cache of 2 heads on tensor=8, a prefill's one row on data=2.
-    spec = jax.sharding.PartitionSpec(*(
-        rules.get(name) if name is not None and splits(dim, name) else None
-        for dim, name in zip(x.shape, logical_axes)))
+    spec = jax.sharding.PartitionSpec(
+        *(
+            rules.get(name) if name is not None and splits(dim, name) else None
+            for dim, name in zip(x.shape, logical_axes)
+        )
+    )
     return jax.lax.with_sharding_constraint(x, spec)
 
 

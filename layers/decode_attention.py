@@ -37,8 +37,19 @@ LANES = 128
 
 
 @functools.partial(jax.jit, static_argnames=("kv_heads", "block_rows", "block_positions", "interpret"))
-def cached_attention(q_BxNxKH, k_LxRxSxKH, v_LxRxSxKH, layer, lengths_B, kv_heads: int, k_scale=None, v_scale=None,
-                     block_rows: int = 8, block_positions: int = 128, interpret: bool = False):
+def cached_attention(
+    q_BxNxKH,
+    k_LxRxSxKH,
+    v_LxRxSxKH,
+    layer,
+    lengths_B,
+    kv_heads: int,
+    k_scale=None,
+    v_scale=None,
+    block_rows: int = 8,
+    block_positions: int = 128,
+    interpret: bool = False,
+):
     """Row b's query against positions s < lengths_B[b] of layer `layer` of the cache, for rows
     0..B-1 of the cache (R >= B; the rest are neither read nor written).
 
@@ -72,11 +83,13 @@ def cached_attention(q_BxNxKH, k_LxRxSxKH, v_LxRxSxKH, layer, lengths_B, kv_head
         raise ValueError("an int8 cache needs k_scale and v_scale, and only an int8 cache has them")
     block_rows, block_positions = min(block_rows, B), min(block_positions, S)
     if B % block_rows or S % block_positions:
-        raise ValueError(f"B={B} and S={S} must be multiples of block_rows={block_rows} and "
-                         f"block_positions={block_positions}")
+        raise ValueError(
+            f"B={B} and S={S} must be multiples of block_rows={block_rows} and block_positions={block_positions}"
+        )
     if quantized and block_positions % LANES and block_positions != S:
-        raise ValueError(f"an int8 cache's scales need block_positions a multiple of {LANES} (or S), "
-                         f"not {block_positions}")
+        raise ValueError(
+            f"an int8 cache's scales need block_positions a multiple of {LANES} (or S), not {block_positions}"
+        )
     row_blocks, position_blocks = B // block_rows, S // block_positions
 
     lengths_B = jnp.clip(jnp.asarray(lengths_B, jnp.int32), 0, S)
@@ -101,6 +114,7 @@ def cached_attention(q_BxNxKH, k_LxRxSxKH, v_LxRxSxKH, layer, lengths_B, kv_head
     in_specs = [pl.BlockSpec((block_rows, N, KH), row_block), cache_spec, cache_spec]
     operands = [q_BxNxKH, in_hbm(k_LxRxSxKH), in_hbm(v_LxRxSxKH)]
     if quantized:
+
         def scale_block(i, j, *scalars):
             layer_index, rows, positions, _ = cache_block(i, j, *scalars)
             return layer_index, rows, 0, positions
@@ -109,15 +123,20 @@ def cached_attention(q_BxNxKH, k_LxRxSxKH, v_LxRxSxKH, layer, lengths_B, kv_head
         in_specs += [pl.BlockSpec((None, block_rows, kv_heads, block_positions), scale_block)] * 2
         operands += [jnp.swapaxes(k_scale, 2, 3), jnp.swapaxes(v_scale, 2, 3)]
 
-    out_shape = (jax.ShapeDtypeStruct((B, N, KH), jnp.float32),
-                 jax.ShapeDtypeStruct((B, N, LANES), jnp.float32),
-                 jax.ShapeDtypeStruct((B, N, LANES), jnp.float32))
-    out_specs = (pl.BlockSpec((block_rows, N, KH), row_block),
-                 pl.BlockSpec((block_rows, N, LANES), row_block),
-                 pl.BlockSpec((block_rows, N, LANES), row_block))
+    out_shape = (
+        jax.ShapeDtypeStruct((B, N, KH), jnp.float32),
+        jax.ShapeDtypeStruct((B, N, LANES), jnp.float32),
+        jax.ShapeDtypeStruct((B, N, LANES), jnp.float32),
+    )
+    out_specs = (
+        pl.BlockSpec((block_rows, N, KH), row_block),
+        pl.BlockSpec((block_rows, N, LANES), row_block),
+        pl.BlockSpec((block_rows, N, LANES), row_block),
+    )
 
-    kernel = functools.partial(_decode_kernel, block_rows=block_rows, block_positions=block_positions,
-                               group=N // kv_heads, quantized=quantized)
+    kernel = functools.partial(
+        _decode_kernel, block_rows=block_rows, block_positions=block_positions, group=N // kv_heads, quantized=quantized
+    )
     cache_bytes = block_rows * block_positions * KH * k_LxRxSxKH.dtype.itemsize
     rows_bytes = block_rows * N * (KH * (q_BxNxKH.dtype.itemsize + 4) + 2 * LANES * 4)
     # Two buffers of each block, plus room for the per-row temporaries (the converted keys and
@@ -128,11 +147,14 @@ def cached_attention(q_BxNxKH, k_LxRxSxKH, v_LxRxSxKH, layer, lengths_B, kv_head
         kernel,
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5, grid=(row_blocks, position_blocks), in_specs=in_specs, out_specs=out_specs),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                             vmem_limit_bytes=int(min(vmem_bytes, 100 << 20))),
-        cost_estimate=pl.CostEstimate(flops=4 * B * N * S * KH, transcendentals=B * N * S,
-                                      bytes_accessed=read_bytes + B * N * KH * 4),
+            num_scalar_prefetch=5, grid=(row_blocks, position_blocks), in_specs=in_specs, out_specs=out_specs
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=int(min(vmem_bytes, 100 << 20))
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=4 * B * N * S * KH, transcendentals=B * N * S, bytes_accessed=read_bytes + B * N * KH * 4
+        ),
         interpret=interpret,
     )(lengths_B, layer_1, blocks_needed, skip_rows, skip_positions, *operands)
     return o_BxNxKH, max_BxNxL[..., 0], sum_BxNxL[..., 0]
@@ -152,12 +174,27 @@ def skipped_steps_block(blocks_needed):
     next_needing = jax.lax.cummin(jnp.append(needing[1:], row_blocks), reverse=True)
     last_needing = jnp.max(jnp.where(blocks_needed > 0, rows, 0))
     has_next = next_needing < row_blocks
-    return (jnp.where(has_next, next_needing, last_needing).astype(jnp.int32),
-            jnp.where(has_next, 0, jnp.maximum(blocks_needed[last_needing] - 1, 0)).astype(jnp.int32))
+    return (
+        jnp.where(has_next, next_needing, last_needing).astype(jnp.int32),
+        jnp.where(has_next, 0, jnp.maximum(blocks_needed[last_needing] - 1, 0)).astype(jnp.int32),
+    )
 
 
-def _decode_kernel(lengths_ref, layer_ref, needed_ref, skip_rows_ref, skip_positions_ref, q_ref, k_ref, v_ref, *refs,
-                   block_rows: int, block_positions: int, group: int, quantized: bool):
+def _decode_kernel(
+    lengths_ref,
+    layer_ref,
+    needed_ref,
+    skip_rows_ref,
+    skip_positions_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,
+    block_rows: int,
+    block_positions: int,
+    group: int,
+    quantized: bool,
+):
     """One (row block i, position block j) step of the online softmax. The outputs' blocks stay in
     VMEM across j (their index does not change with it), so they are the running state:
     o_ref (rows, N, K·H) the unnormalised outputs, max_ref and sum_ref (rows, N, 128), each
@@ -188,8 +225,9 @@ def _decode_kernel(lengths_ref, layer_ref, needed_ref, skip_rows_ref, skip_posit
             if k_PxKH.dtype != dtype:  # int8 (or a cache in another dtype): read in the queries' dtype
                 k_PxKH = k_PxKH.astype(jnp.float32).astype(dtype)
                 v_PxKH = v_PxKH.astype(jnp.float32).astype(dtype)
-            scores_NxP = jax.lax.dot_general(q_NxKH, k_PxKH, (((1,), (1,)), ((), ())),
-                                             preferred_element_type=jnp.float32)
+            scores_NxP = jax.lax.dot_general(
+                q_NxKH, k_PxKH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
             if quantized:  # (q·k)·s = q·(k·s): the cache is never dequantized
                 scores_NxP = scores_NxP * _per_query_head(k_scale_ref[r], group)
             position_NxP = first_position + jax.lax.broadcasted_iota(jnp.int32, scores_NxP.shape, 1)
@@ -203,8 +241,9 @@ def _decode_kernel(lengths_ref, layer_ref, needed_ref, skip_rows_ref, skip_posit
             max_ref[r] = max_NxL
             if quantized:
                 p_NxP = p_NxP * _per_query_head(v_scale_ref[r], group)
-            values_NxKH = jax.lax.dot_general(p_NxP.astype(dtype), v_PxKH, (((1,), (0,)), ((), ())),
-                                              preferred_element_type=jnp.float32)
+            values_NxKH = jax.lax.dot_general(
+                p_NxP.astype(dtype), v_PxKH, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
             o_ref[r] = rescale_NxL[:, :1] * o_ref[r] + values_NxKH
 
 
@@ -219,5 +258,5 @@ def _per_query_head(scale_KxP, group: int):
     query_head_NxP = jax.lax.broadcasted_iota(jnp.int32, (K * group, P), 0)
     expanded_NxP = jnp.zeros((K * group, P), scale_KxP.dtype)
     for head in range(K):  # the last head whose first query head is <= n is n // group
-        expanded_NxP = jnp.where(query_head_NxP >= head * group, scale_KxP[head:head + 1, :], expanded_NxP)
+        expanded_NxP = jnp.where(query_head_NxP >= head * group, scale_KxP[head : head + 1, :], expanded_NxP)
     return expanded_NxP

@@ -48,6 +48,7 @@ class KVCache:
     caller says where new tokens go (start_B) and attention sees only the positions before them,
     so stale entries past them are harmless.
     """
+
     k: jax.Array
     v: jax.Array
     kv_heads: int = dataclasses.field(metadata=dict(static=True))  # K: the last axis is K·H
@@ -65,8 +66,12 @@ class KVCache:
         """Layer `index`'s slice (rows, n, K·H) of the whole cache: its first n positions and rows
         (default all), in one dynamic slice (index may be traced: the layer scan's)."""
         n = self.length if n is None else min(n, self.length)
-        return jax.tree.map(lambda a: jax.lax.dynamic_slice(a, (index,) + (0,) * (a.ndim - 1),
-                                                            (1, rows or a.shape[1], n) + a.shape[3:])[0], self)
+        return jax.tree.map(
+            lambda a: jax.lax.dynamic_slice(
+                a, (index,) + (0,) * (a.ndim - 1), (1, rows or a.shape[1], n) + a.shape[3:]
+            )[0],
+            self,
+        )
 
     def in_place(self, index) -> "KVCache":
         """Layer `index` for the decode-attention kernel, which reads the whole cache's arrays in
@@ -88,8 +93,10 @@ class KVCache:
         if self.k_scale is None:
             return self.k.astype(dtype), self.v.astype(dtype)
         H = self.k.shape[-1] // self.kv_heads
-        return tuple((x.astype(jnp.float32) * jnp.repeat(scale, H, axis=-1)).astype(dtype)
-                     for x, scale in ((self.k, self.k_scale), (self.v, self.v_scale)))
+        return tuple(
+            (x.astype(jnp.float32) * jnp.repeat(scale, H, axis=-1)).astype(dtype)
+            for x, scale in ((self.k, self.k_scale), (self.v, self.v_scale))
+        )
 
     def attend(self, q_BxTxNxH, new: "KVCache", start_B):
         """Attention of T new queries per row (row b's at positions start_B[b] + [0, T)) over this
@@ -112,7 +119,7 @@ class KVCache:
         G, KH, dtype = N // K, K * H, q_BxTxNxH.dtype
         # own_NxKH[n, d]: lane d belongs to query head n's kv head
         own_NxKH = (jnp.arange(KH) // H)[None, :] == (jnp.arange(N) // G)[:, None]
-        q_BxTxNxKH = jnp.where(own_NxKH, jnp.tile(q_BxTxNxH * H ** -0.5, (1, 1, 1, K)), 0).astype(dtype)
+        q_BxTxNxKH = jnp.where(own_NxKH, jnp.tile(q_BxTxNxH * H**-0.5, (1, 1, 1, K)), 0).astype(dtype)
         attend = self._attend_in_place if self.layer_index is not None else self._attend_prefix
         o_BxTxNxKH = attend(q_BxTxNxKH, new, start_B)
         # Each query head keeps its own kv head's block: summing over the K groups of query heads
@@ -128,16 +135,26 @@ class KVCache:
             raise ValueError(f"the kernel takes one new token per row, not {q_BxTxNxKH.shape[1]}")
         q_BxNxKH, f32 = q_BxTxNxKH[:, 0], jnp.float32
         B, S = q_BxNxKH.shape[0], self.length
-        blocks = dict(block_rows=max(d for d in range(1, 9) if B % d == 0),
-                      block_positions=128 if S % 128 == 0 else S)
+        blocks = dict(block_rows=max(d for d in range(1, 9) if B % d == 0), block_positions=128 if S % 128 == 0 else S)
 
         def kernel(interpret: bool):
             return lambda q_BxNxKH, cache, start_B: decode_attention.cached_attention(
-                q_BxNxKH, cache.k, cache.v, cache.layer_index, start_B, cache.kv_heads, cache.k_scale,
-                cache.v_scale, interpret=interpret, **blocks)
+                q_BxNxKH,
+                cache.k,
+                cache.v,
+                cache.layer_index,
+                start_B,
+                cache.kv_heads,
+                cache.k_scale,
+                cache.v_scale,
+                interpret=interpret,
+                **blocks,
+            )
+
         # Mosaic's kernel where the program is for a TPU, Pallas's interpreter elsewhere (tests)
-        o_BxNxKH, max_BxN, sum_BxN = jax.lax.platform_dependent(q_BxNxKH, self, start_B, tpu=kernel(False),
-                                                                default=kernel(True))
+        o_BxNxKH, max_BxN, sum_BxN = jax.lax.platform_dependent(
+            q_BxNxKH, self, start_B, tpu=kernel(False), default=kernel(True)
+        )
         new_k_BxKH, new_v_BxKH = (x[:, 0] for x in new.read(q_BxNxKH.dtype))
         own_BxN = jnp.einsum("bnd,bd->bn", q_BxNxKH, new_k_BxKH, preferred_element_type=f32)
         top_BxN = jnp.maximum(max_BxN, own_BxN)  # finite: every query sees its own key
@@ -164,10 +181,9 @@ class KVCache:
         sum_BxNxT = p_BxNxTxS.sum(-1) + p_BxNxTxT.sum(-1)
         if self.v_scale is not None:
             p_BxNxTxS = p_BxNxTxS * per_query_head(self.v_scale, G)[:, :, None, :]
-        o_BxNxTxKH = (jnp.einsum("bnts,bsd->bntd", p_BxNxTxS.astype(dtype), self.v.astype(dtype),
-                                 preferred_element_type=jnp.float32)
-                      + jnp.einsum("bntu,bud->bntd", p_BxNxTxT.astype(dtype), new_v_BxTxKH,
-                                   preferred_element_type=jnp.float32))
+        o_BxNxTxKH = jnp.einsum(
+            "bnts,bsd->bntd", p_BxNxTxS.astype(dtype), self.v.astype(dtype), preferred_element_type=jnp.float32
+        ) + jnp.einsum("bntu,bud->bntd", p_BxNxTxT.astype(dtype), new_v_BxTxKH, preferred_element_type=jnp.float32)
         o_BxTxNxKH = o_BxNxTxKH.transpose(0, 2, 1, 3)  # (B, T, N) out of the product made XLA:CPU's bf16 dot fail
         return o_BxTxNxKH / sum_BxNxT.transpose(0, 2, 1)[..., None]
 
@@ -179,10 +195,14 @@ class KVCache:
         rows than B: the tokens are its first B rows, the others untouched."""
         L, B, T = new.k.shape[:3]
         if T > 1:
-            per_row = jax.vmap(lambda cache, x, start: jax.lax.dynamic_update_slice_in_dim(cache, x, start, axis=1),
-                               in_axes=(1, 1, 0), out_axes=1)
-            return self._constrained(**{name: per_row(getattr(self, name), getattr(new, name), start_B)
-                                        for name in self._names()})
+            per_row = jax.vmap(
+                lambda cache, x, start: jax.lax.dynamic_update_slice_in_dim(cache, x, start, axis=1),
+                in_axes=(1, 1, 0),
+                out_axes=1,
+            )
+            return self._constrained(
+                **{name: per_row(getattr(self, name), getattr(new, name), start_B) for name in self._names()}
+            )
         # Each unit written is one K·H row of the last axis: with a unit of (L, K·H) XLA stored the
         # cache with layers second-minor, not positions, and copied it into the attention's layout
         # and back every step. Measured on a v5e (GPT-2, bench/NOTES.md): one scatter of every
@@ -194,11 +214,13 @@ class KVCache:
         def put(cache, x_LxBx1xKH):
             if L * B <= ONE_SCATTER_MAX_PAIRS:
                 at = (jnp.arange(L)[:, None], rows_B[None, :], start_B[None, :])
-                return cache.at[at].set(x_LxBx1xKH[:, :, 0], indices_are_sorted=True, unique_indices=True,
-                                        mode="promise_in_bounds")
+                return cache.at[at].set(
+                    x_LxBx1xKH[:, :, 0], indices_are_sorted=True, unique_indices=True, mode="promise_in_bounds"
+                )
             for layer in range(L):
-                cache = cache.at[layer, rows_B, start_B].set(x_LxBx1xKH[layer, :, 0], indices_are_sorted=True,
-                                                             unique_indices=True, mode="promise_in_bounds")
+                cache = cache.at[layer, rows_B, start_B].set(
+                    x_LxBx1xKH[layer, :, 0], indices_are_sorted=True, unique_indices=True, mode="promise_in_bounds"
+                )
             return cache
 
         arrays = {"k": put(self.k, new.k), "v": put(self.v, new.v)}
@@ -211,6 +233,7 @@ class KVCache:
             def put_scales(scales, new_LxBx1xK):  # the first B rows' scales only
                 selected = jnp.where(at_start_1xBxSx1, new_LxBx1xK, scales[:, :B])
                 return jax.lax.dynamic_update_slice(scales, selected, (0, 0, 0, 0))
+
             arrays.update(k_scale=put_scales(self.k_scale, new.k_scale), v_scale=put_scales(self.v_scale, new.v_scale))
         return self._constrained(**arrays)
 
@@ -252,5 +275,6 @@ def init_cache(config, batch_size: int, length: int) -> KVCache:
     if dtype != "int8":
         return KVCache(zeros(shape, dtype), zeros(shape, dtype), K)
     scales = shape[:-1] + (K,)
-    return KVCache(zeros(shape, jnp.int8), zeros(shape, jnp.int8), K, zeros(scales, jnp.float32),
-                   zeros(scales, jnp.float32))
+    return KVCache(
+        zeros(shape, jnp.int8), zeros(shape, jnp.int8), K, zeros(scales, jnp.float32), zeros(scales, jnp.float32)
+    )

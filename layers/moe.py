@@ -48,12 +48,16 @@ class MoE(nnx.Module):
         D, F, E = config.n_embd, config.expert_hidden_size, config.n_experts
         k_router, k_gate, k_fc, k_proj, k_shared = jax.random.split(key, 5)
         self.router_kernel = param(normal(k_router, (D, E), 0.02), ("embed", None))
-        self.gate_kernel = param(normal(k_gate, (E, D, F), 0.02), ("experts", "embed", "mlp")) if (
-            config.mlp == "swiglu") else None
+        self.gate_kernel = (
+            param(normal(k_gate, (E, D, F), 0.02), ("experts", "embed", "mlp")) if (config.mlp == "swiglu") else None
+        )
         self.fc_kernel = param(normal(k_fc, (E, D, F), 0.02), ("experts", "embed", "mlp"))
         self.proj_kernel = param(residual_init(k_proj, (E, F, D), config), ("experts", "mlp", "embed"))
-        self.shared = MLPS[config.mlp](dataclasses.replace(config, mlp_hidden=F * config.n_shared_experts),
-                                       k_shared) if config.n_shared_experts else None
+        self.shared = (
+            MLPS[config.mlp](dataclasses.replace(config, mlp_hidden=F * config.n_shared_experts), k_shared)
+            if config.n_shared_experts
+            else None
+        )
         self.config = config
 
     def route(self, x_BxTxD):
@@ -86,16 +90,18 @@ class MoE(nnx.Module):
         # Dispatch where the tokens are, then move each expert's slots to its devices: the change of
         # sharding from rows (over expert) to experts (over expert) is one all-to-all.
         dtype = x_BTxD.dtype
-        in_ExBxCxD = constrain(jnp.einsum("btec,btd->ebcd", dispatch_BxTxExC.astype(dtype), x_BxTxD),
-                               (None, "batch", None, "embed_act"))
+        in_ExBxCxD = constrain(
+            jnp.einsum("btec,btd->ebcd", dispatch_BxTxExC.astype(dtype), x_BxTxD), (None, "batch", None, "embed_act")
+        )
         in_ExNxD = constrain(in_ExBxCxD, ("experts", "expert_batch", None, "embed_act")).reshape(E, B * C, -1)
         h_ExNxF = expert_matmul(in_ExNxD, self.fc_kernel[...], c.quantization)
         if self.gate_kernel is not None:  # swiglu
             h_ExNxF = jax.nn.silu(expert_matmul(in_ExNxD, self.gate_kernel[...], c.quantization)) * h_ExNxF
         else:
             h_ExNxF = ACTIVATIONS[c.mlp](h_ExNxF)
-        out_ExNxD = expert_matmul(constrain(h_ExNxF, ("experts", "expert_batch", "mlp")), self.proj_kernel[...],
-                                  c.quantization)
+        out_ExNxD = expert_matmul(
+            constrain(h_ExNxF, ("experts", "expert_batch", "mlp")), self.proj_kernel[...], c.quantization
+        )
         out_ExBxCxD = constrain(out_ExNxD.reshape(E, B, C, -1), ("experts", "expert_batch", None, "embed_act"))
         out_ExBxCxD = constrain(out_ExBxCxD, (None, "batch", None, "embed_act"))  # back: all-to-all
         y_BxTxD = jnp.einsum("btec,ebcd->btd", combine_BxTxExC.astype(dtype), out_ExBxCxD)
@@ -116,7 +122,9 @@ def router_stats(logits_BxTxE, expert_BxTxKxE, dispatch_BxTxExC) -> dict:
     E, choices = logits_BxTxE.shape[-1], expert_BxTxKxE[..., 0].size
     load_E = expert_BxTxKxE.sum((0, 1, 2)) / choices
     probability_E = jax.nn.softmax(logits_BxTxE).mean((0, 1))
-    return {"balance_loss": E * jnp.sum(load_E * probability_E),
-            "z_loss": jnp.square(jax.nn.logsumexp(logits_BxTxE, -1)).mean(),
-            "dropped": (choices - dispatch_BxTxExC.sum()) / choices,
-            "load": load_E}
+    return {
+        "balance_loss": E * jnp.sum(load_E * probability_E),
+        "z_loss": jnp.square(jax.nn.logsumexp(logits_BxTxE, -1)).mean(),
+        "dropped": (choices - dispatch_BxTxExC.sum()) / choices,
+        "load": load_E,
+    }

@@ -43,8 +43,17 @@ def bubble_fraction(stages: int, microbatches: int, n_repeats: int = 1) -> float
     return float((schedule(stages, microbatches, n_repeats) < 0).mean())
 
 
-def run(layers_fn, stack, x_BTxD, batch_size: int, *, stages: int, microbatches: int,
-        layers_per_stage: int = 0, constrain=lambda x, axes: x):
+def run(
+    layers_fn,
+    stack,
+    x_BTxD,
+    batch_size: int,
+    *,
+    stages: int,
+    microbatches: int,
+    layers_per_stage: int = 0,
+    constrain=lambda x, axes: x,
+):
     """Run the (L, ...) `stack` of layers over x (B·T, D) as a pipeline of `stages` stages.
 
     layers_fn(x_NxD, layers, microbatch) runs a slice of the stack (leading axis: its layers)
@@ -87,7 +96,11 @@ def run(layers_fn, stack, x_BTxD, batch_size: int, *, stages: int, microbatches:
         micro_MxNxD = micro_MxNxD.at[done].set(jnp.where(valid_S[-1], out_SxNxD[-1], micro_MxNxD[done]))
         out_sum = jax.tree.map(  # per-layer outputs of the real (not idle) slots, summed
             lambda total, o: total.at[item_S // M, jnp.arange(S)].add(
-                jnp.where(valid_S.reshape(-1, *[1] * (o.ndim - 1)), o, 0)), out_sum, outputs)
+                jnp.where(valid_S.reshape(-1, *[1] * (o.ndim - 1)), o, 0)
+            ),
+            out_sum,
+            outputs,
+        )
         return (micro_MxNxD, out_SxNxD, out_sum), None
 
     # The per-layer outputs' shapes, from one abstract stage run.
@@ -95,7 +108,8 @@ def run(layers_fn, stack, x_BTxD, batch_size: int, *, stages: int, microbatches:
     out_sum = jax.tree.map(lambda a: jnp.zeros((R, S, *a.shape), a.dtype), abstract)
     last_SxNxD = jnp.zeros((S, *micro_MxNxD.shape[1:]), micro_MxNxD.dtype)
     work_TxS = schedule(S, M, R)
-    (micro_MxNxD, _, out_sum), _ = jax.lax.scan(tick, (micro_MxNxD, last_SxNxD, out_sum),
-                                                (jnp.arange(len(work_TxS)), jnp.asarray(work_TxS)))
+    (micro_MxNxD, _, out_sum), _ = jax.lax.scan(
+        tick, (micro_MxNxD, last_SxNxD, out_sum), (jnp.arange(len(work_TxS)), jnp.asarray(work_TxS))
+    )
     x_BTxD = micro_MxNxD.reshape(M, rows, T, D).swapaxes(0, 1).reshape(BT, D)
     return x_BTxD, jax.tree.map(lambda total: (total / M).reshape(L, *total.shape[3:]), out_sum)

@@ -116,6 +116,7 @@ def matmul(x_NxI, w_IxO, mode: str = "none"):
 
 # ----------------------------------------------------------------------------- int8 weights for serving
 
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int8Weight:
@@ -123,6 +124,7 @@ class Int8Weight:
     has q's shape with the input axes (those a matmul sums over, leading) of size 1. It stands in
     for the weight's array in a model's parameters: layers.linear multiplies with it (weight[...]),
     and model.py reshapes it (weight.reshape) as it reshapes a kernel."""
+
     q: jax.Array
     scale: jax.Array
 
@@ -148,7 +150,7 @@ class Int8Weight:
         """q reshaped; the scale's output axes become the trailing axes of `shape` that hold them."""
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
         outputs, kept = math.prod(self.scale.shape), len(shape)
-        while kept > 0 and math.prod(shape[kept - 1:]) <= outputs:
+        while kept > 0 and math.prod(shape[kept - 1 :]) <= outputs:
             kept -= 1
         return Int8Weight(self.q.reshape(shape), self.scale.reshape((1,) * kept + tuple(shape[kept:])))
 

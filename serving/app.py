@@ -43,8 +43,13 @@ class APIError(Exception):
 
     @property
     def kind(self) -> str:
-        return {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable"}.get(self.status, "server_error")
+        return {
+            400: "invalid_request_error",
+            404: "invalid_request_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+            503: "service_unavailable",
+        }.get(self.status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -64,11 +69,16 @@ def refusal(e: engine.EngineError) -> APIError:
 
 
 def unavailable(stopping: bool) -> APIError:
-    return APIError(503, "the server is shutting down" if stopping else
-                    "the model is still compiling: try again in a moment (GET /health says when)")
+    return APIError(
+        503,
+        "the server is shutting down"
+        if stopping
+        else "the model is still compiling: try again in a moment (GET /health says when)",
+    )
 
 
 # ----------------------------------------------------------------------------- request bodies
+
 
 @dataclasses.dataclass
 class Sampling:
@@ -83,11 +93,31 @@ class Sampling:
     include_usage: bool
     logprobs: int | None  # None: no log-probabilities; k: each token's, and its k most likely alternatives
 
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
-          "stream_options", "user"}
+
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "user",
+}
 # Accepted at their neutral value only: a request that asks for more gets a 400 naming the key.
-NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "best_of": 1, "suffix": None,
-           "tools": None, "tool_choice": None, "response_format": None}
+NEUTRAL = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "logit_bias": None,
+    "best_of": 1,
+    "suffix": None,
+    "tools": None,
+    "tool_choice": None,
+    "response_format": None,
+}
 TOP = engine.TOP_LOGPROBS
 
 
@@ -134,11 +164,15 @@ def parse_sampling(body: dict, known: set, default_max_tokens: int) -> Sampling:
         top_k=_get(body, "top_k", (int,), 0, lambda v: v >= 0, "an integer >= 0 (0: no top-k)"),
         n=_get(body, "n", (int,), 1, lambda v: 1 <= v <= 16, "an integer in [1, 16]"),
         seed=_get(body, "seed", (int,), None) if body.get("seed") is not None else None,
-        stop=stop, stream=_get(body, "stream", (bool,), False),
-        include_usage=bool(options.get("include_usage", False)), logprobs=parse_logprobs(body, "messages" in known))
+        stop=stop,
+        stream=_get(body, "stream", (bool,), False),
+        include_usage=bool(options.get("include_usage", False)),
+        logprobs=parse_logprobs(body, "messages" in known),
+    )
 
 
 # ----------------------------------------------------------------------------- text from tokens
+
 
 class TextStream:
     """A request's new tokens as text: holds back an unfinished UTF-8 character and any tail that
@@ -174,7 +208,7 @@ class TextStream:
         # text ends at the one completed first (then the earliest), however the tokens were grouped.
         found = [(start + len(s), start) for s in self.stop if (start := self.text.find(s, self.sent)) >= 0]
         if found:
-            self.text, self.stopped = self.text[:min(found)[1]], True
+            self.text, self.stopped = self.text[: min(found)[1]], True
         if found or finished:
             return self._release(len(self.text))
         safe = len(self.text)
@@ -189,22 +223,30 @@ class TextStream:
         """Append the text of the ids not decoded yet: up to the last whole character, unless finished."""
         if self.stopped:
             return
-        before = self.tok.decode(self.ids[self.window_start:self.window_read])
+        before = self.tok.decode(self.ids[self.window_start : self.window_read])
         end = len(self.ids)
-        after = self.tok.decode(self.ids[self.window_start:end])
-        while after.endswith("\ufffd") and not finished and end > self.window_read:  # a character's bytes not all there yet
+        after = self.tok.decode(self.ids[self.window_start : end])
+        while (
+            after.endswith("\ufffd") and not finished and end > self.window_read
+        ):  # a character's bytes not all there yet
             end -= 1
-            after = self.tok.decode(self.ids[self.window_start:end])
+            after = self.tok.decode(self.ids[self.window_start : end])
         if end == self.window_read:
             return
-        if self.offsets:  # the window's text starts len(before) before the end of text; each new id where the ids before it end
-            self.starts += [len(self.text) + len(self.tok.decode(self.ids[self.window_start:k])) - len(before)
-                            if k > self.window_read else len(self.text) for k in range(self.window_read, end)]
-        self.text += after[len(before):]
+        if (
+            self.offsets
+        ):  # the window's text starts len(before) before the end of text; each new id where the ids before it end
+            self.starts += [
+                len(self.text) + len(self.tok.decode(self.ids[self.window_start : k])) - len(before)
+                if k > self.window_read
+                else len(self.text)
+                for k in range(self.window_read, end)
+            ]
+        self.text += after[len(before) :]
         self.window_start, self.window_read = self.window_read, end
 
     def _release(self, end: int) -> str:
-        piece = self.text[self.sent:end] if end > self.sent else ""
+        piece = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return piece
 
@@ -223,12 +265,21 @@ class Generation:
             if not self.wake_sent:
                 self.wake_sent = True
                 loop.call_soon_threadsafe(self.ready.set)
+
         seed = None if sampling.seed is None else sampling.seed + index  # n > 1: each its own
         self.server, self.text = server, TextStream(server.tok, sampling.stop, sampling.logprobs is not None)
-        self.request = engine.Request(prompt, min(sampling.max_tokens, server.context - len(prompt)),
-                                      sampling.temperature, sampling.top_k, sampling.top_p, seed,
-                                      tuple(server.tok.stop_tokens), logprobs=sampling.logprobs is not None,
-                                      on_token=put, on_finish=lambda reason: put(("finish", reason)))
+        self.request = engine.Request(
+            prompt,
+            min(sampling.max_tokens, server.context - len(prompt)),
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            seed,
+            tuple(server.tok.stop_tokens),
+            logprobs=sampling.logprobs is not None,
+            on_token=put,
+            on_finish=lambda reason: put(("finish", reason)),
+        )
         self.finish_reason = None
 
     async def start(self) -> None:
@@ -273,7 +324,7 @@ class Generation:
 
     def _starts(self, pending: int) -> list:
         """Where the texts of the last `pending` ids start (of those decoded)."""
-        return self.text.starts[len(self.text.ids) - pending:]
+        return self.text.starts[len(self.text.ids) - pending :]
 
     def cancel(self):
         if self.finish_reason is None:
@@ -293,11 +344,16 @@ def log_requests(generations: list) -> None:
         rate = f", {(len(r.tokens) - 1) / decode_s:,.1f} tok/s" if len(r.tokens) > 1 and decode_s > 0 else ""
         # One write with its newline: HTTP worker processes share the log, and unbuffered (PYTHONUNBUFFERED)
         # print() writes the line and its end apart, so that lines from two workers ran together.
-        print(f"request {r.id}: {len(r.prompt)} prompt + {len(r.tokens)} completion tokens, "
-              f"ttft {ttft:.0f} ms{rate}, {g.finish_reason}\n", end="", flush=True)
+        print(
+            f"request {r.id}: {len(r.prompt)} prompt + {len(r.tokens)} completion tokens, "
+            f"ttft {ttft:.0f} ms{rate}, {g.finish_reason}\n",
+            end="",
+            flush=True,
+        )
 
 
 # ----------------------------------------------------------------------------- the routes
+
 
 def server_of(request: Request):
     """serve.Server, which make_app put in the app's state."""
@@ -311,9 +367,21 @@ async def health(request: Request):
 
 async def models(request: Request):
     server = server_of(request)
-    return JSONResponse({"object": "list", "data": [
-        {"id": server.name, "object": "model", "created": server.created, "owned_by": "nanomax",
-         "max_model_len": server.context, "has_chat_template": server.tok.chat_template is not None}]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.name,
+                    "object": "model",
+                    "created": server.created,
+                    "owned_by": "nanomax",
+                    "max_model_len": server.context,
+                    "has_chat_template": server.tok.chat_template is not None,
+                }
+            ],
+        }
+    )
 
 
 async def completions(request: Request):
@@ -333,8 +401,7 @@ async def complete(request: Request, chat_mode: bool):
         body = await json_body(request)
         check_model(server, body)
         if chat_mode:
-            sampling = parse_sampling(body, {"messages", "logprobs", "top_logprobs"},
-                                      default_max_tokens=server.context)
+            sampling = parse_sampling(body, {"messages", "logprobs", "top_logprobs"}, default_max_tokens=server.context)
             prompts = [chat_prompt(server, body)]
         else:
             sampling = parse_sampling(body, {"prompt", "echo", "logprobs"}, default_max_tokens=16)
@@ -342,9 +409,13 @@ async def complete(request: Request, chat_mode: bool):
         echo = _get(body, "echo", (bool,), False)
         for i, ids in enumerate(prompts):
             if not 0 < len(ids) < server.context:
-                raise APIError(400, f"prompt {i} is {len(ids)} tokens; this model's context is "
-                                    f"{server.context} tokens, with at least one left to generate", "prompt",
-                               "context_length_exceeded" if ids else None)
+                raise APIError(
+                    400,
+                    f"prompt {i} is {len(ids)} tokens; this model's context is "
+                    f"{server.context} tokens, with at least one left to generate",
+                    "prompt",
+                    "context_length_exceeded" if ids else None,
+                )
         for ids in prompts:
             for k in range(sampling.n):
                 generations.append(Generation(server, ids, sampling, k))
@@ -367,9 +438,16 @@ async def tokenizer_info(request: Request):
     server = server_of(request)
     tok = server.tok
     text = lambda token: None if token is None else tok.decode([token])
-    return JSONResponse({"tokenizer_class": type(tok).__name__, "eos_token": text(tok.eot_token),
-                         "bos_token": text(tok.bos_token), "pad_token": None,
-                         "chat_template": tok.chat_template, "model_max_length": server.context})
+    return JSONResponse(
+        {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": text(tok.eot_token),
+            "bos_token": text(tok.bos_token),
+            "pad_token": None,
+            "chat_template": tok.chat_template,
+            "model_max_length": server.context,
+        }
+    )
 
 
 async def tokenize(request: Request):
@@ -397,6 +475,7 @@ async def detokenize(request: Request):
 
 # ----------------------------------------------------------------------------- prompts
 
+
 async def json_body(request: Request) -> dict:
     try:
         body = await request.json()
@@ -410,14 +489,14 @@ async def json_body(request: Request) -> dict:
 def check_model(server, body: dict) -> None:
     model = body.get("model")
     if model is not None and model != server.name:
-        raise APIError(404, f"the model '{model}' does not exist; this server has '{server.name}'", "model",
-                       "model_not_found")
+        raise APIError(
+            404, f"the model '{model}' does not exist; this server has '{server.name}'", "model", "model_not_found"
+        )
 
 
 def completion_prompts(server, body: dict) -> list:
     prompt = body.get("prompt")
-    is_ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
-                                                        for t in p)
+    is_ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
     if isinstance(prompt, str):
         prompts = [prompt]
     elif is_ids(prompt):
@@ -496,8 +575,12 @@ class LimitBody:
             await self.refuse(scope, receive, send)
 
     async def refuse(self, scope, receive, send):
-        too_large = APIError(413, f"the request body is larger than this server's limit of {self.max_bytes:,} "
-                                  f"bytes (serve.py --max_body_bytes)", code="request_too_large")
+        too_large = APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.max_bytes:,} "
+            f"bytes (serve.py --max_body_bytes)",
+            code="request_too_large",
+        )
         await error_response(too_large)(scope, receive, send)
 
 
@@ -507,18 +590,25 @@ def make_app(server) -> Starlette:
     (auth.RequireKey); GET / is web/index.html."""
     limit = [Middleware(LimitBody, max_bytes=server.cfg.max_body_bytes)]
     keyed = [Middleware(auth.RequireKey, key=server.cfg.api_key)] if server.cfg.api_key else []
-    app = Starlette(routes=[
-        Route("/health", health), Route("/v1/models", models),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/tokenizer_info", tokenizer_info), Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Mount("/", StaticFiles(directory=WEB_DIR, html=True))], middleware=limit + keyed)
+    app = Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/tokenizer_info", tokenizer_info),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Mount("/", StaticFiles(directory=WEB_DIR, html=True)),
+        ],
+        middleware=limit + keyed,
+    )
     app.state.server = server
     return app
 
 
 # ----------------------------------------------------------------------------- replies
+
 
 class Reply:
     """A completion's answer, whole or as Server-Sent Events, in OpenAI's shapes."""
@@ -546,15 +636,19 @@ class Reply:
     def echoed_offsets(self, i: int) -> list:
         """Where each echoed prompt token's text starts in the choice's text (it begins with the prompt)."""
         lengths = [len(self.server.tok.decode([t.id])) for t in self.echoed(i)]
-        return [0, *itertools.accumulate(lengths)][:len(lengths)]
+        return [0, *itertools.accumulate(lengths)][: len(lengths)]
 
     def choice(self, i: int, text: str, finish_reason, tokens=(), offsets=(), first=False, streaming=False) -> dict:
         logprobs = self.logprobs(tokens, offsets)
         if not self.chat:
             return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if not streaming:
-            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish_reason}
+            return {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
         return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -568,11 +662,17 @@ class Reply:
         text = lambda i: self.server.tok.decode([i])
         if self.chat:
             entry = lambda i, lp: {"token": text(i), "logprob": lp, "bytes": list(text(i).encode())}
-            return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top[:k]]}
-                                for t in tokens]}
-        return {"tokens": [text(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [None if t.top is None else {text(i): lp for i, lp in t.top[:k]} for t in tokens],
-                "text_offset": list(offsets)}
+            return {
+                "content": [
+                    {**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top[:k]]} for t in tokens
+                ]
+            }
+        return {
+            "tokens": [text(t.id) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [None if t.top is None else {text(i): lp for i, lp in t.top[:k]} for t in tokens],
+            "text_offset": list(offsets),
+        }
 
     async def whole(self):
         texts, tokens = [""] * len(self.generations), [[] for _ in self.generations]
@@ -590,17 +690,37 @@ class Reply:
             for g in self.generations:
                 g.cancel()
         log_requests(self.generations)
-        choices = [self.choice(i, self.prefix(i) + t, g.finish_reason, self.echoed(i) + tokens[i], offsets[i])
-                   for i, (g, t) in enumerate(zip(self.generations, texts))]
-        return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
-                             "model": self.server.name, "choices": choices, "usage": self.usage()})
+        choices = [
+            self.choice(i, self.prefix(i) + t, g.finish_reason, self.echoed(i) + tokens[i], offsets[i])
+            for i, (g, t) in enumerate(zip(self.generations, texts))
+        ]
+        return JSONResponse(
+            {
+                "id": self.id,
+                "object": self.object,
+                "created": self.created,
+                "model": self.server.name,
+                "choices": choices,
+                "usage": self.usage(),
+            }
+        )
 
     async def events(self):
         """SSE: a chunk per piece of text of any choice, a last chunk per choice with its
         finish_reason, usage if asked, then [DONE]. An error after the start is a data event."""
-        chunk = lambda **fields: "data: " + json.dumps({
-            "id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created, "model": self.server.name, **fields}) + "\n\n"
+        chunk = lambda **fields: (
+            "data: "
+            + json.dumps(
+                {
+                    "id": self.id,
+                    "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created,
+                    "model": self.server.name,
+                    **fields,
+                }
+            )
+            + "\n\n"
+        )
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, g):

@@ -10,10 +10,15 @@ from starlette.responses import JSONResponse
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 KEYED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")  # paths that need the key
 
-REFUSED = {"error": {
-    "message": "missing or wrong API key: this server needs the header 'Authorization: Bearer KEY' with the "
-               "key it was started with (--api_key or NANOMAX_API_KEY)",
-    "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+REFUSED = {
+    "error": {
+        "message": "missing or wrong API key: this server needs the header 'Authorization: Bearer KEY' with the "
+        "key it was started with (--api_key or NANOMAX_API_KEY)",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+}
 
 
 class RequireKey:
@@ -38,5 +43,7 @@ def exposure_warning(host: str, port: int, key: str) -> str | None:
     """One line when the server listens beyond this machine with no key; None otherwise."""
     if key or host in LOCAL_HOSTS:
         return None
-    return (f"warning: serving on {host} without an API key: anyone who can reach port {port} can use the "
-            f"model (set --api_key=KEY or NANOMAX_API_KEY)")
+    return (
+        f"warning: serving on {host} without an API key: anyone who can reach port {port} can use the "
+        f"model (set --api_key=KEY or NANOMAX_API_KEY)"
+    )

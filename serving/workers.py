@@ -34,6 +34,7 @@ from serving import app
 
 class Finished(NamedTuple):
     """A request's end, with the engine's times (perf_counter is one clock for every process here)."""
+
     reason: str
     first_token_at: float | None
     finished_at: float
@@ -45,6 +46,7 @@ def error_fields(e: app.APIError) -> tuple:
 
 
 # ----------------------------------------------------------------------------- in serve.py's process
+
 
 class EngineHost:
     """The engine's side of the workers' pipes: their requests go to server.engine, and each worker's
@@ -67,8 +69,12 @@ class EngineHost:
             for i in range(count):
                 from_worker, to_engine = spawn.Pipe(duplex=False)
                 from_engine, to_worker = spawn.Pipe(duplex=False)
-                process = spawn.Process(target=worker_main, name=f"http-{i}", daemon=True, args=(
-                    s.cfg, s.tok, s.name, s.context, s.created, sock, to_engine, from_engine))
+                process = spawn.Process(
+                    target=worker_main,
+                    name=f"http-{i}",
+                    daemon=True,
+                    args=(s.cfg, s.tok, s.name, s.context, s.created, sock, to_engine, from_engine),
+                )
                 process.start()
                 to_engine.close(), from_engine.close()  # the worker's ends
                 self.links.append(Link(s, process, from_worker, to_worker, self.scoring))
@@ -157,6 +163,7 @@ class Link:
         def finish(reason: str):
             self.requests.pop(rid, None)
             self._put((rid, Finished(reason, request.first_token_at, request.finished_at)))
+
         request = engine.Request(**fields, on_token=token, on_finish=finish)
         self.requests[rid] = request
         try:
@@ -327,7 +334,6 @@ class WorkerUvicorn(StoppingUvicorn):
 
 def worker_main(cfg, tok, name, context, created, sock, to_engine, from_engine) -> None:
     remote = RemoteServer(cfg, tok, name, context, created, to_engine, from_engine)
-    uv = WorkerUvicorn(uvicorn.Config(app.make_app(remote), log_level="warning", timeout_graceful_shutdown=30),
-                       remote)
+    uv = WorkerUvicorn(uvicorn.Config(app.make_app(remote), log_level="warning", timeout_graceful_shutdown=30), remote)
     remote.engine_gone = lambda: setattr(uv, "should_exit", True)
     uv.run(sockets=[sock])

@@ -20,8 +20,9 @@ if not ON_CHIP:
     os.environ["JAX_PLATFORMS"] = "cpu"
     # LLVM's optimisation of the generated CPU code takes about a third of the suite's time and buys
     # nothing for programs this small; XLA's own (HLO) optimisations still run.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                               " --xla_backend_optimization_level=0")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    )
 
 # Many tests compile the same small programs, and the train.py runs they start compile them again:
 # a compilation cache for this session (inherited by those processes) compiles each program once.
@@ -43,6 +44,7 @@ def pytest_collection_modifyitems(config, items):
         return
     if ON_CHIP:
         import jax  # only now: on the chip, the first JAX call takes the TPU
+
         if jax.devices()[0].platform == "tpu":
             return
         reason = f"NANOMAX_TEST_PLATFORM=tpu, but JAX found no TPU ({jax.devices()[0].platform})"

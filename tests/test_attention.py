@@ -24,8 +24,11 @@ SMALL_BLOCKS = (128, 128)  # at T = 256: 2 x 2 tiles, the one above the diagonal
 
 def qkv(B, T, N, K, H, seed=0, dtype=jnp.float32):
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(kq, (B, T, N, H), dtype), jax.random.normal(kk, (B, T, K, H), dtype),
-            jax.random.normal(kv, (B, T, K, H), dtype))
+    return (
+        jax.random.normal(kq, (B, T, N, H), dtype),
+        jax.random.normal(kk, (B, T, K, H), dtype),
+        jax.random.normal(kv, (B, T, K, H), dtype),
+    )
 
 
 def two_documents_a_row(B, T):
@@ -35,8 +38,15 @@ def two_documents_a_row(B, T):
 
 def small_blocks(T):
     """128-token tiles everywhere: several per row, some skipped above the diagonal."""
-    return attention.splash.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128,
-                                       block_kv_dkv=128, block_kv_dkv_compute=128, use_fused_bwd_kernel=True)
+    return attention.splash.BlockSizes(
+        block_q=128,
+        block_kv=128,
+        block_kv_compute=128,
+        block_q_dkv=128,
+        block_kv_dkv=128,
+        block_kv_dkv_compute=128,
+        use_fused_bwd_kernel=True,
+    )
 
 
 @pytest.mark.parametrize("N, K", [(4, 4), (4, 2), (4, 1)], ids=["multi-head", "grouped-query", "multi-query"])
@@ -78,9 +88,12 @@ def test_splash_head_size_64_with_the_tables_blocks_and_keys_and_values_seq_mino
     q, k, v = qkv(2, 256, 4, 2, 64, seed=5)
     ids = two_documents_a_row(2, 256)
     loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-    ours = jax.value_and_grad(loss(lambda q, k, v: attention.splash_attention(q, k, v, ids)), argnums=(0, 1, 2))(q, k, v)
-    theirs = jax.value_and_grad(loss(lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT=ids)),
-                                argnums=(0, 1, 2))(q, k, v)
+    ours = jax.value_and_grad(loss(lambda q, k, v: attention.splash_attention(q, k, v, ids)), argnums=(0, 1, 2))(
+        q, k, v
+    )
+    theirs = jax.value_and_grad(
+        loss(lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT=ids)), argnums=(0, 1, 2)
+    )(q, k, v)
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
     for a, b in zip(ours[1], theirs[1], strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-4)
@@ -90,8 +103,14 @@ def test_block_sizes_divide_the_row_and_rows_the_kernel_cannot_take_are_said():
     assert attention.splash_block_sizes(640, 64).block_q == 128  # 512 halved until it divides 640
     for T in (128, 256, 384, 640, 1024, 2048, 8192):
         blocks = attention.splash_block_sizes(T, 64)
-        sizes = (blocks.block_q, blocks.block_kv, blocks.block_kv_compute, blocks.block_q_dkv, blocks.block_kv_dkv,
-                 blocks.block_kv_dkv_compute)
+        sizes = (
+            blocks.block_q,
+            blocks.block_kv,
+            blocks.block_kv_compute,
+            blocks.block_q_dkv,
+            blocks.block_kv_dkv,
+            blocks.block_kv_dkv_compute,
+        )
         assert all(T % b == 0 and b % 128 == 0 and b <= T for b in sizes), (T, sizes)
         assert blocks.block_kv % blocks.block_kv_compute == 0 and blocks.block_kv_dkv % blocks.block_kv_dkv_compute == 0
     assert attention.splash_fits(1024) and not attention.splash_fits(64) and not attention.splash_fits(1000)
@@ -120,9 +139,23 @@ def test_remat_keeps_the_kernels_output_and_log_sum_exp(policy):
 
 
 def step_config(**overrides) -> Config:
-    values = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=128, batch_size=8, vocab_size=96,
-                  pos_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False,
-                  learning_rate=1e-3, warmup_iters=0, document_masking=True)
+    values = dict(
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=64,
+        block_size=128,
+        batch_size=8,
+        vocab_size=96,
+        pos_embedding="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+        tie_embeddings=False,
+        learning_rate=1e-3,
+        warmup_iters=0,
+        document_masking=True,
+    )
     return Config(**(values | overrides))
 
 
@@ -146,8 +179,15 @@ def test_gpt2_style_splash_step_equals_the_written_out_attention(monkeypatch):
     """GPT-2's layer (biases on q, k and v, learned positions, LayerNorm, GELU; grouped-query too) through
     splash, whose q, k and v the projection makes in the kernel's (B, heads, T, H) layout: the losses and
     parameters after two steps are those of the written-out attention's (B, T, heads, H) path."""
-    config = step_config(pos_embedding="learned", norm="layernorm", mlp="gelu", bias=True, n_kv_head=2,
-                         document_masking=False, remat_policy="dots_with_no_batch_dims_saveable")
+    config = step_config(
+        pos_embedding="learned",
+        norm="layernorm",
+        mlp="gelu",
+        bias=True,
+        n_kv_head=2,
+        document_masking=False,
+        remat_policy="dots_with_no_batch_dims_saveable",
+    )
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     _, reference, reference_params = losses_of(config, mesh)
     monkeypatch.setitem(loader.AUTO_ATTENTION["cpu"], "float32", "splash")
@@ -200,4 +240,3 @@ def test_splash_on_the_chip_equals_the_written_out_attention_in_float32(H, segme
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-3)
     for a, b in zip(ours[1], theirs[1], strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * float(np.abs(b).max()))
-

@@ -13,8 +13,16 @@ import configurator
 from model import GPTConfig, flops_per_token
 from weights import hf
 
-TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
-        "--vocab_size=65", "--devices=1", "--warmup=1"]
+TINY = [
+    "--n_layer=2",
+    "--n_head=2",
+    "--n_embd=32",
+    "--block_size=32",
+    "--batch_size=4",
+    "--vocab_size=65",
+    "--devices=1",
+    "--warmup=1",
+]
 
 
 def read_records(path):
@@ -39,15 +47,24 @@ def test_train_record_is_consistent(tmp_path, capsys):
     assert record["peak_memory_bytes"] > 0  # CPU: the compiler's plan, said so
     assert "compiler" in record["memory_source"]
     compiled = record["compiled_memory"]  # the need the pre-flight check uses, its terms beside it
-    assert compiled["total"] == record["memory_check"]["needed_bytes"] == sum(
-        compiled[k] for k in ("arguments", "outputs", "temporaries", "code"))
+    assert (
+        compiled["total"]
+        == record["memory_check"]["needed_bytes"]
+        == sum(compiled[k] for k in ("arguments", "outputs", "temporaries", "code"))
+    )
     # the pre-flight check's numbers, kept in the record and printed before the step ran
     assert record["memory_check"]["needed_bytes"] >= record["peak_memory_bytes"] > 0
     assert record["memory_check"]["available_bytes"] > 0
     table = capsys.readouterr().out
     assert record["memory_check"]["line"] in table
-    for label in ("ms/step (min / median)", "tokens/s", "MFU", "MFU vs a matmul measured now", "compile",
-                  "compiled step's need"):
+    for label in (
+        "ms/step (min / median)",
+        "tokens/s",
+        "MFU",
+        "MFU vs a matmul measured now",
+        "compile",
+        "compiled step's need",
+    ):
         assert label in table
 
     bench.run(TINY + ["--steps=2", f"--json={out}"])
@@ -56,8 +73,9 @@ def test_train_record_is_consistent(tmp_path, capsys):
 
 def test_decode_record_is_consistent(tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
-    record = bench.run(TINY + ["--mode=decode", "--decode_batch=1,2", "--prompt_len=4",
-                               "--new_tokens=6", "--steps=2", f"--json={out}"])
+    record = bench.run(
+        TINY + ["--mode=decode", "--decode_batch=1,2", "--prompt_len=4", "--new_tokens=6", "--steps=2", f"--json={out}"]
+    )
     assert [r["batch_size"] for r in record["runs"]] == [1, 2]
     printed = capsys.readouterr().out  # each batch's pre-flight memory line, kept in its record
     assert all(r["memory_check"]["needed_bytes"] > 0 and r["memory_check"]["line"] in printed for r in record["runs"])
@@ -71,8 +89,10 @@ def test_decode_record_is_consistent(tmp_path, capsys):
         assert math.isclose(r["roofline_fraction"], r["bytes_per_step"] / r["step_s"] / record["peak_bandwidth"])
         # the prefill: B x 4 prompt tokens, a forward pass each (a third of a train step's FLOPs at T = 4)
         assert math.isclose(r["prefill_tokens_per_s"], r["batch_size"] * 4 / r["prefill_s"])
-        assert math.isclose(record["prefill_flops_per_token"], flops_per_token(GPTConfig(
-            n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=65), 4) / 3)
+        assert math.isclose(
+            record["prefill_flops_per_token"],
+            flops_per_token(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=65), 4) / 3,
+        )
         assert 0 < r["prefill_mfu"] <= 1
     for label in ("prefill tok/s", "MFU", "MFLOPs per prompt token"):
         assert label in printed
@@ -92,8 +112,16 @@ def test_decode_roofline_counts_key_value_heads_and_int8(tmp_path):
     """2 key/value heads of 4 (grouped-query) and an int8 cache: the roofline's cache bytes per position
     are 2 x 2 layers x 2 heads x (8 int8 + a float32 scale), not the full width's; int8 weights are read
     as int8."""
-    flags = TINY + ["--n_head=4", "--n_kv_head=2", "--mode=decode", "--decode_batch=2", "--prompt_len=4",
-                    "--new_tokens=4", "--steps=1", "--json="]
+    flags = TINY + [
+        "--n_head=4",
+        "--n_kv_head=2",
+        "--mode=decode",
+        "--decode_batch=2",
+        "--prompt_len=4",
+        "--new_tokens=4",
+        "--steps=1",
+        "--json=",
+    ]
     full = bench.run(flags)
     record = bench.run(flags + ["--weight_dtype=int8", "--kv_cache_dtype=int8"])
     assert full["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4 and record["kv_bytes_per_token"] == 2 * 2 * 2 * (8 + 4)
@@ -108,11 +136,16 @@ def test_decode_defaults_fit_the_models_context(tmp_path):
     assert [(r["prompt_len"], r["new_tokens"]) for r in record["runs"]] == [(16, 16)]
 
 
-@pytest.mark.parametrize("flag, message", [("--mode=infer", "--mode"), ("--decode_batch=1,x", "decode_batch"),
-                                           ("--bogus=1", "unknown config key"),
-                                           ("--mode=decode --new_tokens=20", "--prompt_len + --new_tokens = "
-                                            "16 + 20 leaves no room in block_size 32"),
-                                           ("--json=/no/such/folder/b.jsonl", "the folder /no/such/folder does not exist")])
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--mode=infer", "--mode"),
+        ("--decode_batch=1,x", "decode_batch"),
+        ("--bogus=1", "unknown config key"),
+        ("--mode=decode --new_tokens=20", "--prompt_len + --new_tokens = 16 + 20 leaves no room in block_size 32"),
+        ("--json=/no/such/folder/b.jsonl", "the folder /no/such/folder does not exist"),
+    ],
+)
 def test_bad_flags_are_one_line_errors(flag, message, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(TINY + flag.split())
@@ -134,8 +167,17 @@ def test_quantized_run_says_plainly_what_this_hardware_gives(tmp_path, capsys):
 def test_shapes_come_from_a_hugging_face_directory(tmp_path):
     """--init_from=DIR: config.json sets the model (no weights are read: random ones are timed)."""
     directory = write_config(tmp_path / "llama", LLAMA_JSON)
-    record = bench.run([f"--init_from={directory}", "--block_size=32", "--batch_size=4", "--devices=1",
-                        "--warmup=1", "--steps=1", "--json="])
+    record = bench.run(
+        [
+            f"--init_from={directory}",
+            "--block_size=32",
+            "--batch_size=4",
+            "--devices=1",
+            "--warmup=1",
+            "--steps=1",
+            "--json=",
+        ]
+    )
     llama = GPTConfig(**hf.read_config(directory).keys, block_size=32)
     assert llama.n_kv_head == 2 and llama.mlp == "swiglu" and llama.rope_scaling == "none"
     assert record["flops_per_token"] == flops_per_token(llama)
@@ -146,7 +188,11 @@ def test_no_config_on_a_cpu_measures_the_quickstart_model_and_says_so(tmp_path, 
     record = bench.run(["--steps=1", "--warmup=0", "--devices=1", f"--json={tmp_path / 'b.jsonl'}"])
     assert record["argv"][0].endswith("config/shakespeare_char.py")
     assert {k: record["config"][k] for k in ("n_layer", "n_embd", "block_size", "batch_size")} == {
-        "n_layer": 4, "n_embd": 128, "block_size": 128, "batch_size": 16}  # the quickstart's, not GPT-2's
+        "n_layer": 4,
+        "n_embd": 128,
+        "block_size": 128,
+        "batch_size": 16,
+    }  # the quickstart's, not GPT-2's
     printed = capsys.readouterr().out
     assert "bench: no config given on a CPU: benchmarking config/shakespeare_char.py" in printed
     assert record["memory_check"]["line"] in printed
@@ -154,8 +200,10 @@ def test_no_config_on_a_cpu_measures_the_quickstart_model_and_says_so(tmp_path, 
 
 def write_model(tmp_path, name, batch_size) -> str:
     path = tmp_path / name
-    path.write_text(f"n_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\nvocab_size = 65\n"
-                    f"batch_size = {batch_size}\nmemory_limit_gib = 0.01\n")  # batch 64 needs ~23 MiB, 4 ~2 MiB
+    path.write_text(
+        f"n_layer = 2\nn_head = 2\nn_embd = 32\nblock_size = 32\nvocab_size = 65\n"
+        f"batch_size = {batch_size}\nmemory_limit_gib = 0.01\n"
+    )  # batch 64 needs ~23 MiB, 4 ~2 MiB
     return str(path)
 
 
@@ -182,7 +230,7 @@ def test_accelerator_defaults_go_from_gpt2_124m_down_to_the_quickstart():
     work = []
     for model in models:
         config = configurator.load_config([os.path.join(root, model[0]), *model[1:]])
-        work.append(config.tokens_per_step * config.n_layer * config.n_embd ** 2)
+        work.append(config.tokens_per_step * config.n_layer * config.n_embd**2)
     assert work == sorted(work, reverse=True) and len(set(work)) == len(work)
     assert not bench.names_a_model(["--steps=1", "--mode=decode", "--json="])
     assert all(bench.names_a_model(argv) for argv in (["config/gpt2_124m.py"], ["--batch_size=4"], ["-h"]))
@@ -207,14 +255,27 @@ def test_an_operations_own_time_leaves_out_the_operations_inside_it():
     own = {e.name: ns for e, ns in bench.self_times([after, second, loop, first])}
     assert own == {"while": 50, "a": 30, "b": 20, "c": 5}
     # a TPU's trace names an event by the instruction's whole text, a CPU's by its name
-    assert bench.operation_name("%fusion.156 = (f32[], bf16[50304,768]{1,0:T(8,128)(2,1)}) fusion(f32[50304,768] "
-                                "%scatter), kind=kOutput") == "fusion.156"
+    assert (
+        bench.operation_name(
+            "%fusion.156 = (f32[], bf16[50304,768]{1,0:T(8,128)(2,1)}) fusion(f32[50304,768] %scatter), kind=kOutput"
+        )
+        == "fusion.156"
+    )
     assert bench.operation_name("ynn_fusion.1") == "ynn_fusion.1"
 
 
 def test_decode_profile_prints_each_batchs_top_operations_per_token_step(tmp_path, capsys):
-    record = bench.run(TINY + ["--mode=decode", "--decode_batch=1,2", "--steps=1", "--new_tokens=4",
-                               f"--profile={tmp_path / 'trace'}", "--json="])
+    record = bench.run(
+        TINY
+        + [
+            "--mode=decode",
+            "--decode_batch=1,2",
+            "--steps=1",
+            "--new_tokens=4",
+            f"--profile={tmp_path / 'trace'}",
+            "--json=",
+        ]
+    )
     for run in record["runs"]:
         ops = run["profile"]["top_operations"]
         assert 0 < len(ops) <= 10 and all(op["ms_per_step"] > 0 for op in ops)

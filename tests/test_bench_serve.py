@@ -25,8 +25,10 @@ def test_request_metrics_ttft_tpot_and_itl():
 
 
 def test_summarize_rates_and_failures():
-    metrics = [bench_serve.request_metrics(0.0, [0.1, 0.2], 0.3, 2),
-               bench_serve.request_metrics(0.0, [0.3, 0.4, 0.5], 0.6, 6)]
+    metrics = [
+        bench_serve.request_metrics(0.0, [0.1, 0.2], 0.3, 2),
+        bench_serve.request_metrics(0.0, [0.3, 0.4, 0.5], 0.6, 6),
+    ]
     s = bench_serve.summarize(metrics, wall_seconds=2.0, errors=["APITimeoutError: timed out", "later"])
     assert (s["ok"], s["failed"], s["first_error"]) == (2, 2, "APITimeoutError: timed out")
     assert s["requests_per_s"] == 1.0 and s["output_tokens"] == 8 and s["output_tokens_per_s"] == 4.0

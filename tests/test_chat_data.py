@@ -43,8 +43,10 @@ def load_script(relpath):
 prepare = load_script("data/chat/prepare.py")
 make_tasks = load_script("data/chat/make_tasks.py")
 
-SPECIALS = {"llama3": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-            "chatml": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]}
+SPECIALS = {
+    "llama3": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    "chatml": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+}
 
 
 def template_tokenizer(directory: Path, style: str) -> Path:
@@ -59,31 +61,269 @@ def template_tokenizer(directory: Path, style: str) -> Path:
     return directory
 
 
-MESSAGES = [{"role": "system", "content": "You answer briefly."},
-            {"role": "user", "content": "Hello! Qu'est-ce qu'un café ☕?"},
-            {"role": "assistant", "content": "A coffee.\nOften small."},
-            {"role": "user", "content": "  And 12 + 30?  "},
-            {"role": "assistant", "content": "42"}]
+MESSAGES = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Hello! Qu'est-ce qu'un café ☕?"},
+    {"role": "assistant", "content": "A coffee.\nOften small."},
+    {"role": "user", "content": "  And 12 + 30?  "},
+    {"role": "assistant", "content": "42"},
+]
 # Made once with transformers 5.25.0 in a separate venv (never a dependency here):
 #   PreTrainedTokenizerFast.from_pretrained(template_tokenizer(DIR, style)).apply_chat_template(MESSAGES)
 #   and (MESSAGES[:-1], add_generation_prompt=True): the first PROMPT_LENGTH ids of the conversation's.
 PROMPT_LENGTH = {"llama3": 122, "chatml": 119}
 EXPECTED = {
     "llama3": [
-        0, 320, 303, 85, 86, 71, 79, 321, 201, 201, 59, 81, 87, 268, 80, 85, 89, 262, 312, 75, 71, 72, 78, 91,
-        16, 2, 320, 87, 85, 262, 321, 201, 201, 272, 3, 223, 51, 87, 9, 71, 85, 86, 15, 69, 71, 319, 9, 87,
-        80, 223, 287, 260, 223, 308, 246, 33, 2, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 321, 201, 201, 35, 223,
-        69, 81, 72, 72, 71, 71, 16, 201, 49, 72, 86, 71, 80, 223, 85, 79, 67, 265, 16, 2, 320, 87, 85, 262,
-        321, 201, 201, 35, 296, 311, 223, 13, 223, 21, 18, 33, 2, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 321,
-        201, 201, 22, 20, 2,
+        0,
+        320,
+        303,
+        85,
+        86,
+        71,
+        79,
+        321,
+        201,
+        201,
+        59,
+        81,
+        87,
+        268,
+        80,
+        85,
+        89,
+        262,
+        312,
+        75,
+        71,
+        72,
+        78,
+        91,
+        16,
+        2,
+        320,
+        87,
+        85,
+        262,
+        321,
+        201,
+        201,
+        272,
+        3,
+        223,
+        51,
+        87,
+        9,
+        71,
+        85,
+        86,
+        15,
+        69,
+        71,
+        319,
+        9,
+        87,
+        80,
+        223,
+        287,
+        260,
+        223,
+        308,
+        246,
+        33,
+        2,
+        320,
+        67,
+        85,
+        85,
+        75,
+        85,
+        86,
+        67,
+        80,
+        86,
+        321,
+        201,
+        201,
+        35,
+        223,
+        69,
+        81,
+        72,
+        72,
+        71,
+        71,
+        16,
+        201,
+        49,
+        72,
+        86,
+        71,
+        80,
+        223,
+        85,
+        79,
+        67,
+        265,
+        16,
+        2,
+        320,
+        87,
+        85,
+        262,
+        321,
+        201,
+        201,
+        35,
+        296,
+        311,
+        223,
+        13,
+        223,
+        21,
+        18,
+        33,
+        2,
+        320,
+        67,
+        85,
+        85,
+        75,
+        85,
+        86,
+        67,
+        80,
+        86,
+        321,
+        201,
+        201,
+        22,
+        20,
+        2,
     ],
     "chatml": [
-        320, 303, 85, 86, 71, 79, 201, 59, 81, 87, 268, 80, 85, 89, 262, 312, 75, 71, 72, 78, 91, 16, 321, 201,
-        320, 87, 85, 262, 201, 272, 3, 223, 51, 87, 9, 71, 85, 86, 15, 69, 71, 319, 9, 87, 80, 223, 287, 260,
-        223, 308, 246, 33, 321, 201, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 201, 35, 223, 69, 81, 72, 72, 71,
-        71, 16, 201, 49, 72, 86, 71, 80, 223, 85, 79, 67, 265, 16, 321, 201, 320, 87, 85, 262, 201, 223, 223, 35,
-        296, 311, 223, 13, 223, 21, 18, 33, 223, 223, 321, 201, 320, 67, 85, 85, 75, 85, 86, 67, 80, 86, 201, 22,
-        20, 321, 201,
+        320,
+        303,
+        85,
+        86,
+        71,
+        79,
+        201,
+        59,
+        81,
+        87,
+        268,
+        80,
+        85,
+        89,
+        262,
+        312,
+        75,
+        71,
+        72,
+        78,
+        91,
+        16,
+        321,
+        201,
+        320,
+        87,
+        85,
+        262,
+        201,
+        272,
+        3,
+        223,
+        51,
+        87,
+        9,
+        71,
+        85,
+        86,
+        15,
+        69,
+        71,
+        319,
+        9,
+        87,
+        80,
+        223,
+        287,
+        260,
+        223,
+        308,
+        246,
+        33,
+        321,
+        201,
+        320,
+        67,
+        85,
+        85,
+        75,
+        85,
+        86,
+        67,
+        80,
+        86,
+        201,
+        35,
+        223,
+        69,
+        81,
+        72,
+        72,
+        71,
+        71,
+        16,
+        201,
+        49,
+        72,
+        86,
+        71,
+        80,
+        223,
+        85,
+        79,
+        67,
+        265,
+        16,
+        321,
+        201,
+        320,
+        87,
+        85,
+        262,
+        201,
+        223,
+        223,
+        35,
+        296,
+        311,
+        223,
+        13,
+        223,
+        21,
+        18,
+        33,
+        223,
+        223,
+        321,
+        201,
+        320,
+        67,
+        85,
+        85,
+        75,
+        85,
+        86,
+        67,
+        80,
+        86,
+        201,
+        22,
+        20,
+        321,
+        201,
     ],
 }
 
@@ -104,7 +344,7 @@ def test_a_conversation_tokenizes_as_transformers_does_and_masks_the_assistants_
     tok = tokenizer.hf_tokenizer(template_tokenizer(tmp_path / style, style))
     ids, mask = chat_template.tokenize_conversation(tok, MESSAGES)
     assert ids == EXPECTED[style]
-    assert tok.encode(chat_template.render(tok, MESSAGES[:-1])) == EXPECTED[style][:PROMPT_LENGTH[style]]  # serve.py's
+    assert tok.encode(chat_template.render(tok, MESSAGES[:-1])) == EXPECTED[style][: PROMPT_LENGTH[style]]  # serve.py's
     # 1 on each assistant turn and its end-of-turn token; 0 on the newline the template writes after it
     assert learned_runs(tok, ids, mask) == ["A coffee.\nOften small." + end_of_turn, "42" + end_of_turn]
 
@@ -133,22 +373,37 @@ def chatml_dir(tmp_path_factory):
 
 
 def test_prepare_reads_each_shape_and_keeps_the_tokenizer_and_its_template(tmp_path, chatml_dir, capsys):
-    rows = [{"messages": MESSAGES},
-            {"prompt": "2+2?", "completion": "4"},
-            {"instruction": "Translate.", "input": "chat", "output": "cat"},
-            {"instruction": "Say hi.", "output": "hi"}]
-    as_messages = [MESSAGES] + [[{"role": "user", "content": u}, {"role": "assistant", "content": a}]
-                                for u, a in (("2+2?", "4"), ("Translate.\n\nchat", "cat"), ("Say hi.", "hi"))]
+    rows = [
+        {"messages": MESSAGES},
+        {"prompt": "2+2?", "completion": "4"},
+        {"instruction": "Translate.", "input": "chat", "output": "cat"},
+        {"instruction": "Say hi.", "output": "hi"},
+    ]
+    as_messages = [MESSAGES] + [
+        [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+        for u, a in (("2+2?", "4"), ("Translate.\n\nchat", "cat"), ("Say hi.", "hi"))
+    ]
     val = tmp_path / "val.parquet"
     pq.write_table(pa.table({"messages": [MESSAGES[1:3], MESSAGES[3:]], "source": ["a", "b"]}), val)
     out = tmp_path / "data" / "chats"
-    assert run_prepare(f"--input={write_jsonl(tmp_path / 'train.jsonl', rows)}", f"--val_input={val}",
-                       f"--tokenizer={chatml_dir}", f"--out_dir={out}", "--block_size=256") == ""
+    assert (
+        run_prepare(
+            f"--input={write_jsonl(tmp_path / 'train.jsonl', rows)}",
+            f"--val_input={val}",
+            f"--tokenizer={chatml_dir}",
+            f"--out_dir={out}",
+            "--block_size=256",
+        )
+        == ""
+    )
     assert "train: 4 conversations" in capsys.readouterr().out
     meta = json.loads((out / "meta.json").read_text())
     tok = tokenizer.load_tokenizer(out)  # the dataset's own copy of the tokenizer, with its template
-    assert meta["chat"]["template"] == tok.chat_template == json.loads(
-        (TEMPLATES / "chatml" / "tokenizer_config.json").read_text())["chat_template"]
+    assert (
+        meta["chat"]["template"]
+        == tok.chat_template
+        == json.loads((TEMPLATES / "chatml" / "tokenizer_config.json").read_text())["chat_template"]
+    )
     config = Config(data_dir=str(tmp_path / "data"), dataset="chats", block_size=256)
     for split, conversations in (("train", as_messages), ("val", [MESSAGES[1:3], MESSAGES[3:]])):
         data = dataset.open_chat_split(config, split, tok.vocab_size)
@@ -160,13 +415,17 @@ def test_prepare_reads_each_shape_and_keeps_the_tokenizer_and_its_template(tmp_p
 
 BAD_ROWS = [
     ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
-    ('{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}',
-     "messages[0] has role 'tool': the roles are system, user, assistant"),
+    (
+        '{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+        "messages[0] has role 'tool': the roles are system, user, assistant",
+    ),
     ('{"messages": [{"role": "user", "content": "hi"}, ', "malformed JSON"),
     ('{"text": "hi"}', "the row has none of {messages}, {prompt, completion} or {instruction, output}"),
     ('["hi"]', "a row must be a JSON object"),
-    ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}',
-     "messages[0].content must be a string"),
+    (
+        '{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}',
+        "messages[0].content must be a string",
+    ),
 ]
 
 
@@ -191,8 +450,17 @@ def test_overlong_conversations_are_dropped_or_truncated_and_counted(tmp_path, c
     val = write_jsonl(tmp_path / "v.jsonl", [short])
     for overlong, counts in (("drop", "2 conversations, "), ("truncate", "3 conversations, ")):
         out = tmp_path / overlong
-        assert run_prepare(f"--input={path}", f"--val_input={val}", f"--tokenizer={chatml_dir}", f"--out_dir={out}",
-                           "--block_size=99", f"--overlong={overlong}") == ""
+        assert (
+            run_prepare(
+                f"--input={path}",
+                f"--val_input={val}",
+                f"--tokenizer={chatml_dir}",
+                f"--out_dir={out}",
+                "--block_size=99",
+                f"--overlong={overlong}",
+            )
+            == ""
+        )
         printed = capsys.readouterr().out
         assert f"train: {counts}" in printed
         if overlong == "drop":
@@ -213,18 +481,34 @@ def test_the_hub_route_offline_is_one_message(tmp_path, chatml_dir, monkeypatch)
 
 # ---- the offline chat set, end to end
 
+
 @pytest.fixture(scope="module")
 def tasks_run(tmp_path_factory):
     """data/chat/make_tasks.py's set, prepared and learned as config/sft_tasks.py says."""
     root = tmp_path_factory.mktemp("sft")
     make_tasks.make(root / "tasks")
-    assert run_prepare(f"--input={root / 'tasks' / 'train.jsonl'}", f"--val_input={root / 'tasks' / 'val.jsonl'}",
-                       f"--tokenizer={root / 'tasks' / 'tokenizer'}", "--block_size=128",
-                       f"--out_dir={root / 'data' / 'chat_tasks'}") == ""
+    assert (
+        run_prepare(
+            f"--input={root / 'tasks' / 'train.jsonl'}",
+            f"--val_input={root / 'tasks' / 'val.jsonl'}",
+            f"--tokenizer={root / 'tasks' / 'tokenizer'}",
+            "--block_size=128",
+            f"--out_dir={root / 'data' / 'chat_tasks'}",
+        )
+        == ""
+    )
     # as docs/finetuning.md's commands, but one short eval (and checkpoint) at the end, and no logs to write
-    config = configurator.load_config([str(ROOT / "config" / "sft_tasks.py"), f"--data_dir={root / 'data'}",
-                                       f"--out_dir={root / 'out'}", "--eval_interval=1000", "--eval_iters=2",
-                                       "--log_interval=100", "--tensorboard=False"])
+    config = configurator.load_config(
+        [
+            str(ROOT / "config" / "sft_tasks.py"),
+            f"--data_dir={root / 'data'}",
+            f"--out_dir={root / 'out'}",
+            "--eval_interval=1000",
+            "--eval_iters=2",
+            "--log_interval=100",
+            "--tensorboard=False",
+        ]
+    )
     start = time.perf_counter()
     train.train(config, jax.devices()[:1])
     print(f"\nsft_tasks: {config.max_iters} steps in {time.perf_counter() - start:.0f} s")
@@ -244,9 +528,20 @@ def test_the_offline_chat_set_is_learned_and_answered_through_serve(tasks_run):
     """>= 95% of the held-out questions answered exactly over HTTP (words never seen in training)."""
     root, out_dir = tasks_run
     port = free_port()
-    server = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), f"--out_dir={out_dir}", f"--port={port}",
-                               "--slots=16", "--log_interval=0", "--model_name=tasks"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "serve.py"),
+            f"--out_dir={out_dir}",
+            f"--port={port}",
+            "--slots=16",
+            "--log_interval=0",
+            "--model_name=tasks",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -274,8 +569,9 @@ def serving(url) -> bool:
 def ask(url, messages) -> tuple[str, str]:
     """(the assistant's words, finish reason) for a greedy answer to messages."""
     body = json.dumps({"model": "tasks", "messages": messages, "temperature": 0, "max_tokens": 8}).encode()
-    request = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         choice = json.loads(response.read())["choices"][0]
     return choice["message"]["content"], choice["finish_reason"]
@@ -283,8 +579,12 @@ def ask(url, messages) -> tuple[str, str]:
 
 def test_sample_chat_streams_each_assistant_turn(tasks_run, tmp_path, capsys):
     root, out_dir = tasks_run
-    messages = [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "upper cat"},
-                {"role": "assistant", "content": "(replaced by the model's)"}, {"role": "user", "content": "7+8"}]
+    messages = [
+        {"role": "system", "content": "Be exact."},
+        {"role": "user", "content": "upper cat"},
+        {"role": "assistant", "content": "(replaced by the model's)"},
+        {"role": "user", "content": "7+8"},
+    ]
     (tmp_path / "chat.json").write_text(json.dumps(messages))
     sample.main([f"--out_dir={out_dir}", "--chat=True", f"--messages={tmp_path / 'chat.json'}", "--temperature=0"])
     assert capsys.readouterr().out == "user> upper cat\nassistant> CAT\nuser> 7+8\nassistant> 15\n"

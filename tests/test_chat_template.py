@@ -19,12 +19,15 @@ TEMPLATE = """{{ bos_token }}
 
 
 def test_a_template_renders_like_transformers_and_encodes_with_one_bos(tmp_path):
-    tok = tokenizer.hf_tokenizer(make_tokenizer(tmp_path / "tok", files={
-        "tokenizer_config.json": {**LLAMA_CONFIG, "chat_template": TEMPLATE}}))
+    tok = tokenizer.hf_tokenizer(
+        make_tokenizer(tmp_path / "tok", files={"tokenizer_config.json": {**LLAMA_CONFIG, "chat_template": TEMPLATE}})
+    )
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, world!"}]
     text = chat_template.render(tok, messages)
-    assert text == ("<|begin_of_text|><|start|>system\nBe brief.<|eot_id|><|start|>user\nHello, world!<|eot_id|>"
-                    "<|start|>assistant\n")
+    assert text == (
+        "<|begin_of_text|><|start|>system\nBe brief.<|eot_id|><|start|>user\nHello, world!<|eot_id|>"
+        "<|start|>assistant\n"
+    )
     ids = tok.encode(text)
     assert ids[0] == BOS and ids.count(BOS) == 1  # the special token's text became its id, once
     assert not chat_template.render(tok, messages, add_generation_prompt=False).endswith("assistant\n")
@@ -37,14 +40,21 @@ def test_the_default_template_and_bad_messages():
     tok = tokenizer.char_tokenizer("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ: \n")
     text = chat_template.render(tok, [{"role": "user", "content": "hi"}])
     assert text == "USER: hi\n\nASSISTANT:" and tok.decode(tok.encode(text)) == text
-    for bad, words in (([], "non-empty list"), ([{"role": "robot", "content": "x"}], "messages[0] must be"),
-                       ([{"role": "user", "content": 3}], "messages[0].content must be")):
+    for bad, words in (
+        ([], "non-empty list"),
+        ([{"role": "robot", "content": "x"}], "messages[0] must be"),
+        ([{"role": "user", "content": 3}], "messages[0].content must be"),
+    ):
         with pytest.raises(chat_template.ChatError, match=re.escape(words)):
             chat_template.render(tok, bad)
 
 
 def test_a_template_that_raises_is_a_chat_error(tmp_path):
-    tok = tokenizer.hf_tokenizer(make_tokenizer(tmp_path / "tok", files={
-        "tokenizer_config.json": {**LLAMA_CONFIG, "chat_template": "{{ raise_exception('system first') }}"}}))
+    tok = tokenizer.hf_tokenizer(
+        make_tokenizer(
+            tmp_path / "tok",
+            files={"tokenizer_config.json": {**LLAMA_CONFIG, "chat_template": "{{ raise_exception('system first') }}"}},
+        )
+    )
     with pytest.raises(chat_template.ChatError, match="system first"):
         chat_template.render(tok, [{"role": "user", "content": "hi"}])

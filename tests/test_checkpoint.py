@@ -14,8 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_train import (ONE_DEVICE, REPO, config_flags, logged_losses, make_dataset, small_config, snapshot,
-                        start_training, wait_for_line)
+from test_train import (
+    ONE_DEVICE,
+    REPO,
+    config_flags,
+    logged_losses,
+    make_dataset,
+    small_config,
+    snapshot,
+    start_training,
+    wait_for_line,
+)
 
 import plot
 import sample
@@ -56,22 +65,27 @@ def copy_of_run8(run8, tmp_path):
 
 # ----------------------------------------------------------------------------- 1: reusing an out_dir
 
+
 def test_reusing_an_out_dir_for_a_fresh_run_is_refused_and_changes_nothing(copy_of_run8, capfd, monkeypatch):
     root, config, _ = copy_of_run8
     before = snapshot(root / "out")
     monkeypatch.chdir(root)  # relative paths, named absolute in the message (issue 33)
-    message = main_error(config_flags(config) + ["--max_iters=12", "--lr_decay_iters=12", "--out_dir=out",
-                                                 "--data_dir=data"], capfd)
-    assert message == (f"error: out_dir {root / 'out'} holds checkpoints of an earlier run (steps 4, 8): "
-                       f"continue it with --init_from=resume, choose another --out_dir, or pass "
-                       f"--overwrite_out_dir=True to delete them and start again")
+    message = main_error(
+        config_flags(config) + ["--max_iters=12", "--lr_decay_iters=12", "--out_dir=out", "--data_dir=data"], capfd
+    )
+    assert message == (
+        f"error: out_dir {root / 'out'} holds checkpoints of an earlier run (steps 4, 8): "
+        f"continue it with --init_from=resume, choose another --out_dir, or pass "
+        f"--overwrite_out_dir=True to delete them and start again"
+    )
     assert snapshot(root / "out") == before
 
 
 def test_reusing_an_out_dir_with_overwrite_starts_a_new_run(copy_of_run8, capsys):
     root, config, first_run = copy_of_run8
-    again = small_config(root, tensorboard=True, overwrite_out_dir=True, max_iters=6,
-                         lr_decay_iters=6, learning_rate=1e-3)
+    again = small_config(
+        root, tensorboard=True, overwrite_out_dir=True, max_iters=6, lr_decay_iters=6, learning_rate=1e-3
+    )
     second_run = dict(train.train(again, ONE_DEVICE))
     assert "deleted the earlier run's checkpoints (steps 4, 8)" in capsys.readouterr().out
     assert checkpoint.checkpoint_manager(again, read_only=True).all_steps() == [4, 6]
@@ -84,8 +98,7 @@ def test_reusing_an_out_dir_a_save_orbax_skips_is_an_error_not_a_message(copy_of
     setup = train.make_setup(config, train.make_mesh(config, ONE_DEVICE), 65)
     state = train.init_state(setup)  # step 0, behind the directory's step 8
     manager = checkpoint.checkpoint_manager(config)
-    with pytest.raises(CheckpointError, match="the checkpoint of step 0 was not saved: .* already "
-                                              "holds step 8"):
+    with pytest.raises(CheckpointError, match="the checkpoint of step 0 was not saved: .* already holds step 8"):
         checkpoint.save(manager, state, {}, None)
     manager.close()
     assert checkpoint.checkpoint_manager(config, read_only=True).all_steps() == [4, 8]
@@ -94,15 +107,31 @@ def test_reusing_an_out_dir_a_save_orbax_skips_is_an_error_not_a_message(copy_of
 def test_retention_keeps_the_latest_and_the_best_and_saves_only_improvements(toy):
     """max_to_keep newest plus keep_best lowest val loss; always_save_checkpoint=False saves
     exactly the evaluations that improved the val loss (and the last one)."""
-    config = small_config(toy, max_iters=12, lr_decay_iters=12, eval_interval=2, max_to_keep=2, keep_best=1,
-                          learning_rate=3e-2, tensorboard=True)  # a high rate: val loss goes up and down
+    config = small_config(
+        toy,
+        max_iters=12,
+        lr_decay_iters=12,
+        eval_interval=2,
+        max_to_keep=2,
+        keep_best=1,
+        learning_rate=3e-2,
+        tensorboard=True,
+    )  # a high rate: val loss goes up and down
     train.train(config, ONE_DEVICE)
     val = dict(plot.read_scalars(config.out_dir)["eval/val_loss"])
     best = min(val, key=val.get)
     assert checkpoint.checkpoint_manager(config, read_only=True).all_steps() == sorted({10, 12, best})
 
-    improving = small_config(toy, out_dir=str(toy / "improving"), max_iters=12, lr_decay_iters=12,
-                             eval_interval=2, max_to_keep=10, learning_rate=3e-2, always_save_checkpoint=False)
+    improving = small_config(
+        toy,
+        out_dir=str(toy / "improving"),
+        max_iters=12,
+        lr_decay_iters=12,
+        eval_interval=2,
+        max_to_keep=10,
+        learning_rate=3e-2,
+        always_save_checkpoint=False,
+    )
     train.train(improving, ONE_DEVICE)
     saved = checkpoint.checkpoint_manager(improving, read_only=True).all_steps()
     record, expected = float("inf"), []
@@ -114,6 +143,7 @@ def test_retention_keeps_the_latest_and_the_best_and_saves_only_improvements(toy
 
 
 # ----------------------------------------------------------------------------- 2: the vocabulary
+
 
 def rewrite_vocabulary(root, chars):
     meta = root / "data" / "toy" / "meta.json"
@@ -128,8 +158,9 @@ def test_samples_use_the_vocabulary_stored_with_the_checkpoint(copy_of_run8, tmp
     assert tok.chars == trained_chars
     shutil.rmtree(root / "data")  # and the dataset gone: sampling needs only the checkpoint
     monkeypatch.chdir(tmp_path)  # from another working directory
-    sample.main([f"--out_dir={config.out_dir}", f"--start={trained_chars[:3]}", "--num_samples=1",
-                 "--max_new_tokens=5"])
+    sample.main(
+        [f"--out_dir={config.out_dir}", f"--start={trained_chars[:3]}", "--num_samples=1", "--max_new_tokens=5"]
+    )
     out, err = capsys.readouterr()
     text = out.splitlines()[0]
     assert text.startswith(trained_chars[:3]) and set(text) <= set(trained_chars)
@@ -146,11 +177,11 @@ def test_resuming_on_a_dataset_with_another_vocabulary_names_both(copy_of_run8, 
 
 # ----------------------------------------------------------------------------- 3: two runs at once
 
+
 def test_a_second_run_in_the_same_out_dir_is_refused_at_start(toy_run_in_progress, capfd):
     config, proc = toy_run_in_progress
     message = main_error(config_flags(config), capfd)
-    assert message.startswith(f"error: out_dir {config.out_dir} is in use by another training run "
-                              f"(pid {proc.pid} on ")
+    assert message.startswith(f"error: out_dir {config.out_dir} is in use by another training run (pid {proc.pid} on ")
     proc.send_signal(signal.SIGTERM)  # the first run is unharmed: it saves and resumes
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0 and "SIGTERM: saved a checkpoint" in output, output
@@ -169,9 +200,19 @@ def toy_run_in_progress(tmp_path):
 
 def test_a_killed_run_leaves_no_lock_behind(tmp_path):
     out_dir = str(tmp_path / "out")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from weights import checkpoint; "
-                               "checkpoint.OutDirLock(sys.argv[1]).claim(); print('locked', flush=True); "
-                               "time.sleep(600)", out_dir], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from weights import checkpoint; "
+            "checkpoint.OutDirLock(sys.argv[1]).claim(); print('locked', flush=True); "
+            "time.sleep(600)",
+            out_dir,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline() == "locked\n"
     with pytest.raises(CheckpointError, match="in use by another training run"):
         checkpoint.OutDirLock(out_dir)
@@ -181,6 +222,7 @@ def test_a_killed_run_leaves_no_lock_behind(tmp_path):
 
 
 # ----------------------------------------------------------------------------- 4: damage
+
 
 def remove_array_files(step_dir):
     for path in glob.glob(str(step_dir / "params" / "ocdbt.process_0" / "d" / "*")):
@@ -217,17 +259,17 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(copy_of_
     root, config, straight = copy_of_run8
     checkpoints = root / "out" / "checkpoints"
     DAMAGE[damage](checkpoints / "8")
-    resumed = dict(train.train(small_config(root, init_from="resume", max_iters=10, lr_decay_iters=8),
-                               ONE_DEVICE))
+    resumed = dict(train.train(small_config(root, init_from="resume", max_iters=10, lr_decay_iters=8), ONE_DEVICE))
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err and "Event loop" not in out + err, err
-    assert ("warning: damaged checkpoint step 8 (" in out and
-            f"moved to {config.out_dir}/checkpoints-damaged; resuming from step 4, the newest intact one" in out)
+    assert (
+        "warning: damaged checkpoint step 8 (" in out
+        and f"moved to {config.out_dir}/checkpoints-damaged; resuming from step 4, the newest intact one" in out
+    )
     assert os.path.isdir(root / "out" / "checkpoints-damaged" / "8")  # kept, for a look
     assert checkpoint.checkpoint_manager(config, read_only=True).all_steps() == [4, 8, 10]
     # steps 4..7 again from step 4's state: the losses of the first time
-    np.testing.assert_allclose([resumed[s] for s in range(4, 8)], [straight[s] for s in range(4, 8)],
-                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose([resumed[s] for s in range(4, 8)], [straight[s] for s in range(4, 8)], rtol=0, atol=1e-6)
 
 
 def test_a_resume_after_damage_counts_from_the_newest_intact_step(copy_of_run8, capfd):
@@ -238,8 +280,11 @@ def test_a_resume_after_damage_counts_from_the_newest_intact_step(copy_of_run8, 
     resumed = dict(train.train(small_config(root, init_from="resume", max_iters=6), ONE_DEVICE))
     assert sorted(resumed) == [4, 5]
     warning = next(line for line in capfd.readouterr().out.splitlines() if line.startswith("warning: damaged"))
-    assert re.search(r'Error reading "[^"]+" in OCDBT database at local file "[^"]*/out/checkpoints/8/params/": '
-                     r'.+: moved to .*resuming from step 4, the newest intact one$', warning), warning
+    assert re.search(
+        r'Error reading "[^"]+" in OCDBT database at local file "[^"]*/out/checkpoints/8/params/": '
+        r".+: moved to .*resuming from step 4, the newest intact one$",
+        warning,
+    ), warning
 
 
 @pytest.mark.parametrize("damage", [truncate_array_files, flip_bits], ids=["truncated", "flipped bits"])
@@ -275,6 +320,7 @@ def test_every_checkpoint_damaged_is_one_message(copy_of_run8, capfd):
 
 # ----------------------------------------------------------------------------- 6-8: data, values, out_dir
 
+
 def test_a_run_whose_every_step_was_skipped_saves_no_checkpoint(toy, monkeypatch):
     training_loss = train.training_loss
     monkeypatch.setattr(train, "training_loss", lambda *args: jax.tree.map(lambda a: a * np.nan, training_loss(*args)))
@@ -290,10 +336,13 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(run8, capfd):
     assert "is at step 8 and max_iters is 8: nothing left to train. Raise --max_iters" in message
 
 
-@pytest.mark.parametrize("where, message", [
-    ("a_file", "is a file, not a directory: choose another --out_dir"),
-    ("a_file/below", "can't write to out_dir"),
-])
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("a_file", "is a file, not a directory: choose another --out_dir"),
+        ("a_file/below", "can't write to out_dir"),
+    ],
+)
 def test_an_unusable_out_dir_is_one_message_before_compiling(toy, where, message, capfd):
     (toy / "a_file").write_text("not a directory")
     config = small_config(toy, out_dir=str(toy / where))
@@ -302,15 +351,26 @@ def test_an_unusable_out_dir_is_one_message_before_compiling(toy, where, message
 
 # ----------------------------------------------------------------------------- 9, 10: messages
 
-@pytest.mark.parametrize("flags, message", [
-    (["--out_dir={root}/nowhere"], "error: no checkpoint in {root}/nowhere/checkpoints: train one first, "
-                                   "or point --out_dir at a run that has one"),
-    (["--out_dir={root}/out", "--mesh_data=16"], "error: mesh_data x mesh_tensor = 16 x 1 devices, but "
-                                                 "there are 8: lower them"),
-    (["--out_dir={root}/nowhere", "--start=FILE:{root}/prompts.txt"],  # before the checkpoint is looked for
-     "error: --start=FILE:{root}/prompts.txt: No such file or directory"),
-    (["--out_dir={root}/out", "--start=FILE:{root}"], "error: --start=FILE:{root}: Is a directory"),
-])
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--out_dir={root}/nowhere"],
+            "error: no checkpoint in {root}/nowhere/checkpoints: train one first, "
+            "or point --out_dir at a run that has one",
+        ),
+        (
+            ["--out_dir={root}/out", "--mesh_data=16"],
+            "error: mesh_data x mesh_tensor = 16 x 1 devices, but there are 8: lower them",
+        ),
+        (
+            ["--out_dir={root}/nowhere", "--start=FILE:{root}/prompts.txt"],  # before the checkpoint is looked for
+            "error: --start=FILE:{root}/prompts.txt: No such file or directory",
+        ),
+        (["--out_dir={root}/out", "--start=FILE:{root}"], "error: --start=FILE:{root}: Is a directory"),
+    ],
+)
 def test_sample_errors_name_only_its_own_flags(run8, flags, message, capsys):
     root = run8[0]
     with pytest.raises(SystemExit) as exit_info:
@@ -319,15 +379,22 @@ def test_sample_errors_name_only_its_own_flags(run8, flags, message, capsys):
     assert "WARNING" not in capsys.readouterr().err
 
 
-
 def test_resuming_with_no_checkpoint_prints_one_line(tmp_path):
     make_dataset(tmp_path / "data")
     config = small_config(tmp_path, init_from="resume")
-    run = subprocess.run([sys.executable, "train.py", *config_flags(config)], cwd=REPO, text=True,
-                         capture_output=True, timeout=120, env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    run = subprocess.run(
+        [sys.executable, "train.py", *config_flags(config)],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        env=os.environ | {"JAX_PLATFORMS": "cpu"},
+    )
     assert run.returncode == 1
-    assert run.stderr == f"error: no checkpoint in {tmp_path / 'out' / 'checkpoints'}: train one " \
-                         f"first, or point --out_dir at a run that has one\n"
+    assert (
+        run.stderr == f"error: no checkpoint in {tmp_path / 'out' / 'checkpoints'}: train one "
+        f"first, or point --out_dir at a run that has one\n"
+    )
     assert not os.path.exists(tmp_path / "out")
 
 

@@ -20,17 +20,22 @@ def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("comm")
     make_dataset(root / "data", vocab_size=64)
     base = small_config(root, n_layer=2, n_embd=64, n_head=4, batch_size=8, mesh_data=1)
-    meshes = {"data": dict(mesh_data=8), "data, 4 micro-steps": dict(mesh_data=8, gradient_accumulation_steps=4),
-              "fsdp": dict(mesh_fsdp=8, dtype="bfloat16"),
-              "fsdp, 4 micro-steps": dict(mesh_fsdp=8, gradient_accumulation_steps=4),
-              "fsdp, 4 micro-steps, reduced once": dict(mesh_fsdp=8, gradient_accumulation_steps=4, fsdp_reduce_once=True),
-              "tensor x data": dict(mesh_data=2, mesh_tensor=4),
-              # rows of 64 tokens: the keys and values gathered are half of what it moves
-              "context": dict(mesh_context=8, remat_policy="full", block_size=64),
-              "context, ring": dict(mesh_context=8, remat_policy="full", block_size=64, context_attention="ring")}
+    meshes = {
+        "data": dict(mesh_data=8),
+        "data, 4 micro-steps": dict(mesh_data=8, gradient_accumulation_steps=4),
+        "fsdp": dict(mesh_fsdp=8, dtype="bfloat16"),
+        "fsdp, 4 micro-steps": dict(mesh_fsdp=8, gradient_accumulation_steps=4),
+        "fsdp, 4 micro-steps, reduced once": dict(mesh_fsdp=8, gradient_accumulation_steps=4, fsdp_reduce_once=True),
+        "tensor x data": dict(mesh_data=2, mesh_tensor=4),
+        # rows of 64 tokens: the keys and values gathered are half of what it moves
+        "context": dict(mesh_context=8, remat_policy="full", block_size=64),
+        "context, ring": dict(mesh_context=8, remat_policy="full", block_size=64, context_attention="ring"),
+    }
     target = compile_aot.make_target("cpu:8")
-    return {name: compile_aot.compile_step(dataclasses.replace(base, **flags), target, VOCAB)
-            for name, flags in meshes.items()}
+    return {
+        name: compile_aot.compile_step(dataclasses.replace(base, **flags), target, VOCAB)
+        for name, flags in meshes.items()
+    }
 
 
 def test_tensor_parallel_step_gathers_no_weights(layouts):
@@ -61,14 +66,24 @@ def test_fsdp_reduce_once_gathers_and_reduces_once_per_step_not_per_micro_step(l
 def test_fsdp_gathers_the_embedding_table_once(layouts):
     """The lookup and the tied output layer share one gathered copy of wte (it was gathered three
     times: in float32 for the lookup, and in two layouts for the output layer and its backward)."""
-    gathers = [line for line in layouts["fsdp"].compiled.as_text().splitlines()
-               if re.search(r"= \S+\[(96,64|64,96)\]\S* all-gather(-start)?\(", line)]
+    gathers = [
+        line
+        for line in layouts["fsdp"].compiled.as_text().splitlines()
+        if re.search(r"= \S+\[(96,64|64,96)\]\S* all-gather(-start)?\(", line)
+    ]
     assert len(gathers) == 1, gathers
 
 
-@pytest.mark.parametrize("layout, kind", [("data", "all-reduce"), ("fsdp", "all-gather"), ("tensor x data", "all-reduce"),
-                                          ("context", "all-gather"),  # weights, and keys and values twice (remat)
-                                          ("context, ring", "collective-permute")])  # keys and values round the ring
+@pytest.mark.parametrize(
+    "layout, kind",
+    [
+        ("data", "all-reduce"),
+        ("fsdp", "all-gather"),
+        ("tensor x data", "all-reduce"),
+        ("context", "all-gather"),  # weights, and keys and values twice (remat)
+        ("context, ring", "collective-permute"),
+    ],
+)  # keys and values round the ring
 def test_compiled_bytes_are_what_the_scaling_book_expects(layouts, layout, kind):
     r = layouts[layout]
     compiled, expected = r.collectives[kind][0], communication.expected(r.setup)[kind]

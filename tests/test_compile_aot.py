@@ -20,8 +20,16 @@ from model import count_params
 from training import compiled_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = dict(n_embd=64, n_head=4, batch_size=8, gradient_accumulation_steps=2, max_iters=4,
-             eval_interval=1000, mesh_data=1, mesh_fsdp=8)  # parameters really split 8 ways
+FLAGS = dict(
+    n_embd=64,
+    n_head=4,
+    batch_size=8,
+    gradient_accumulation_steps=2,
+    max_iters=4,
+    eval_interval=1000,
+    mesh_data=1,
+    mesh_fsdp=8,
+)  # parameters really split 8 ways
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +40,21 @@ def compiled(tmp_path_factory):
     config = small_config(root, **FLAGS)
     path = str(root / "step.bin")
     defaults = Config()
-    flags = [f"--{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
-             if getattr(config, f.name) != getattr(defaults, f.name)]
+    flags = [
+        f"--{f.name}={getattr(config, f.name)}"
+        for f in dataclasses.fields(config)
+        if getattr(config, f.name) != getattr(defaults, f.name)
+    ]
     # It makes its own 8 devices; the suite's other XLA flags stay.
     env = os.environ | {"XLA_FLAGS": os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")}
-    run = subprocess.run([sys.executable, "compile_aot.py", "--topology=cpu:8", f"--save={path}",
-                          "--hbm_gib=0.0005", *flags],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "compile_aot.py", "--topology=cpu:8", f"--save={path}", "--hbm_gib=0.0005", *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return root, config, path, run
 
 
@@ -53,14 +69,17 @@ def result(compiled):
 def random_state(setup, seed=0):
     """A train state in the step's shardings, without compiling an initializer."""
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda a: jax.device_put(
-        np.abs(rng.normal(0, 0.02, a.shape)).astype(a.dtype), a.sharding), setup.abstract_state)
+    return jax.tree.map(
+        lambda a: jax.device_put(np.abs(rng.normal(0, 0.02, a.shape)).astype(a.dtype), a.sharding), setup.abstract_state
+    )
 
 
 def test_command_line_reports_and_saves(compiled):
     _, _, path, run = compiled
     assert run.returncode == 1, run.stderr[-2000:]  # 512 KiB of memory: does not fit (the step needs ~1 MiB)
-    assert "train step for cpu:8 = 8 x cpu, mesh stage=1 x data=1 x expert=1 x fsdp=8 x context=1 x tensor=1" in run.stdout
+    assert (
+        "train step for cpu:8 = 8 x cpu, mesh stage=1 x data=1 x expert=1 x fsdp=8 x context=1 x tensor=1" in run.stdout
+    )
     assert "verdict: DOES NOT FIT" in run.stdout and "--remat_policy=" in run.stdout
     assert os.path.getsize(path) > 10_000 and f"saved {path}" in run.stdout
 
@@ -83,8 +102,9 @@ def test_step_saved_and_loaded_in_process_on_two_of_the_devices(result, tmp_path
     assert isinstance(loaded, jax.stages.Compiled)  # not compiled again
     x = jax.device_put(np.arange(2 * 8 * 16).reshape(2, 8, 16) % 64, setup.micro_batch_sharding)
     with sharding.activate(setup.mesh):
-        (want_state, want), (got_state, got) = (step(random_state(setup), (x, x))
-                                                for step in (train.jit_train_step(setup), loaded))
+        (want_state, want), (got_state, got) = (
+            step(random_state(setup), (x, x)) for step in (train.jit_train_step(setup), loaded)
+        )
     assert float(got["loss"]) == float(want["loss"]) and float(got["grad_norm"]) == float(want["grad_norm"])
     np.testing.assert_array_equal(got_state["params"]["wte"], want_state["params"]["wte"])
 
@@ -110,8 +130,9 @@ def test_collectives_count_every_trip_of_the_loops_they_sit_in(result):
     """Every weight split over fsdp is gathered at least once a step, and the gathers inside the
     scanned layers and the micro-step loop count once per trip, not once as the text has them."""
     params, shardings = result.setup.abstract_state["params"], result.setup.state_shardings["params"]
-    split = sum(a.size * 4 for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))
-                if not s.is_fully_replicated)
+    split = sum(
+        a.size * 4 for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)) if not s.is_fully_replicated
+    )
     gathered, count = result.collectives["all-gather"]
     assert split <= gathered < 16 * split, (gathered, split)
     assert count > result.compiled.as_text().count(" all-gather(")
@@ -165,30 +186,52 @@ def test_context_splits_the_estimated_activations_and_is_suggested_for_one_row_p
 
     def setup(context, batch_size=8):
         c = dataclasses.replace(config, mesh_fsdp=2, mesh_context=context, batch_size=batch_size)
-        return train.make_setup(c, train.make_mesh(c, jax.devices()[:2 * context]), 64)
+        return train.make_setup(c, train.make_mesh(c, jax.devices()[: 2 * context]), 64)
 
-    assert compile_aot.estimate_memory(setup(1))["activations"] == 4 * compile_aot.estimate_memory(setup(4))["activations"]
+    assert (
+        compile_aot.estimate_memory(setup(1))["activations"] == 4 * compile_aot.estimate_memory(setup(4))["activations"]
+    )
     one_row = setup(1, batch_size=2)
-    r = compile_aot.Result(compile_aot.make_target("cpu:2"), one_row, None, None, 0.0, {"total": 1 << 30}, "",
-                           compile_aot.estimate_memory(one_row), 0.0, None, {})
+    r = compile_aot.Result(
+        compile_aot.make_target("cpu:2"),
+        one_row,
+        None,
+        None,
+        0.0,
+        {"total": 1 << 30},
+        "",
+        compile_aot.estimate_memory(one_row),
+        0.0,
+        None,
+        {},
+    )
     split = "--mesh_context=2 --mesh_fsdp=1 --batch_size=1 --gradient_accumulation_steps=4"  # same tokens per step
     assert any(tip.endswith(split) for tip in compile_aot.suggestions(r))
 
 
 def test_xla_out_of_memory_messages_are_parsed():
-    assert compile_aot.oom_memory("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
-                                  "required for HLO temporaries (58.64G) exceeds available HBM "
-                                  "(15.75G).", arguments=2 << 30) == {
-        "arguments": 2 << 30, "temporaries": int(58.64 * 2**30), "total": int(58.64 * 2**30) + (2 << 30)}
-    assert compile_aot.oom_memory("Ran out of memory in memory space hbm. Used 17.20G of 15.48G hbm. "
-                                  "Exceeded hbm capacity by 1.72G.", arguments=0) == {"total": int(17.2 * 2**30)}
+    assert compile_aot.oom_memory(
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+        "required for HLO temporaries (58.64G) exceeds available HBM "
+        "(15.75G).",
+        arguments=2 << 30,
+    ) == {"arguments": 2 << 30, "temporaries": int(58.64 * 2**30), "total": int(58.64 * 2**30) + (2 << 30)}
+    assert compile_aot.oom_memory(
+        "Ran out of memory in memory space hbm. Used 17.20G of 15.48G hbm. Exceeded hbm capacity by 1.72G.", arguments=0
+    ) == {"total": int(17.2 * 2**30)}
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(batch_size=16), "batch_size compiled 8, given 16"),
-    (dict(learning_rate=1e-3), "learning_rate compiled 0.003, given 0.001"),  # baked into the program
-    (dict(mesh_data=8, mesh_fsdp=1), "mesh compiled stage=1 x data=1 x expert=1 x fsdp=8 x context=1 x tensor=1, given stage=1 x data=8 x expert=1 x fsdp=1 x context=1 x tensor=1"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(batch_size=16), "batch_size compiled 8, given 16"),
+        (dict(learning_rate=1e-3), "learning_rate compiled 0.003, given 0.001"),  # baked into the program
+        (
+            dict(mesh_data=8, mesh_fsdp=1),
+            "mesh compiled stage=1 x data=1 x expert=1 x fsdp=8 x context=1 x tensor=1, given stage=1 x data=8 x expert=1 x fsdp=1 x context=1 x tensor=1",
+        ),
+    ],
+)
 def test_a_different_run_is_refused_naming_the_field(compiled, change, message):
     root, config, path, _ = compiled
     config = dataclasses.replace(config, **change)
@@ -227,28 +270,51 @@ def test_keys_left_out_of_the_fingerprint_do_not_change_the_program(compiled):
         value = getattr(config, key)
         # init_from: a directory (as a Hugging Face one is), since 'resume' contradicts overwrite_out_dir;
         # eval_tasks: a task that exists (its file is read by train(), not by the step)
-        changed[key] = (str(root) if key == "init_from" else "hellaswag:x.jsonl" if key == "eval_tasks"
-                        else not value if isinstance(value, bool)
-                        else value * 2 + 1 if isinstance(value, (int, float)) else value + "x")
+        changed[key] = (
+            str(root)
+            if key == "init_from"
+            else "hellaswag:x.jsonl"
+            if key == "eval_tasks"
+            else not value
+            if isinstance(value, bool)
+            else value * 2 + 1
+            if isinstance(value, (int, float))
+            else value + "x"
+        )
     other = dataclasses.replace(config, **changed)
     mesh = train.make_mesh(config)
-    fingerprints = [compiled_step.program_fingerprint(train.lower(train.make_setup(c, mesh, 64)))
-                    for c in (config, other)]
+    fingerprints = [
+        compiled_step.program_fingerprint(train.lower(train.make_setup(c, mesh, 64))) for c in (config, other)
+    ]
     assert fingerprints[0] == fingerprints[1], f"one of {sorted(changed)} changes the program"
 
 
-@pytest.mark.parametrize("name, topology", [
-    ("v5e-256", "v5e:16x16"), ("v5e-8", "v5e:2x4"), ("v6e-64", "v6e:8x8"), ("v5e-1", "v5e:1x1"),
-    ("v4-8", "v4:2x2x1"), ("v4-32", "v4:2x2x4"), ("v5p-128", "v5p:4x4x4"), ("v5p:2x2x1", "v5p:2x2x1"),
-])
+@pytest.mark.parametrize(
+    "name, topology",
+    [
+        ("v5e-256", "v5e:16x16"),
+        ("v5e-8", "v5e:2x4"),
+        ("v6e-64", "v6e:8x8"),
+        ("v5e-1", "v5e:1x1"),
+        ("v4-8", "v4:2x2x1"),
+        ("v4-32", "v4:2x2x4"),
+        ("v5p-128", "v5p:4x4x4"),
+        ("v5p:2x2x1", "v5p:2x2x1"),
+    ],
+)
 def test_tpu_names(name, topology):
     assert compile_aot.tpu_topology_name(name) == topology
 
 
-@pytest.mark.parametrize("name, message", [
-    ("v7x-8", "unknown topology 'v7x-8'"), ("v5e-12", "must be a power of two"),
-    ("v4-4", "must be a power of two, at least 8"), ("cpu:64", "this process has 8 cpu devices"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("v7x-8", "unknown topology 'v7x-8'"),
+        ("v5e-12", "must be a power of two"),
+        ("v4-4", "must be a power of two, at least 8"),
+        ("cpu:64", "this process has 8 cpu devices"),
+    ],
+)
 def test_bad_topologies(name, message):
     with pytest.raises(compile_aot.AotError, match=message):
         compile_aot.make_target(name)
@@ -260,8 +326,9 @@ def test_tpu_without_libtpu_is_one_clear_error(monkeypatch):
         compile_aot.make_target("v5e-4")
 
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="libtpu not installed (docs/compile_aot.md)")
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="libtpu not installed (docs/compile_aot.md)"
+)
 
 
 @needs_libtpu
@@ -271,8 +338,16 @@ def test_tpu_topology_fits_and_too_big_does_not(compiled):
     assert len(target.devices) == 8 and target.hbm_bytes == 16 * 2**30
     ok = compile_aot.compile_step(config, target, 64)
     assert ok.fits and ok.memory["peak"] <= ok.memory["total"]
-    big = dataclasses.replace(config, n_layer=4, n_embd=4096, n_head=32, block_size=128, mesh_fsdp=1,
-                              mesh_data=8, gradient_accumulation_steps=1)
+    big = dataclasses.replace(
+        config,
+        n_layer=4,
+        n_embd=4096,
+        n_head=32,
+        block_size=128,
+        mesh_fsdp=1,
+        mesh_data=8,
+        gradient_accumulation_steps=1,
+    )
     oom = compile_aot.compile_step(big, target, 50257)
     assert oom.fits is False and oom.compiled is None and oom.memory["total"] > target.hbm_bytes
     assert "DOES NOT FIT" in compile_aot.report(oom) and "--mesh_fsdp=-1" in compile_aot.report(oom)
@@ -289,8 +364,7 @@ def test_quantized_step_compiles_ahead_of_time_with_8_bit_operands(compiled, mod
 @needs_libtpu
 def test_quantized_step_compiles_for_a_tpu(compiled):
     root, config, _, _ = compiled
-    r = compile_aot.compile_step(dataclasses.replace(config, quantization="int8"),
-                                 compile_aot.make_target("v5e-8"), 64)
+    r = compile_aot.compile_step(dataclasses.replace(config, quantization="int8"), compile_aot.make_target("v5e-8"), 64)
     assert r.fits and "s8[" in r.compiled.as_text()
 
 
@@ -299,8 +373,13 @@ def test_a_bad_device_count_is_one_line_naming_the_accepted_forms(topology):
     with pytest.raises(SystemExit) as excinfo:  # refused before JAX is configured
         compile_aot.main([f"--topology={topology}"])
     message = excinfo.value.code
-    assert message.startswith(f"error: topology '{topology}': the count after '{topology[:3]}:' must be "
-                               f"a whole number >= 1; use cpu:N") and "gpu:N" in message and "\n" not in message
+    assert (
+        message.startswith(
+            f"error: topology '{topology}': the count after '{topology[:3]}:' must be a whole number >= 1; use cpu:N"
+        )
+        and "gpu:N" in message
+        and "\n" not in message
+    )
     with pytest.raises(compile_aot.AotError, match="must be a whole number >= 1"):
         compile_aot.make_target(topology)
 
@@ -309,34 +388,40 @@ def test_a_save_path_that_cannot_be_written_is_refused_before_compiling(tmp_path
     for path, words in ((tmp_path / "no" / "step.bin", "does not exist"), (tmp_path, "is a directory")):
         with pytest.raises(SystemExit) as excinfo:
             compile_aot.main(["--topology=cpu:1", f"--save={path}"])
-        assert excinfo.value.code == f"error: --save={path}" + (f": the folder {path.parent} {words}"
-                                                                if words == "does not exist" else f" {words}: give a file name")
+        assert excinfo.value.code == f"error: --save={path}" + (
+            f": the folder {path.parent} {words}" if words == "does not exist" else f" {words}: give a file name"
+        )
     assert os.listdir(tmp_path) == []  # no .tmp left behind
 
 
 def spoiled(data: bytes, how: str) -> bytes:
     magic = compiled_step.MAGIC
     header_end = data.index(b"\n", len(magic)) + 1
-    return {"empty": b"",
-            "cut in the first line": data[:10],
-            "cut in the header": data[:header_end - 20],
-            "header not JSON": magic + b"{garbage" + data[header_end - 1:],
-            "header not UTF-8": magic + b'{"jax": "\xff"}\n' + data[header_end:],
-            "header not an object": magic + b"[1, 2]\n" + data[header_end:],
-            "executable cut short": data[:-100],
-            "executable corrupted": data[:-100] + bytes(100)}[how]
+    return {
+        "empty": b"",
+        "cut in the first line": data[:10],
+        "cut in the header": data[: header_end - 20],
+        "header not JSON": magic + b"{garbage" + data[header_end - 1 :],
+        "header not UTF-8": magic + b'{"jax": "\xff"}\n' + data[header_end:],
+        "header not an object": magic + b"[1, 2]\n" + data[header_end:],
+        "executable cut short": data[:-100],
+        "executable corrupted": data[:-100] + bytes(100),
+    }[how]
 
 
-@pytest.mark.parametrize("how, why", [
-    ("empty", "it ends before its header does"),
-    ("cut in the first line", "it ends before its header does"),
-    ("cut in the header", "it ends before its header does"),
-    ("header not JSON", "Expecting property name"),
-    ("header not UTF-8", "can't decode byte 0xff"),
-    ("header not an object", "its header is not a JSON object"),
-    ("executable cut short", "its executable does not match the checksum in its header"),
-    ("executable corrupted", "its executable does not match the checksum in its header"),
-])
+@pytest.mark.parametrize(
+    "how, why",
+    [
+        ("empty", "it ends before its header does"),
+        ("cut in the first line", "it ends before its header does"),
+        ("cut in the header", "it ends before its header does"),
+        ("header not JSON", "Expecting property name"),
+        ("header not UTF-8", "can't decode byte 0xff"),
+        ("header not an object", "its header is not a JSON object"),
+        ("executable cut short", "its executable does not match the checksum in its header"),
+        ("executable corrupted", "its executable does not match the checksum in its header"),
+    ],
+)
 def test_a_damaged_or_truncated_step_file_says_rebuild_it(compiled, tmp_path, how, why):
     root, config, path, _ = compiled
     bad = tmp_path / "bad.bin"
@@ -361,8 +446,9 @@ def test_help_lists_the_options_and_the_config_keys(capsys):
 
 def test_report_gives_the_pipeline_bubble_and_the_step_time_with_it(compiled):
     root, config, _, _ = compiled
-    config = dataclasses.replace(config, n_layer=4, mesh_fsdp=1, mesh_stage=2, pipeline_microbatches=4,
-                                 gradient_accumulation_steps=1)
+    config = dataclasses.replace(
+        config, n_layer=4, mesh_fsdp=1, mesh_stage=2, pipeline_microbatches=4, gradient_accumulation_steps=1
+    )
     r = compile_aot.compile_step(config, compile_aot.make_target("cpu:2"), 64)
     text = compile_aot.report(r)
     assert "pipeline: 2 stages x 4 micro-batches (GPipe); bubble 20.0% of each stage's time" in text

@@ -31,6 +31,7 @@ def error_of(argv) -> str:
 
 # --- precedence ---------------------------------------------------------------------------
 
+
 def test_no_arguments_gives_the_defaults():
     assert load_config([]) == DEFAULTS
 
@@ -55,6 +56,7 @@ def test_arguments_apply_in_order(tmp_path):
 
 # --- flag parsing -------------------------------------------------------------------------
 
+
 def test_int_flag_for_float_field_is_stored_as_float():
     config = load_config(["--learning_rate=1", "--grad_clip=0"])
     assert config.learning_rate == 1.0 and type(config.learning_rate) is float
@@ -67,8 +69,9 @@ def test_int_in_config_file_for_float_field_is_stored_as_float(tmp_path):
 
 
 def test_bool_int_and_float_flags_parse():
-    config = load_config(["--bias=False", "--decay_lr=True", "--max_iters=600_000", "--dropout=0.25",
-                          "--learning_rate=3e-4"])
+    config = load_config(
+        ["--bias=False", "--decay_lr=True", "--max_iters=600_000", "--dropout=0.25", "--learning_rate=3e-4"]
+    )
     assert config.bias is False and config.decay_lr is True
     assert config.max_iters == 600_000 and type(config.max_iters) is int
     assert config.dropout == 0.25 and config.learning_rate == 3e-4
@@ -89,6 +92,7 @@ def test_flag_without_value_is_an_error():
 
 # --- unknown keys -------------------------------------------------------------------------
 
+
 def test_unknown_flag_suggests_close_matches():
     message = error_of(["--batchsize=4"])
     assert "batchsize" in message and "batch_size" in message
@@ -107,12 +111,16 @@ def test_unknown_key_in_file_names_file_and_suggests(tmp_path):
 
 # --- wrong types --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flag, key, expected, given", [
-    ("--n_layer=1.5", "n_layer", "int", "1.5"),
-    ("--dropout=abc", "dropout", "float", "'abc'"),
-    ("--bias=1", "bias", "bool", "1"),
-    ("--batch_size=True", "batch_size", "int", "True"),  # a bool is not an int here
-])
+
+@pytest.mark.parametrize(
+    "flag, key, expected, given",
+    [
+        ("--n_layer=1.5", "n_layer", "int", "1.5"),
+        ("--dropout=abc", "dropout", "float", "'abc'"),
+        ("--bias=1", "bias", "bool", "1"),
+        ("--batch_size=True", "batch_size", "int", "True"),  # a bool is not an int here
+    ],
+)
 def test_wrong_type_names_key_expected_type_and_value(flag, key, expected, given):
     message = error_of([flag])
     assert f"'{key}'" in message and f"expects {expected}" in message and given in message
@@ -125,17 +133,21 @@ def test_wrong_type_in_file(tmp_path):
 
 # --- config files -------------------------------------------------------------------------
 
+
 def test_missing_file_is_a_one_line_error(tmp_path):
     path = str(tmp_path / "nope.py")
     message = error_of([path])
     assert path in message and "does not exist" in message and "\n" not in message
 
 
-@pytest.mark.parametrize("text, exc_name", [
-    ("raise RuntimeError('boom')\n", "RuntimeError"),
-    ("n_layer = undefined_name\n", "NameError"),
-    ("n_layer = = 2\n", "SyntaxError"),
-])
+@pytest.mark.parametrize(
+    "text, exc_name",
+    [
+        ("raise RuntimeError('boom')\n", "RuntimeError"),
+        ("n_layer = undefined_name\n", "NameError"),
+        ("n_layer = = 2\n", "SyntaxError"),
+    ],
+)
 def test_file_that_raises_is_a_one_line_error(tmp_path, text, exc_name):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as excinfo:
@@ -145,10 +157,13 @@ def test_file_that_raises_is_a_one_line_error(tmp_path, text, exc_name):
 
 
 def test_imports_helpers_and_private_names_in_file_are_ignored(tmp_path):
-    path = write(tmp_path, "import math\nfrom math import sqrt\nfrom collections import OrderedDict\n"
-                           "_x = 1\n_scale = 3\n"
-                           "def width(heads):\n    return 16 * heads\n"
-                           "n_head = _scale\nn_embd = width(n_head)\nn_layer = int(math.sqrt(16))\n")
+    path = write(
+        tmp_path,
+        "import math\nfrom math import sqrt\nfrom collections import OrderedDict\n"
+        "_x = 1\n_scale = 3\n"
+        "def width(heads):\n    return 16 * heads\n"
+        "n_head = _scale\nn_embd = width(n_head)\nn_layer = int(math.sqrt(16))\n",
+    )
     config = load_config([path])
     assert (config.n_head, config.n_embd, config.n_layer) == (3, 48, 4)
 
@@ -165,30 +180,37 @@ def test_shipped_config_files_exist():
 
 # --- validation ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flag, words", [
-    ("--dtype=float16", ["dtype", "'float16'", "'float32'", "'bfloat16'"]),
-    ("--remat_policy=bogus", ["remat_policy", "'bogus'", "'dots_saveable'"]),
-    ("--init_from=./no/such/dir", ["init_from", "'./no/such/dir'", "'scratch'", "'resume'", "hub name"]),
-    ("--quantization=int4", ["quantization", "'int4'", "'int8'", "'fp8'"]),
-    ("--attention=flash", ["attention", "'flash'", "'auto'", "'cudnn'"]),
-    ("--optimizer=adam", ["optimizer", "did you mean 'adamw'?"]),
-])
+
+@pytest.mark.parametrize(
+    "flag, words",
+    [
+        ("--dtype=float16", ["dtype", "'float16'", "'float32'", "'bfloat16'"]),
+        ("--remat_policy=bogus", ["remat_policy", "'bogus'", "'dots_saveable'"]),
+        ("--init_from=./no/such/dir", ["init_from", "'./no/such/dir'", "'scratch'", "'resume'", "hub name"]),
+        ("--quantization=int4", ["quantization", "'int4'", "'int8'", "'fp8'"]),
+        ("--attention=flash", ["attention", "'flash'", "'auto'", "'cudnn'"]),
+        ("--optimizer=adam", ["optimizer", "did you mean 'adamw'?"]),
+    ],
+)
 def test_choice_validation(flag, words):
     message = error_of([flag])
     for word in words:
         assert word in message
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--n_layer=0"], ["n_layer", ">= 1", "0"]),
-    (["--batch_size=-2"], ["batch_size", ">= 1", "-2"]),
-    (["--dropout=1.0"], ["dropout", "[0, 1)", "1.0"]),
-    (["--dropout=-0.1"], ["dropout", "-0.1"]),
-    (["--n_embd=100", "--n_head=3"], ["n_embd", "100", "n_head", "3", "divisible"]),
-    (["--attention=cudnn"], ["attention='cudnn'", "dtype='bfloat16'", "float32"]),
-    (["--context_attention=ring", "--dropout=0.1"], ["context_attention='ring'", "dropout=0"]),
-    (["--fsdp_reduce_once=True", "--mesh_context=2"], ["fsdp_reduce_once", "mesh_context=1"]),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--n_layer=0"], ["n_layer", ">= 1", "0"]),
+        (["--batch_size=-2"], ["batch_size", ">= 1", "-2"]),
+        (["--dropout=1.0"], ["dropout", "[0, 1)", "1.0"]),
+        (["--dropout=-0.1"], ["dropout", "-0.1"]),
+        (["--n_embd=100", "--n_head=3"], ["n_embd", "100", "n_head", "3", "divisible"]),
+        (["--attention=cudnn"], ["attention='cudnn'", "dtype='bfloat16'", "float32"]),
+        (["--context_attention=ring", "--dropout=0.1"], ["context_attention='ring'", "dropout=0"]),
+        (["--fsdp_reduce_once=True", "--mesh_context=2"], ["fsdp_reduce_once", "mesh_context=1"]),
+    ],
+)
 def test_range_checks(flags, words):
     message = error_of(flags)
     for word in words:
@@ -207,9 +229,11 @@ def test_config_is_frozen():
 
 # --- saving, rebuilding, exiting ----------------------------------------------------------
 
+
 def test_json_round_trip(tmp_path):
-    config = load_config([str(ROOT / "config" / "shakespeare_char.py"),
-                          "--learning_rate=1", "--bias=False", "--out_dir=123"])
+    config = load_config(
+        [str(ROOT / "config" / "shakespeare_char.py"), "--learning_rate=1", "--bias=False", "--out_dir=123"]
+    )
     rebuilt = configurator.config_from_dict(json.loads(configurator.config_to_json(config)))
     assert rebuilt == config
     assert type(rebuilt.learning_rate) is float and type(rebuilt.out_dir) is str
@@ -240,15 +264,18 @@ def test_tokens_per_step():
     assert config.tokens_per_step == 3 * 5 * 7
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--pos_embedding=alibi"], ["pos_embedding", "'alibi'", "'learned'", "'rope'"]),
-    (["--norm=batchnorm"], ["norm", "'layernorm'", "'rmsnorm'"]),
-    (["--mlp=relu"], ["mlp", "'gelu'", "'swiglu'"]),
-    (["--n_head=12", "--n_kv_head=5"], ["n_head (12)", "n_kv_head (5)", "divisible"]),
-    (["--n_kv_head=-1"], ["n_kv_head", ">= 0"]),
-    (["--n_embd=36", "--n_head=4", "--pos_embedding=rope"], ["rope", "even head size", "9"]),
-    (["--rope_theta=0"], ["rope_theta", "> 0"]),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--pos_embedding=alibi"], ["pos_embedding", "'alibi'", "'learned'", "'rope'"]),
+        (["--norm=batchnorm"], ["norm", "'layernorm'", "'rmsnorm'"]),
+        (["--mlp=relu"], ["mlp", "'gelu'", "'swiglu'"]),
+        (["--n_head=12", "--n_kv_head=5"], ["n_head (12)", "n_kv_head (5)", "divisible"]),
+        (["--n_kv_head=-1"], ["n_kv_head", ">= 0"]),
+        (["--n_embd=36", "--n_head=4", "--pos_embedding=rope"], ["rope", "even head size", "9"]),
+        (["--rope_theta=0"], ["rope_theta", "> 0"]),
+    ],
+)
 def test_architecture_options_are_checked(flags, words):
     message = error_of(flags)
     for word in words:
@@ -257,6 +284,7 @@ def test_architecture_options_are_checked(flags, words):
 
 def test_architecture_defaults_are_gpt2_and_every_model_field_is_a_config_key():
     import model
+
     gpt2 = model.GPTConfig()
     for field in dataclasses.fields(model.GPTConfig):  # train.model_config copies them by name
         # attention: 'auto' is resolved per device; pipeline_stages is the mesh's stage axis;
@@ -275,6 +303,7 @@ def test_every_key_has_exactly_one_role_and_resuming_keeps_the_model_keys():
     listed = [key for keys in configurator.ROLES.values() for key in keys]
     assert sorted(listed) == sorted(f.name for f in dataclasses.fields(Config)), "each key once, in one role"
     import model  # every field that shapes or defines the network is a model or compute key
+
     for field in dataclasses.fields(model.GPTConfig):
         if hasattr(DEFAULTS, field.name) and field.name != "dropout":
             assert configurator.ROLE[field.name] in ("model", "compute", "run"), field.name
@@ -294,13 +323,22 @@ def test_every_config_file_loads_and_the_fast_run_trains_the_default_runs_model_
         load_config([str(path)])
     default = load_config([str(ROOT / "config" / "shakespeare_char.py")])
     fast = load_config([str(ROOT / "config" / "shakespeare_char_fast.py")])
-    for key in ("dataset", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
-                "eval_iters"):  # the same model size, tokens per step and val measurement
+    for key in (
+        "dataset",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+        "batch_size",
+        "gradient_accumulation_steps",
+        "eval_iters",
+    ):  # the same model size, tokens per step and val measurement
         assert getattr(fast, key) == getattr(default, key), key
     assert fast.optimizer == "muon" and fast.max_iters < default.max_iters
 
 
 # --- values a user could get wrong (issue 14) ---------------------------------------------
+
 
 def exit_line(argv, cls=Config) -> str:
     """What a script says for argv: one line through SystemExit, never a traceback."""
@@ -311,32 +349,38 @@ def exit_line(argv, cls=Config) -> str:
     return message
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--learning_rate=-0.001"], ["'learning_rate'", ">= 0", "-0.001"]),
-    (["--beta1=1.0"], ["'beta1'", "[0, 1)", "1.0"]),
-    (["--beta2=-0.5"], ["'beta2'", "[0, 1)", "-0.5"]),
-    (["--min_lr=0.001"], ["min_lr (0.001)", "learning_rate = 0.0006", "decay_lr=False"]),
-    (["--min_lr=-1e-5"], ["min_lr (-1e-05)", "[0, learning_rate"]),
-    (["--warmup_iters=100", "--lr_decay_iters=50"], ["lr_decay_iters (50)", "warmup_iters (100)", "decay_lr=False"]),
-    (["--weight_decay=-0.1"], ["'weight_decay'", ">= 0"]),
-    (["--grad_clip=-1"], ["'grad_clip'", ">= 0"]),
-    (["--warmup_iters=-1"], ["'warmup_iters'", ">= 0"]),
-    (["--lr_decay_iters=-5"], ["'lr_decay_iters'", ">= 0"]),
-    (["--keep_best=-1"], ["'keep_best'", ">= 0"]),
-    (["--max_iters=-1"], ["'max_iters'", ">= 0"]),
-    (["--sample_tokens=-3"], ["'sample_tokens'", ">= 0"]),
-    (["--stack_dump_interval=-60"], ["'stack_dump_interval'", ">= 0"]),
-    (["--vocab_size=-1"], ["'vocab_size'", ">= 0"]),
-    (["--seed=-1"], ["'seed'", ">= 0"]),
-    (["--profile_steps=13:10"], ["profile_steps='13:10'", "traces no step", "STOP must be greater"]),
-    (["--profile_steps=5:5"], ["profile_steps='5:5'", "traces no step"]),
-    (["--max_iters=8", "--profile_steps=6:10"], ["profile_steps='6:10'", "last step (7", "STOP <= max_iters"]),
-    (["--out_dir="], ["out_dir must name a directory, e.g. --out_dir=out"]),
-    (["--out_dir=   "], ["out_dir must name a directory, e.g. --out_dir=out"]),
-    (["--dataset="], ["dataset must name a directory"]),
-    (["--process_id=1"], ["process_id (1)", "num_processes - 1 (0)"]),
-    (["--num_processes=2"], ["num_processes=2 needs coordinator_address"]),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--learning_rate=-0.001"], ["'learning_rate'", ">= 0", "-0.001"]),
+        (["--beta1=1.0"], ["'beta1'", "[0, 1)", "1.0"]),
+        (["--beta2=-0.5"], ["'beta2'", "[0, 1)", "-0.5"]),
+        (["--min_lr=0.001"], ["min_lr (0.001)", "learning_rate = 0.0006", "decay_lr=False"]),
+        (["--min_lr=-1e-5"], ["min_lr (-1e-05)", "[0, learning_rate"]),
+        (
+            ["--warmup_iters=100", "--lr_decay_iters=50"],
+            ["lr_decay_iters (50)", "warmup_iters (100)", "decay_lr=False"],
+        ),
+        (["--weight_decay=-0.1"], ["'weight_decay'", ">= 0"]),
+        (["--grad_clip=-1"], ["'grad_clip'", ">= 0"]),
+        (["--warmup_iters=-1"], ["'warmup_iters'", ">= 0"]),
+        (["--lr_decay_iters=-5"], ["'lr_decay_iters'", ">= 0"]),
+        (["--keep_best=-1"], ["'keep_best'", ">= 0"]),
+        (["--max_iters=-1"], ["'max_iters'", ">= 0"]),
+        (["--sample_tokens=-3"], ["'sample_tokens'", ">= 0"]),
+        (["--stack_dump_interval=-60"], ["'stack_dump_interval'", ">= 0"]),
+        (["--vocab_size=-1"], ["'vocab_size'", ">= 0"]),
+        (["--seed=-1"], ["'seed'", ">= 0"]),
+        (["--profile_steps=13:10"], ["profile_steps='13:10'", "traces no step", "STOP must be greater"]),
+        (["--profile_steps=5:5"], ["profile_steps='5:5'", "traces no step"]),
+        (["--max_iters=8", "--profile_steps=6:10"], ["profile_steps='6:10'", "last step (7", "STOP <= max_iters"]),
+        (["--out_dir="], ["out_dir must name a directory, e.g. --out_dir=out"]),
+        (["--out_dir=   "], ["out_dir must name a directory, e.g. --out_dir=out"]),
+        (["--dataset="], ["dataset must name a directory"]),
+        (["--process_id=1"], ["process_id (1)", "num_processes - 1 (0)"]),
+        (["--num_processes=2"], ["num_processes=2 needs coordinator_address"]),
+    ],
+)
 def test_out_of_range_values_are_one_line_errors_naming_key_and_range(flags, words):
     message = exit_line(flags)
     for word in words:
@@ -345,44 +389,68 @@ def test_out_of_range_values_are_one_line_errors_naming_key_and_range(flags, wor
 
 def test_infinite_or_nan_float_in_a_config_file_is_refused(tmp_path):
     assert "'learning_rate' must be a finite number, got inf" in exit_line(
-        [write(tmp_path, "learning_rate = float('inf')\n")])
-    assert "'dropout' must be a finite number, got nan" in exit_line(
-        [write(tmp_path, "dropout = float('nan')\n")])
+        [write(tmp_path, "learning_rate = float('inf')\n")]
+    )
+    assert "'dropout' must be a finite number, got nan" in exit_line([write(tmp_path, "dropout = float('nan')\n")])
 
 
 def test_valid_edges_of_the_new_checks_are_accepted():
-    config = load_config(["--learning_rate=0", "--min_lr=0", "--beta1=0", "--beta2=0.999", "--grad_clip=0",
-                          "--weight_decay=0", "--warmup_iters=0", "--max_iters=13", "--profile_steps=10:13"])
+    config = load_config(
+        [
+            "--learning_rate=0",
+            "--min_lr=0",
+            "--beta1=0",
+            "--beta2=0.999",
+            "--grad_clip=0",
+            "--weight_decay=0",
+            "--warmup_iters=0",
+            "--max_iters=13",
+            "--profile_steps=10:13",
+        ]
+    )
     assert config.profile_steps == "10:13"  # steps 10, 11, 12: the last step of the run is 12
     assert load_config(["--decay_lr=False", "--min_lr=1.0"]).min_lr == 1.0  # unused without decay
     assert load_config(["--num_processes=2", "--process_id=1", "--coordinator_address=h:1"]).process_id == 1
     # test_train.py's small runs
-    Config(max_iters=8, profile_steps="2:4", eval_interval=4, lr_decay_iters=8, min_lr=3e-4,
-           learning_rate=3e-3, warmup_iters=2)
+    Config(
+        max_iters=8,
+        profile_steps="2:4",
+        eval_interval=4,
+        lr_decay_iters=8,
+        min_lr=3e-4,
+        learning_rate=3e-3,
+        warmup_iters=2,
+    )
 
 
 def test_overwrite_out_dir_is_off_by_default_and_contradicts_resume():
     assert DEFAULTS.overwrite_out_dir is False
     assert load_config(["--overwrite_out_dir=True"]).overwrite_out_dir is True
     assert "would delete the checkpoints that init_from='resume' continues" in error_of(
-        ["--overwrite_out_dir=True", "--init_from=resume"])
+        ["--overwrite_out_dir=True", "--init_from=resume"]
+    )
 
 
 # --- how a flag is written ----------------------------------------------------------------
 
-@pytest.mark.parametrize("arg, message", [
-    ("-batch_size=8", "flag '-batch_size=8' has one dash: write --batch_size=8"),
-    ("---batch_size=8", "flag '---batch_size=8' has 3 dashes: write --batch_size=8"),
-    ("--", "'--' is not a flag: write --KEY=VALUE"),
-    ("--=3", "'--=3' is not a flag: write --KEY=VALUE"),
-    ("-", "'-' is not a flag: write --KEY=VALUE"),
-    ("batch_size=8", "'batch_size=8' is neither a config file nor a flag: write --batch_size=8"),
-])
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("-batch_size=8", "flag '-batch_size=8' has one dash: write --batch_size=8"),
+        ("---batch_size=8", "flag '---batch_size=8' has 3 dashes: write --batch_size=8"),
+        ("--", "'--' is not a flag: write --KEY=VALUE"),
+        ("--=3", "'--=3' is not a flag: write --KEY=VALUE"),
+        ("-", "'-' is not a flag: write --KEY=VALUE"),
+        ("batch_size=8", "'batch_size=8' is neither a config file nor a flag: write --batch_size=8"),
+    ],
+)
 def test_misspelt_flags_say_how_to_write_them(arg, message):
     assert exit_line([arg]) == f"config error: {message}"
 
 
 # --- --help -------------------------------------------------------------------------------
+
 
 def test_help_lists_every_key_with_type_default_and_comment_by_section(capsys):
     with pytest.raises(SystemExit) as excinfo:
@@ -392,15 +460,19 @@ def test_help_lists_every_key_with_type_default_and_comment_by_section(capsys):
     assert text.startswith("usage: python ")
     for f in dataclasses.fields(Config):
         assert f"  --{f.name} (" in text, f.name
-    assert "  --dataset (str, default 'shakespeare_char')\n" \
-           "        reads data/<dataset>/{train,val}.bin and meta.json\n" in text
+    assert (
+        "  --dataset (str, default 'shakespeare_char')\n"
+        "        reads data/<dataset>/{train,val}.bin and meta.json\n" in text
+    )
     assert "  --learning_rate (float, default 0.0006)\n" in text
     # the comment line under quantization's goes on with its note (not a section heading), and the
     # note is one paragraph wrapped at 80 columns, not broken where the source's lines end (issue 42)
-    assert "  --quantization (str, default 'none')\n" \
-           "        the blocks' matmuls: 'none' | 'int8' | 'fp8' (e4m3/e5m2; Hopper); a\n" \
-           "        property of the step: a run may switch it at resume\n\n" \
-           "architecture: the defaults are GPT-2;" in text
+    assert (
+        "  --quantization (str, default 'none')\n"
+        "        the blocks' matmuls: 'none' | 'int8' | 'fp8' (e4m3/e5m2; Hopper); a\n"
+        "        property of the step: a run may switch it at resume\n\n"
+        "architecture: the defaults are GPT-2;" in text
+    )
     assert max(map(len, text.splitlines())) <= 80
     headings = ["\ndata and I/O\n", "\nmodel (GPT-2 small", "\noptimizer: AdamW", "\nreliability\n"]
     assert sorted(headings, key=text.index) == headings
@@ -410,6 +482,7 @@ def test_help_lists_every_key_with_type_default_and_comment_by_section(capsys):
 @dataclasses.dataclass(frozen=True)
 class ToolOptions:
     """A tool's own flags."""
+
     # inputs
     path: str = "in.txt"  # what to read; '#' in a string is not a comment
     count: int = 3
@@ -424,15 +497,22 @@ def test_help_works_for_any_dataclass(capsys):
     assert excinfo.value.code == 0
     text = capsys.readouterr().out
     assert "\nA tool's own flags.\n" in text
-    assert "\ninputs\n  --path (str, default 'in.txt')\n        what to read; '#' in a string is not a " \
-           "comment\n  --count (int, default 3)\n\noutput\n  --verbose (bool, default False)\n" \
-           "        print more (and slower)" in text
+    assert (
+        "\ninputs\n  --path (str, default 'in.txt')\n        what to read; '#' in a string is not a "
+        "comment\n  --count (int, default 3)\n\noutput\n  --verbose (bool, default False)\n"
+        "        print more (and slower)" in text
+    )
     assert "--dataset" not in text
 
 
 def test_help_works_in_a_copy_of_configurator_alone(tmp_path):
     (tmp_path / "configurator.py").write_text((ROOT / "configurator.py").read_text())
-    run = subprocess.run([sys.executable, "-c", "import configurator; configurator.load_config_or_exit(['--help'])"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-c", "import configurator; configurator.load_config_or_exit(['--help'])"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0 and not run.stderr
     assert "  --compiled_train_step (str, default '')\n        it is used only if" in run.stdout

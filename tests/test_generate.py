@@ -22,8 +22,22 @@ def tiny(devices=None, data=1, tensor=1, **changes):
     """Setup and random parameters of a small model (block 32, vocab 65 padded to 128), with
     weights scaled up so that greedy choices are clear-cut rather than near ties."""
     devices = devices or jax.devices()[:1]
-    config = Config(**{**dict(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=65, pad_vocab_to_multiple=64,
-                              batch_size=data, seed=3, tensorboard=False), **changes})
+    config = Config(
+        **{
+            **dict(
+                n_layer=2,
+                n_head=4,
+                n_embd=32,
+                block_size=32,
+                vocab_size=65,
+                pad_vocab_to_multiple=64,
+                batch_size=data,
+                seed=3,
+                tensorboard=False,
+            ),
+            **changes,
+        }
+    )
     setup = train.make_setup(config, sharding.make_mesh(data, 1, tensor, devices=devices), 65)
     params = jax.tree.map(lambda a: a * 4, train.init_state(setup)["params"])
     return setup, params
@@ -43,9 +57,9 @@ def greedy_by_recomputing(setup, params, ids, max_new_tokens):
     window, new = list(ids), []
     while len(new) < max_new_tokens:
         if len(window) == block_size:
-            window = window[-(block_size // 2):]
+            window = window[-(block_size // 2) :]
         buffer = np.zeros((1, block_size), np.int32)
-        buffer[0, :len(window)] = window
+        buffer[0, : len(window)] = window
         token = int(np.argmax(forward(params, buffer)[0, len(window) - 1, :65]))
         window.append(token)
         new.append(token)
@@ -98,33 +112,45 @@ def test_top_k_1_is_greedy(one_device):
     assert top1.tokens == greedy.tokens
 
 
-@pytest.mark.parametrize("top_p, top_k, kept", [
-    (0.3, 0, {3}), (0.5, 0, {3, 0}), (0.7, 0, {3, 0, 4}), (0.9, 0, {3, 0, 4, 2}), (1.0, 0, {0, 1, 2, 3, 4}),
-    (0.9, 2, {3, 0}),  # top-k first, then top-p among those
-])
+@pytest.mark.parametrize(
+    "top_p, top_k, kept",
+    [
+        (0.3, 0, {3}),
+        (0.5, 0, {3, 0}),
+        (0.7, 0, {3, 0, 4}),
+        (0.9, 0, {3, 0, 4, 2}),
+        (1.0, 0, {0, 1, 2, 3, 4}),
+        (0.9, 2, {3, 0}),  # top-k first, then top-p among those
+    ],
+)
 def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p(top_p, top_k, kept):
     probs = np.array([0.25, 0.05, 0.1, 0.4, 0.2])  # sorted: 3 (0.4), 0, 4, 2, 1; mass 0.4, .65, .85, .95, 1
     n = 4000
     logits_BxV = jnp.tile(jnp.log(jnp.asarray(probs, jnp.float32)), (n, 1))
     keys_B = jax.random.split(jax.random.key(0), n)
     per_row = lambda value, dtype: jnp.full(n, value, dtype)
-    drawn = np.asarray(generate.sample_logits(logits_BxV, keys_B, per_row(1.0, jnp.float32),
-                                              per_row(top_k, jnp.int32), per_row(top_p, jnp.float32)))
+    drawn = np.asarray(
+        generate.sample_logits(
+            logits_BxV, keys_B, per_row(1.0, jnp.float32), per_row(top_k, jnp.int32), per_row(top_p, jnp.float32)
+        )
+    )
     assert set(drawn.tolist()) == kept
     kept_probs = probs[sorted(kept)] / probs[sorted(kept)].sum()  # renormalized over the kept set
     frequencies = np.bincount(drawn, minlength=5)[sorted(kept)] / n
     np.testing.assert_allclose(frequencies, kept_probs, atol=0.03)
     # Rows with other settings (greedy, unfiltered) beside them draw what they draw alone.
-    mixed = generate.sample_logits(logits_BxV[:3], keys_B[:3], jnp.array([1.0, 0.0, 1.0]),
-                                   jnp.array([top_k, 0, 0]), jnp.array([top_p, 1.0, 1.0]))
+    mixed = generate.sample_logits(
+        logits_BxV[:3], keys_B[:3], jnp.array([1.0, 0.0, 1.0]), jnp.array([top_k, 0, 0]), jnp.array([top_p, 1.0, 1.0])
+    )
     alone = generate.sample_logits(logits_BxV[2:3], keys_B[2:3], jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1))
     assert mixed.tolist() == [drawn[0], 3, int(alone[0])]
 
 
 def test_the_seed_decides_the_text(one_device):
     setup, params = one_device
-    run = lambda prompts, seed: generate.generate(setup, params, prompts, 10, temperature=1.0, top_k=20,
-                                                seed=seed).tokens
+    run = lambda prompts, seed: (
+        generate.generate(setup, params, prompts, 10, temperature=1.0, top_k=20, seed=seed).tokens
+    )
     first = run(RAGGED, 7)
     assert run(RAGGED, 7) == first
     assert run(RAGGED, 8) != first
@@ -137,7 +163,7 @@ def test_each_row_stops_at_the_stop_token(one_device):
     free = generate.generate(setup, params, RAGGED[:2], 12, temperature=0).tokens
     stop = free[0][3]  # the 4th new token of row 0
     stopped = generate.generate(setup, params, RAGGED[:2], 12, temperature=0, stop_ids=[stop]).tokens
-    cut = lambda row: row[:row.index(stop)] if stop in row else row  # the stop token is not returned
+    cut = lambda row: row[: row.index(stop)] if stop in row else row  # the stop token is not returned
     assert stopped == [cut(row) for row in free]
     assert len(stopped[0]) <= 3
 
@@ -145,6 +171,7 @@ def test_each_row_stops_at_the_stop_token(one_device):
 # ----------------------------------------------------------------------------- past the context
 # block_size 32, so windows of 16: the 3-token prompt gets 29 tokens in its first segment, then 16
 # per segment; the 25-token prompt 7, then 16 per segment.
+
 
 def test_every_row_gets_max_new_tokens_past_the_context(one_device):
     setup, params = one_device
@@ -188,7 +215,7 @@ def test_a_stop_token_stops_a_row_in_a_later_segment(one_device):
     stop = late[0]
     streamed = []
     stopped = run(stop_ids=[stop], on_token=lambda token, added: streamed.append(int(token)) if added else None)
-    cut = lambda row: row[:row.index(stop)] if stop in row else row  # the stop token is not returned
+    cut = lambda row: row[: row.index(stop)] if stop in row else row  # the stop token is not returned
     assert stopped == [cut(row) for row in free]
     assert 29 <= len(stopped[0]) < 60
     assert streamed == stopped[0] + [stop]  # streamed as drawn, stop token included
@@ -196,9 +223,22 @@ def test_a_stop_token_stops_a_row_in_a_later_segment(one_device):
 
 def prefill_4_rows(setup, params):
     """The generation state after a prefill of 4 rows of 5 tokens (a cache of 16), on setup's mesh."""
-    run = jax.jit(lambda p, x, n: generate.prefill(
-        setup.graphdef, p, x, n, jnp.full(4, 4, jnp.int32), jnp.zeros(4, jnp.int32), jax.random.key(0), -1,
-        length=16, sampling=(0, 0, 1.0), kv_cache=True, vocab=setup.model_config.vocab_size))
+    run = jax.jit(
+        lambda p, x, n: generate.prefill(
+            setup.graphdef,
+            p,
+            x,
+            n,
+            jnp.full(4, 4, jnp.int32),
+            jnp.zeros(4, jnp.int32),
+            jax.random.key(0),
+            -1,
+            length=16,
+            sampling=(0, 0, 1.0),
+            kv_cache=True,
+            vocab=setup.model_config.vocab_size,
+        )
+    )
     with sharding.activate(setup.mesh):
         return run(params, jnp.ones((4, 5), jnp.int32), jnp.full(4, 5, jnp.int32))
 
@@ -211,8 +251,9 @@ def test_sharded_sampling_matches_one_device_and_splits_the_cache(one_device):
     assert sharded.tokens == generate.generate(*one_device, prompts, 24, temperature=0).tokens
     # The cache is split over heads on `tensor` and rows on the batch axes.
     state = prefill_4_rows(setup, params)
-    expected = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(
-        None, ("data", "fsdp"), None, "tensor"))
+    expected = jax.sharding.NamedSharding(
+        setup.mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None, "tensor")
+    )
     assert state["cache"].k.shape == (2, 4, 16, 4 * 8)  # (L, B, S, heads x head size)
     assert state["cache"].k.sharding.is_equivalent_to(expected, 4)
     assert state["cache"].v.sharding.is_equivalent_to(expected, 4)
@@ -222,10 +263,25 @@ def test_llama_style_sampling_sharded_with_a_grouped_query_cache():
     """RoPE + grouped-query attention: the cache holds the 2 key/value heads (not 4), split over
     tensor; greedy tokens with it equal recomputing the whole forward pass (past the context
     too), on 1 device and on data=2 x tensor=2."""
+
     def llama_style(devices, data, tensor):
-        config = Config(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=65, pad_vocab_to_multiple=64,
-                        batch_size=data, seed=3, tensorboard=False, pos_embedding="rope", norm="rmsnorm",
-                        mlp="swiglu", n_kv_head=2, bias=False, tie_embeddings=False)
+        config = Config(
+            n_layer=2,
+            n_head=4,
+            n_embd=32,
+            block_size=32,
+            vocab_size=65,
+            pad_vocab_to_multiple=64,
+            batch_size=data,
+            seed=3,
+            tensorboard=False,
+            pos_embedding="rope",
+            norm="rmsnorm",
+            mlp="swiglu",
+            n_kv_head=2,
+            bias=False,
+            tie_embeddings=False,
+        )
         setup = train.make_setup(config, sharding.make_mesh(data, 1, tensor, devices=devices), 65)
         return setup, jax.tree.map(lambda a: a * 4, train.init_state(setup)["params"])
 
@@ -237,8 +293,9 @@ def test_llama_style_sampling_sharded_with_a_grouped_query_cache():
     assert generate.generate(setup, params, RAGGED, 24, temperature=0).tokens == cached
     state = prefill_4_rows(setup, params)
     assert state["cache"].k.shape == (2, 4, 16, 2 * 8)  # (L, B, S, n_kv_head x H)
-    expected = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(
-        None, ("data", "fsdp"), None, "tensor"))
+    expected = jax.sharding.NamedSharding(
+        setup.mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None, "tensor")
+    )
     assert state["cache"].k.sharding.is_equivalent_to(expected, 4)
 
 
@@ -251,16 +308,28 @@ def test_speedrun_switches_greedy_with_the_cache_equals_recomputing():
     assert len({tuple(t) for t in cached}) == 3
 
 
-SHARDED_STYLES = {"gpt2": {}, "gqa": dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2,
-                                          bias=False, tie_embeddings=False)}
+SHARDED_STYLES = {
+    "gpt2": {},
+    "gqa": dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, bias=False, tie_embeddings=False),
+}
 
 
 @functools.lru_cache(maxsize=None)
 def sharded_model(style: str, data: int, tensor: int):
     """8 query heads (2 key/value heads for 'gqa'), on a data x tensor mesh; the same weights on every mesh."""
-    config = Config(n_layer=2, n_head=8, n_embd=64, block_size=32, vocab_size=65, pad_vocab_to_multiple=64,
-                    batch_size=data, seed=3, tensorboard=False, **SHARDED_STYLES[style])
-    setup = train.make_setup(config, sharding.make_mesh(data, 1, tensor, devices=jax.devices()[:data * tensor]), 65)
+    config = Config(
+        n_layer=2,
+        n_head=8,
+        n_embd=64,
+        block_size=32,
+        vocab_size=65,
+        pad_vocab_to_multiple=64,
+        batch_size=data,
+        seed=3,
+        tensorboard=False,
+        **SHARDED_STYLES[style],
+    )
+    setup = train.make_setup(config, sharding.make_mesh(data, 1, tensor, devices=jax.devices()[: data * tensor]), 65)
     return setup, jax.tree.map(lambda a: a * 4, train.init_state(setup)["params"])
 
 
@@ -275,12 +344,14 @@ def test_greedy_on_tensor_8_and_tensor_4_x_data_2_equals_one_device(style):
         assert generate.generate(setup, params, RAGGED, 20, temperature=0).tokens == one, (data, tensor)
         state = prefill_4_rows(setup, params)
         heads = "tensor" if style == "gpt2" else None  # 2 key/value heads can't be split 8 or 4 ways
-        expected = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(
-            None, ("data", "fsdp") if data > 1 else None, None, heads))
+        expected = jax.sharding.NamedSharding(
+            setup.mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp") if data > 1 else None, None, heads)
+        )
         assert state["cache"].k.sharding.is_equivalent_to(expected, 4), state["cache"].k.sharding
 
 
 # ----------------------------------------------------------------------------- the decode step's cost
+
 
 def long_context(style: str):
     """A tiny model with a context of 128 (attend buckets 32, 64, then the segment's length), GPT-2 or
@@ -329,8 +400,8 @@ def test_sampling_draws_no_random_bits_when_every_row_is_greedy():
     assert sample(logits_BxV, keys_B, *settings(0.0, 0.0)).tolist() == [1, 0]
     text = sample.lower(logits_BxV, keys_B, *settings(0.0, 0.0)).as_text()
     assert "conditional" in text or "case" in text  # the draw sits behind a branch
-    drawn = {int(sample(logits_BxV, jax.random.split(jax.random.key(s), 2), *settings(0.0, 5.0))[1])
-             for s in range(20)}
+    drawn = {int(sample(logits_BxV, jax.random.split(jax.random.key(s), 2), *settings(0.0, 5.0))[1]) for s in range(20)}
     assert len(drawn) > 1  # row 1 samples, row 0 stays greedy
-    assert {int(sample(logits_BxV, jax.random.split(jax.random.key(s), 2), *settings(0.0, 5.0))[0])
-            for s in range(5)} == {1}
+    assert {
+        int(sample(logits_BxV, jax.random.split(jax.random.key(s), 2), *settings(0.0, 5.0))[0]) for s in range(5)
+    } == {1}

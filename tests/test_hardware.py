@@ -7,11 +7,20 @@ import pytest
 from devices import hardware
 
 
-@pytest.mark.parametrize("device_kind, chip", [
-    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"), ("NVIDIA A100-SXM4-80GB", "A100"),
-    ("TPU v4", "TPU v4"), ("TPU v5 lite", "TPU v5 lite"), ("TPU v5e", "TPU v5 lite"),
-    ("TPU v5p", "TPU v5p"), ("TPU v6 lite", "TPU v6 lite"), ("TPU v6e", "TPU v6 lite"),
-])
+@pytest.mark.parametrize(
+    "device_kind, chip",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("TPU v4", "TPU v4"),
+        ("TPU v5 lite", "TPU v5 lite"),
+        ("TPU v5e", "TPU v5 lite"),
+        ("TPU v5p", "TPU v5p"),
+        ("TPU v6 lite", "TPU v6 lite"),
+        ("TPU v6e", "TPU v6 lite"),
+    ],
+)
 def test_device_kinds_find_their_chip(device_kind, chip):
     assert hardware.chip_of(device_kind).kinds[0] == chip
 
@@ -42,4 +51,8 @@ def test_only_a_measured_cpu_peak_is_measured_again_and_the_best_kept(monkeypatc
 
 def test_tpu_generations_describe_their_slices():
     assert {g: (c.torus_dims, c.cores_per_chip) for g, c in hardware.TPU_GENERATIONS.items()} == {
-        "v4": (3, 2), "v5e": (2, 1), "v5p": (3, 2), "v6e": (2, 1)}
+        "v4": (3, 2),
+        "v5e": (2, 1),
+        "v5p": (3, 2),
+        "v6e": (2, 1),
+    }

@@ -25,6 +25,7 @@ SKIPPED_FOLDERS = {"tests", "bench", "config", "docs"}  # not modules the progra
 
 # ---- the import graph --------------------------------------------------------------------
 
+
 def repo_modules(root: pathlib.Path = REPO) -> dict[str, pathlib.Path]:
     """Dotted module name -> file, for every *.py at the top level and in its folders
     (`layers/attention.py` -> `layers.attention`; a folder's __init__.py is the folder)."""
@@ -63,8 +64,7 @@ def imported_modules(source: str, known) -> set[str]:
 def import_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
     """Edges a -> b where module a imports module b. A folder's __init__ is an edge of its own
     only where code imports the folder itself."""
-    return {name: imported_modules(path.read_text(), modules.keys()) - {name}
-            for name, path in modules.items()}
+    return {name: imported_modules(path.read_text(), modules.keys()) - {name} for name, path in modules.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -79,7 +79,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         for nxt in sorted(graph.get(node, ())):
             state = color.get(nxt, WHITE)
             if state == GREY:  # back edge: the cycle is the stack from nxt onwards
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if state == WHITE:
                 color.setdefault(nxt, WHITE)
                 cycle = visit(nxt)
@@ -99,16 +99,30 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_cycle_finder_finds_a_cycle_and_accepts_a_dag():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
-    assert find_cycle({"train": {"compile_aot", "model"}, "compile_aot": {"train"}, "model": set()}) \
-        == ["compile_aot", "train", "compile_aot"]
-    assert find_cycle({"train": {"model", "sharding"}, "sample": {"train", "model"},
-                       "compile_aot": {"train"}, "model": {"quantization"},
-                       "sharding": set(), "quantization": set()}) is None
+    assert find_cycle({"train": {"compile_aot", "model"}, "compile_aot": {"train"}, "model": set()}) == [
+        "compile_aot",
+        "train",
+        "compile_aot",
+    ]
+    assert (
+        find_cycle(
+            {
+                "train": {"model", "sharding"},
+                "sample": {"train", "model"},
+                "compile_aot": {"train"},
+                "model": {"quantization"},
+                "sharding": set(),
+                "quantization": set(),
+            }
+        )
+        is None
+    )
     assert find_cycle({}) is None
 
 
 def test_import_graph_counts_imports_inside_functions_and_follows_folders(tmp_path):
-    (tmp_path / "a.py").write_text(textwrap.dedent("""\
+    (tmp_path / "a.py").write_text(
+        textwrap.dedent("""\
         import os
         from pkg import leaf                  # a module in a folder
         def f():
@@ -117,7 +131,8 @@ def test_import_graph_counts_imports_inside_functions_and_follows_folders(tmp_pa
         class C:
             def m(self):
                 from c import thing
-        """))
+        """)
+    )
     (tmp_path / "b.py").write_text("import a.sub\n")
     (tmp_path / "c.py").write_text("from . import a\n")  # relative: no edge
     (tmp_path / "pkg").mkdir()
@@ -125,8 +140,14 @@ def test_import_graph_counts_imports_inside_functions_and_follows_folders(tmp_pa
     (tmp_path / "pkg" / "leaf.py").write_text("from pkg.other import x\n")
     (tmp_path / "pkg" / "other.py").write_text("import c\n")
     graph = import_graph(repo_modules(tmp_path))
-    assert graph == {"a": {"b", "c", "pkg.leaf"}, "b": {"a"}, "c": set(), "pkg": set(),
-                     "pkg.leaf": {"pkg.other"}, "pkg.other": {"c"}}
+    assert graph == {
+        "a": {"b", "c", "pkg.leaf"},
+        "b": {"a"},
+        "c": set(),
+        "pkg": set(),
+        "pkg.leaf": {"pkg.other"},
+        "pkg.other": {"c"},
+    }
     assert find_cycle(graph) == ["a", "b", "a"]
 
 
@@ -134,16 +155,22 @@ def test_no_import_cycles_among_the_modules():
     modules = repo_modules()
     assert {"train", "model", "configurator", "sharding", "layers.attention", "inference.engine"} <= modules.keys()
     cycle = find_cycle(import_graph(modules))
-    assert cycle is None, (f"import cycle: {' -> '.join(cycle)} "
-                           f"(imports inside functions count; dependencies point one way)")
+    assert cycle is None, (
+        f"import cycle: {' -> '.join(cycle)} (imports inside functions count; dependencies point one way)"
+    )
 
 
 def test_the_top_level_holds_the_design_card_and_commands_only():
     """A module that is neither a design-card file nor a command belongs in the folder of its
     concern (layers/, data/, weights/, training/, inference/, evals/, serving/, devices/, aot/)."""
-    strays = [path.name for name, path in repo_modules().items()
-              if "." not in name and path.parent == REPO and name not in DESIGN_CARD
-              and 'if __name__ == "__main__":' not in path.read_text()]
+    strays = [
+        path.name
+        for name, path in repo_modules().items()
+        if "." not in name
+        and path.parent == REPO
+        and name not in DESIGN_CARD
+        and 'if __name__ == "__main__":' not in path.read_text()
+    ]
     assert strays == [], f"not commands, yet at the top level: {strays}"
 
 
@@ -151,10 +178,17 @@ def test_model_and_its_layers_import_only_jax_flax_numpy_and_the_standard_librar
     allowed = {"jax", "flax", "numpy", "layers"} | set(sys.stdlib_module_names)
     for path in [REPO / "model.py", *sorted((REPO / "layers").glob("*.py"))]:
         tree = ast.parse(path.read_text())
-        roots = {alias.name.partition(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                 for alias in node.names}
-        roots |= {node.module.partition(".")[0] for node in ast.walk(tree)
-                  if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module}
+        roots = {
+            alias.name.partition(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        roots |= {
+            node.module.partition(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+        }
         assert roots <= allowed, f"{path.relative_to(REPO)} imports {sorted(roots - allowed)}"
 
 
@@ -184,15 +218,24 @@ def run_alone(tmp_path, files, script, extra_env=None):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
     env.update(extra_env or {})
-    result = subprocess.run([sys.executable, "-c", PROVE_ISOLATED + textwrap.dedent(script)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", PROVE_ISOLATED + textwrap.dedent(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert MARKER in result.stdout, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return result.stdout
 
 
 def test_configurator_works_copied_alone_into_an_empty_folder(tmp_path):
-    run_alone(tmp_path, ["configurator.py"], f"""
+    run_alone(
+        tmp_path,
+        ["configurator.py"],
+        f"""
         import configurator
         with open("tiny.py", "w") as f:
             f.write("n_layer = 2\\nn_embd = 96\\ndataset = 'tiny'\\n")
@@ -207,11 +250,15 @@ def test_configurator_works_copied_alone_into_an_empty_folder(tmp_path):
         else:
             raise SystemExit("an unknown key was accepted")
         print("{MARKER}")
-        """)
+        """,
+    )
 
 
 def test_sharding_works_copied_alone_into_an_empty_folder(tmp_path):
-    run_alone(tmp_path, ["sharding.py"], f"""
+    run_alone(
+        tmp_path,
+        ["sharding.py"],
+        f"""
         import jax, jax.numpy as jnp
         import sharding
         from jax.sharding import NamedSharding
@@ -225,11 +272,16 @@ def test_sharding_works_copied_alone_into_an_empty_folder(tmp_path):
         tokens = jax.device_put(jnp.zeros((8, 4), jnp.int32), sharding.batch_sharding(mesh))
         assert {{s.data.shape for s in tokens.addressable_shards}} == {{(2, 4)}}
         print("{MARKER}")
-        """, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+        """,
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
 
 
 def test_model_with_its_layers_folder_works_copied_alone_into_an_empty_folder(tmp_path):
-    run_alone(tmp_path, ["model.py", "layers"], f"""
+    run_alone(
+        tmp_path,
+        ["model.py", "layers"],
+        f"""
         import jax, jax.numpy as jnp
         from flax import nnx
         import model
@@ -249,4 +301,5 @@ def test_model_with_its_layers_folder_works_copied_alone_into_an_empty_folder(tm
         assert bool(jnp.isfinite(logits).all())
         assert calls and all(q == "int8" for q in calls), calls  # layers/quantization.py did the matmuls
         print("{MARKER}")
-        """)
+        """,
+    )

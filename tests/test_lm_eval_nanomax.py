@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import tokenizers
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed "
-                                                "(pip install -r requirements-eval.txt)")
+lm_eval = pytest.importorskip(
+    "lm_eval", reason="lm-evaluation-harness is not installed (pip install -r requirements-eval.txt)"
+)
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
@@ -37,8 +38,10 @@ def models(tmp_path_factory):
     config = dataclasses.replace(LLAMA, vocab_size=vocab, block_size=64)
     llama = export(root / "llama", config, random_params(config))
     make_tokenizer(root / "llama")
-    return {name: lm_eval_nanomax.NanomaxLM(init_from=str(path), batch_size=8, devices=1)
-            for name, path in (("gpt2", gpt2), ("llama", llama))}
+    return {
+        name: lm_eval_nanomax.NanomaxLM(init_from=str(path), batch_size=8, devices=1)
+        for name, path in (("gpt2", gpt2), ("llama", llama))
+    }
 
 
 def requests(pairs, kind="loglikelihood"):
@@ -66,8 +69,14 @@ def test_local_completions_against_serve_py_gives_the_adapters_log_likelihoods(m
     lm = models["gpt2"]
     url, process = start_server(f"--init_from={lm.cfg.init_from}", "--slots=2", "--log_interval=0")
     try:
-        served_lm = LocalCompletionsAPI(base_url=url + "/v1/completions", tokenizer_backend="remote", model="gpt2",
-                                        max_length=64, batch_size=4, max_retries=1)
+        served_lm = LocalCompletionsAPI(
+            base_url=url + "/v1/completions",
+            tokenizer_backend="remote",
+            model="gpt2",
+            max_length=64,
+            batch_size=4,
+            max_retries=1,
+        )
         pairs = [(c, " " + x) for c in CONTEXTS for x in CHOICES[:2]]
         served, direct = served_lm.loglikelihood(requests(pairs)), lm.loglikelihood(requests(pairs))
     finally:
@@ -80,7 +89,7 @@ def test_local_completions_against_serve_py_gives_the_adapters_log_likelihoods(m
 def test_rolling_log_likelihood_of_a_short_text_is_perplexitys(models):
     lm = models["gpt2"]
     text = "The quick brown fox jumps over the lazy dog."
-    rolling, = lm.loglikelihood_rolling(requests([(text,)], "loglikelihood_rolling"))
+    (rolling,) = lm.loglikelihood_rolling(requests([(text,)], "loglikelihood_rolling"))
     result = scoring.perplexity(lm.setup, lm.params, lm.tok, text)  # one window: the same tokens scored
     assert result["tokens"] == len(lm.tok.encode(text))
     np.testing.assert_allclose(-rolling, result["loss"] * result["tokens"], rtol=1e-6)
@@ -89,8 +98,15 @@ def test_rolling_log_likelihood_of_a_short_text_is_perplexitys(models):
 def test_generate_until_is_greedy_generation_cut_at_the_stop_string(models):
     lm = models["gpt2"]
     out = lm.generate_until(requests([("Hello", {"until": ["e"], "max_gen_toks": 6})], "generate_until"))
-    ids = generate.generate(lm.setup, lm.params, [lm.tok.encode("Hello")], 6, temperature=0.0,
-                            stop_ids=lm.tok.stop_tokens, vocab=lm.tok.vocab_size).tokens[0]
+    ids = generate.generate(
+        lm.setup,
+        lm.params,
+        [lm.tok.encode("Hello")],
+        6,
+        temperature=0.0,
+        stop_ids=lm.tok.stop_tokens,
+        vocab=lm.tok.vocab_size,
+    ).tokens[0]
     assert out == [lm.tok.decode(ids).split("e")[0]]
 
 
@@ -100,14 +116,22 @@ def test_a_local_task_file_runs_through_lm_evals_python_api_offline(models, tmp_
     data = tmp_path / "toy.jsonl"
     with open(data, "w", encoding="utf-8") as f:
         for i in range(6):
-            f.write(json.dumps({"context": CONTEXTS[i % 4], "choices": list(rng.permutation(CHOICES)),
-                                "label": int(rng.integers(0, 4))}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "context": CONTEXTS[i % 4],
+                        "choices": list(rng.permutation(CHOICES)),
+                        "label": int(rng.integers(0, 4)),
+                    }
+                )
+                + "\n"
+            )
     (tmp_path / "toy.yaml").write_text(f"""
 task: nanomax_toy
 dataset_path: json
 dataset_kwargs:
   data_files: {{validation: {data}}}
-  cache_dir: {tmp_path / 'cache'}
+  cache_dir: {tmp_path / "cache"}
 output_type: multiple_choice
 validation_split: validation
 doc_to_text: "{{{{context}}}}"
@@ -118,8 +142,9 @@ metric_list:
   - metric: acc_norm
 """)
     lm = models["gpt2"]
-    results = lm_eval.simple_evaluate(model=lm, tasks=["nanomax_toy"],
-                                      task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=["nanomax_toy"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False)
+    )
     harness = results["results"]["nanomax_toy"]
     ours = scoring.multiple_choice(lm.setup, lm.params, lm.tok, scoring.read_examples(str(data), "choice"))
     assert (harness["acc,none"], harness["acc_norm,none"]) == (ours["acc"], ours["acc_norm"])

@@ -44,14 +44,19 @@ def test_a_step_over_the_limit_is_refused_before_it_runs_and_accumulation_fits(t
     assert "--gradient_accumulation_steps=2" in message and "--memory_check=False" in message
     assert not os.path.exists(config.out_dir)  # refused before anything was written
 
-    accumulated = small_config(root / "acc", **BIG_BATCH | dict(batch_size=8, gradient_accumulation_steps=2),
-                               data_dir=config.data_dir, memory_limit_gib=limit_gib)
+    accumulated = small_config(
+        root / "acc",
+        **BIG_BATCH | dict(batch_size=8, gradient_accumulation_steps=2),
+        data_dir=config.data_dir,
+        memory_limit_gib=limit_gib,
+    )
     assert train.train(accumulated)
     assert "memory: the train step needs" in capsys.readouterr().out
 
     # and the check can be skipped
-    unchecked = small_config(root / "unchecked", **BIG_BATCH, data_dir=config.data_dir,
-                             memory_limit_gib=limit_gib, memory_check=False)
+    unchecked = small_config(
+        root / "unchecked", **BIG_BATCH, data_dir=config.data_dir, memory_limit_gib=limit_gib, memory_check=False
+    )
     assert train.train(unchecked)
 
 
@@ -82,8 +87,13 @@ def test_the_estimate_of_a_small_step_is_within_2x_of_its_measured_peak():
     logits of 8 x 256 tokens over 8,192 ids and their gradient) dominate both."""
     flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", MEASURE_ONE_STEP], capture_output=True, text=True, cwd=root,
-                         env=os.environ | {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root})
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE_ONE_STEP],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=os.environ | {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads(out.stdout.splitlines()[-1])
     measured = m["arguments"] + m["grown"]
@@ -99,25 +109,36 @@ TPU_USED_AND_TOTAL = (
     "15.75G hbm. Exceeded hbm capacity by 10.77G.\n\nTotal hbm usage >= 27.02G:\n    reserved        258.00M\n"
     "    program          26.52G\n    arguments       505.43M\n\nOutput size 505.43M; shares 505.43M with "
     "arguments.\n\nProgram hbm requirement 26.52G:\n    global            3.65M\n    scoped            4.50M\n"
-    "    HLO temp         26.51G (100.0% utilization: Unpadded (25.21G) Padded (25.21G), 0.0% fragmentation (0B))\n")
+    "    HLO temp         26.51G (100.0% utilization: Unpadded (25.21G) Padded (25.21G), 0.0% fragmentation (0B))\n"
+)
 # as XLA:TPU (jax 0.10.2, a v5e) refused GPT-2 124M at batch 16 without remat, 2026-12-05
-TPU_TEMPORARIES = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
-                   "(26.52G) exceeds available HBM (15.75G).")
+TPU_TEMPORARIES = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+    "(26.52G) exceeds available HBM (15.75G)."
+)
 GPU_ALLOCATION = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 28472983552 bytes."
 GPU_REQUEST = "RESOURCE_EXHAUSTED: Failed to allocate request for 1.23GiB (1318976384B) on device ordinal 0"
-TPU_VMEM = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space vmem. "
-            "Used 32.42M of 16.00M vmem. Exceeded vmem capacity by 16.42M")
+TPU_VMEM = (
+    "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space vmem. "
+    "Used 32.42M of 16.00M vmem. Exceeded vmem capacity by 16.42M"
+)
 G, M = 1 << 30, 1 << 20
 
 
-@pytest.mark.parametrize("message, sizes", [
-    (TPU_USED_AND_TOTAL, {"space": "hbm", "total": int(27.02 * G), "used": int(26.52 * G), "capacity": int(15.75 * G)}),
-    (TPU_TEMPORARIES, {"space": "hbm", "temporaries": int(26.52 * G), "capacity": int(15.75 * G)}),
-    (GPU_ALLOCATION, {"allocation": 28472983552}),
-    (GPU_REQUEST, {"allocation": 1318976384}),
-    (TPU_VMEM, {"space": "vmem", "used": int(32.42 * M), "capacity": 16 * M}),
-    ("RESOURCE_EXHAUSTED: something else entirely", {}),
-])
+@pytest.mark.parametrize(
+    "message, sizes",
+    [
+        (
+            TPU_USED_AND_TOTAL,
+            {"space": "hbm", "total": int(27.02 * G), "used": int(26.52 * G), "capacity": int(15.75 * G)},
+        ),
+        (TPU_TEMPORARIES, {"space": "hbm", "temporaries": int(26.52 * G), "capacity": int(15.75 * G)}),
+        (GPU_ALLOCATION, {"allocation": 28472983552}),
+        (GPU_REQUEST, {"allocation": 1318976384}),
+        (TPU_VMEM, {"space": "vmem", "used": int(32.42 * M), "capacity": 16 * M}),
+        ("RESOURCE_EXHAUSTED: something else entirely", {}),
+    ],
+)
 def test_xla_out_of_memory_messages_are_read_in_bytes(message, sizes):
     assert memory.parse_out_of_memory(message) == sizes
 
@@ -129,15 +150,30 @@ class FakeDevice:
         return {"bytes_limit": int(15.75 * G)}
 
 
-@pytest.mark.parametrize("message, line", [
-    (TPU_USED_AND_TOTAL, "memory: the train step needs 27.02 GiB per device, more than the 15.75 GiB of hbm "
-                         "available (XLA:TPU refused it: RESOURCE_EXHAUSTED); try --batch_size=8"),
-    # the temporaries alone, so the program's arguments (1 GiB here) are added
-    (TPU_TEMPORARIES, "memory: the train step needs 27.52 GiB per device, more than the 15.75 GiB of hbm available"),
-    (GPU_ALLOCATION, "memory: the train step needs at least 27.52 GiB per device, more than the 15.75 GiB of memory"),
-    ("RESOURCE_EXHAUSTED: something else entirely", "memory: the train step does not fit the device (XLA:TPU: "
-                                                   "RESOURCE_EXHAUSTED: something else entirely); try --batch_size=8"),
-])
+@pytest.mark.parametrize(
+    "message, line",
+    [
+        (
+            TPU_USED_AND_TOTAL,
+            "memory: the train step needs 27.02 GiB per device, more than the 15.75 GiB of hbm "
+            "available (XLA:TPU refused it: RESOURCE_EXHAUSTED); try --batch_size=8",
+        ),
+        # the temporaries alone, so the program's arguments (1 GiB here) are added
+        (
+            TPU_TEMPORARIES,
+            "memory: the train step needs 27.52 GiB per device, more than the 15.75 GiB of hbm available",
+        ),
+        (
+            GPU_ALLOCATION,
+            "memory: the train step needs at least 27.52 GiB per device, more than the 15.75 GiB of memory",
+        ),
+        (
+            "RESOURCE_EXHAUSTED: something else entirely",
+            "memory: the train step does not fit the device (XLA:TPU: "
+            "RESOURCE_EXHAUSTED: something else entirely); try --batch_size=8",
+        ),
+    ],
+)
 def test_the_refusal_names_what_xla_says_is_needed(message, line):
     refused = memory.refusal("the train step", message, [FakeDevice()], ["--batch_size=8"], arguments=G)
     assert isinstance(refused, memory.DoesNotFit) and "\n" not in str(refused)  # as the check's own refusal
@@ -146,8 +182,10 @@ def test_the_refusal_names_what_xla_says_is_needed(message, line):
 
 def fake_out_of_memory(monkeypatch, message=TPU_USED_AND_TOTAL):
     """Every compile ends as XLA:TPU's does for a program that cannot fit."""
+
     def compile_(self, *args, **kwargs):
         raise jax.errors.JaxRuntimeError(message)
+
     monkeypatch.setattr(jax.stages.Lowered, "compile", compile_)
 
 
@@ -157,8 +195,10 @@ def test_a_step_xla_cannot_compile_is_refused_before_anything_is_written(toy_and
     fake_out_of_memory(monkeypatch)
     with pytest.raises(configurator.ConfigError) as refused:
         train.train(config)
-    assert str(refused.value).startswith("memory: the train step needs 27.02 GiB per device, more than the 15.75 GiB "
-                                         "of hbm available (XLA:CPU refused it: RESOURCE_EXHAUSTED); try ")
+    assert str(refused.value).startswith(
+        "memory: the train step needs 27.02 GiB per device, more than the 15.75 GiB "
+        "of hbm available (XLA:CPU refused it: RESOURCE_EXHAUSTED); try "
+    )
     assert "--batch_size=8 --gradient_accumulation_steps=2" in str(refused.value)
     assert not os.path.exists(config.out_dir)
     # an error of another kind is not an out-of-memory: it stays as it is
@@ -182,20 +222,43 @@ def test_commands_refuse_what_xla_cannot_compile_in_one_line(toy_and_limit, tmp_
     """train.py, bench.py and sample.py: exit code 1, one line on stderr, no traceback."""
     root, _ = toy_and_limit
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    hf_dir = write_hf_gpt2(tmp_path / "gpt2", random_hf_gpt2(n_layer=1, n_embd=32, vocab_size=50257, n_positions=32),
-                           n_head=2)
+    hf_dir = write_hf_gpt2(
+        tmp_path / "gpt2", random_hf_gpt2(n_layer=1, n_embd=32, vocab_size=50257, n_positions=32), n_head=2
+    )
     commands = {
-        "train.py": [f"--data_dir={root / 'data'}", "--dataset=toy", f"--out_dir={tmp_path / 'out'}", "--n_layer=1",
-                     "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=8", "--max_iters=1"],
-        "bench.py": ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
-                     "--vocab_size=65", "--devices=1", "--json="],
+        "train.py": [
+            f"--data_dir={root / 'data'}",
+            "--dataset=toy",
+            f"--out_dir={tmp_path / 'out'}",
+            "--n_layer=1",
+            "--n_head=2",
+            "--n_embd=32",
+            "--block_size=16",
+            "--batch_size=8",
+            "--max_iters=1",
+        ],
+        "bench.py": [
+            "--n_layer=1",
+            "--n_head=2",
+            "--n_embd=32",
+            "--block_size=16",
+            "--batch_size=4",
+            "--vocab_size=65",
+            "--devices=1",
+            "--json=",
+        ],
         "sample.py": [f"--init_from={hf_dir}", "--start=hello", "--num_samples=2", "--max_new_tokens=4"],
     }
     lines = {}
     for script, flags in commands.items():
-        done = subprocess.run([sys.executable, "-c", WITH_FAKE_OOM, TPU_USED_AND_TOTAL, os.path.join(repo, script),
-                               *flags], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                              env=os.environ | {"PYTHONPATH": repo})
+        done = subprocess.run(
+            [sys.executable, "-c", WITH_FAKE_OOM, TPU_USED_AND_TOTAL, os.path.join(repo, script), *flags],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=300,
+            env=os.environ | {"PYTHONPATH": repo},
+        )
         assert done.returncode == 1 and "Traceback" not in done.stderr, (script, done.stderr[-3000:])
         lines[script] = done.stderr.strip().splitlines()[-1]
         assert "27.02 GiB per device, more than the 15.75 GiB of hbm available (XLA:CPU refused it" in lines[script]

@@ -29,22 +29,38 @@ from weights import hf  # noqa: E402
 
 TINY = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
 # Every switch away from GPT-2: 4 query heads in 2 groups (G = 2), head size 8, SwiGLU 64 wide.
-LLAMA = dataclasses.replace(TINY, pos_embedding="rope", norm="rmsnorm", norm_eps=1e-6, mlp="swiglu",
-                            n_kv_head=2, bias=False, tie_embeddings=False)
+LLAMA = dataclasses.replace(
+    TINY,
+    pos_embedding="rope",
+    norm="rmsnorm",
+    norm_eps=1e-6,
+    mlp="swiglu",
+    n_kv_head=2,
+    bias=False,
+    tie_embeddings=False,
+)
 # modded-nanogpt's switches on a Llama-style model (grouped-query attention included).
 SPEEDRUN = dataclasses.replace(LLAMA, qk_norm=True, mlp="relu2", zero_init_proj=True, logit_softcap=15.0)
 # Mixtures of experts, dropless (capacity_factor 0) unless a test says otherwise.
 MOE_VARIANTS = {
     "gelu, top-2 of 4": dataclasses.replace(TINY, n_experts=4, experts_per_token=2, capacity_factor=0.0),
     "swiglu, top-1, a shared expert, first layer dense": dataclasses.replace(
-        LLAMA, n_layer=3, n_experts=4, experts_per_token=1, n_shared_experts=1, moe_hidden=24,
-        moe_dense_layers=1, capacity_factor=0.0),
+        LLAMA,
+        n_layer=3,
+        n_experts=4,
+        experts_per_token=1,
+        n_shared_experts=1,
+        moe_hidden=24,
+        moe_dense_layers=1,
+        capacity_factor=0.0,
+    ),
     "relu2, top-3 of 3": dataclasses.replace(TINY, mlp="relu2", n_experts=3, experts_per_token=3, capacity_factor=0.0),
 }
 GPT2_SMALL_PARAMS = 124_439_808
 
 
 # --- the NumPy reference ------------------------------------------------------------------
+
 
 def _layer_norm(x, scale, bias, eps=1e-5):
     mean = x.mean(-1, keepdims=True)
@@ -54,12 +70,12 @@ def _layer_norm(x, scale, bias, eps=1e-5):
 
 
 def _gelu_tanh(x):
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
 
 def _rms_norm(x, scale, bias=None, eps=1e-5):
     assert bias is None
-    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * scale
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * scale
 
 
 def _silu(x):
@@ -68,7 +84,7 @@ def _silu(x):
 
 def _unit_rms(x, eps):
     """qk_norm: every head vector (last axis) scaled to root mean square 1, no learned scale."""
-    return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps)
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps)
 
 
 def _frequencies(H, config):
@@ -85,8 +101,9 @@ def _frequencies(H, config):
             if wavelength > long:
                 f = f / config.rope_scaling_factor
             elif wavelength >= short:
-                smooth = ((config.rope_original_context / wavelength - config.rope_low_freq_factor)
-                          / (config.rope_high_freq_factor - config.rope_low_freq_factor))
+                smooth = (config.rope_original_context / wavelength - config.rope_low_freq_factor) / (
+                    config.rope_high_freq_factor - config.rope_low_freq_factor
+                )
                 f = (1 - smooth) * f / config.rope_scaling_factor + smooth * f
         freqs.append(f)
     return np.array(freqs)
@@ -182,7 +199,7 @@ def _experts(h, moe, config):
     dropped; plus the shared experts."""
     probs = np.exp(h @ moe["router_kernel"])
     probs = probs / probs.sum(-1, keepdims=True)  # (B, T, E)
-    best = np.argsort(-probs, -1)[..., :config.experts_per_token]
+    best = np.argsort(-probs, -1)[..., : config.experts_per_token]
     gates = np.zeros_like(probs)
     np.put_along_axis(gates, best, np.take_along_axis(probs, best, -1), -1)
     if config.experts_per_token > 1:
@@ -194,6 +211,7 @@ def _experts(h, moe, config):
 
 
 # --- helpers ------------------------------------------------------------------------------
+
 
 def make(config=TINY, seed=0, **changes):
     return GPT(dataclasses.replace(config, **changes), jax.random.key(seed))
@@ -243,6 +261,7 @@ def grads_of(gpt, idx, targets):
 
 # --- sizes --------------------------------------------------------------------------------
 
+
 def test_count_params_gpt2_small():
     assert model.count_params(GPTConfig()) == GPT2_SMALL_PARAMS
     V, T, L, D = 50257, 1024, 12, 768
@@ -275,6 +294,7 @@ def test_flops_per_token_gpt2_small():
 
 # --- behaviour ----------------------------------------------------------------------------
 
+
 def test_logits_shape_and_dtype():
     logits = make()(tokens())
     assert logits.shape == (2, 16, 65) and logits.dtype == jnp.float32
@@ -289,7 +309,7 @@ def test_causality():
     before, after = np.asarray(gpt(idx)), np.asarray(gpt(changed))
     np.testing.assert_array_equal(before[:, :t], after[:, :t])
     assert np.abs(before[:, t] - after[:, t]).max() > 1e-4
-    assert np.abs(before[:, t + 1:] - after[:, t + 1:]).max() > 1e-4
+    assert np.abs(before[:, t + 1 :] - after[:, t + 1 :]).max() > 1e-4
 
 
 def test_scan_and_unrolled_layers_agree():
@@ -308,8 +328,9 @@ def no_remat():
     return idx, targets, np.asarray(base(idx)), jax.tree.leaves(grads_of(base, idx, targets))
 
 
-@pytest.mark.parametrize("policy, scan_layers", [(policy, True) for policy in sorted(model.REMAT_POLICIES)]
-                         + [("full", False)])
+@pytest.mark.parametrize(
+    "policy, scan_layers", [(policy, True) for policy in sorted(model.REMAT_POLICIES)] + [("full", False)]
+)
 def test_remat_policies_give_the_same_logits_and_gradients(no_remat, policy, scan_layers):
     idx, targets, logits_base, grads_base = no_remat
     remat = randomize(make(scan_layers=scan_layers, remat_policy=policy))
@@ -341,7 +362,8 @@ def test_init_statistics():
     blocks = pure["blocks"]
     residual_std = 0.02 / math.sqrt(2 * config.n_layer)
     expected_std = {
-        "wte": (pure["wte"], 0.02), "wpe": (pure["wpe"], 0.02),
+        "wte": (pure["wte"], 0.02),
+        "wpe": (pure["wpe"], 0.02),
         "qkv_kernel": (blocks["attn"]["qkv_kernel"], 0.02),
         "fc_kernel": (blocks["mlp"]["fc_kernel"], 0.02),
         "out_kernel": (blocks["attn"]["out_kernel"], residual_std),
@@ -353,10 +375,15 @@ def test_init_statistics():
         assert abs(array.std() / std - 1) < 0.1, (name, array.std(), std)
     # Each layer gets its own weights, not copies of one.
     assert not np.allclose(blocks["attn"]["qkv_kernel"][0], blocks["attn"]["qkv_kernel"][1])
-    for name, bias in [("qkv_bias", blocks["attn"]["qkv_bias"]), ("out_bias", blocks["attn"]["out_bias"]),
-                       ("fc_bias", blocks["mlp"]["fc_bias"]), ("proj_bias", blocks["mlp"]["proj_bias"]),
-                       ("ln_1", blocks["ln_1"]["bias"]), ("ln_2", blocks["ln_2"]["bias"]),
-                       ("ln_f", pure["ln_f"]["bias"])]:
+    for name, bias in [
+        ("qkv_bias", blocks["attn"]["qkv_bias"]),
+        ("out_bias", blocks["attn"]["out_bias"]),
+        ("fc_bias", blocks["mlp"]["fc_bias"]),
+        ("proj_bias", blocks["mlp"]["proj_bias"]),
+        ("ln_1", blocks["ln_1"]["bias"]),
+        ("ln_2", blocks["ln_2"]["bias"]),
+        ("ln_f", pure["ln_f"]["bias"]),
+    ]:
         assert np.all(np.asarray(bias) == 0), name
     for scale in (blocks["ln_1"]["scale"], blocks["ln_2"]["scale"], pure["ln_f"]["scale"]):
         assert np.all(np.asarray(scale) == 1)
@@ -445,12 +472,28 @@ def test_weights_cast_for_inference_compute_exactly_what_training_computes(name)
 
 # --- decoding with a KV cache ---------------------------------------------------------------
 
-@pytest.mark.parametrize("base, scan_layers", [
-    (TINY, True), (TINY, False), (LLAMA, True), (SPEEDRUN, True),
-    (dataclasses.replace(TINY, qk_norm=True, logit_softcap=0.5), False),
-    (MOE_VARIANTS["gelu, top-2 of 4"], False), (MOE_VARIANTS["swiglu, top-1, a shared expert, first layer dense"], True)],
-    ids=["gpt2-scan", "gpt2-unrolled", "llama-scan", "speedrun-scan", "gpt2-qk_norm-softcap-unrolled",
-         "moe-unrolled", "moe-dense-first-scan"])
+
+@pytest.mark.parametrize(
+    "base, scan_layers",
+    [
+        (TINY, True),
+        (TINY, False),
+        (LLAMA, True),
+        (SPEEDRUN, True),
+        (dataclasses.replace(TINY, qk_norm=True, logit_softcap=0.5), False),
+        (MOE_VARIANTS["gelu, top-2 of 4"], False),
+        (MOE_VARIANTS["swiglu, top-1, a shared expert, first layer dense"], True),
+    ],
+    ids=[
+        "gpt2-scan",
+        "gpt2-unrolled",
+        "llama-scan",
+        "speedrun-scan",
+        "gpt2-qk_norm-softcap-unrolled",
+        "moe-unrolled",
+        "moe-dense-first-scan",
+    ],
+)
 def test_decode_with_cache_matches_the_full_forward(base, scan_layers):
     """Feed each row in two chunks that start at different positions per row; every logit
     must equal the full causal forward's at the same position."""
@@ -469,7 +512,7 @@ def test_decode_with_cache_matches_the_full_forward(base, scan_layers):
     np.testing.assert_allclose(logits, full[np.arange(3), np.asarray(split_B) - 1], rtol=0, atol=1e-5)
     second = idx[rows[:, None], split_B[:, None] + jnp.arange(5)]
     for t in range(5):  # then one token at a time, each row at its own position
-        logits, cache = decode(second[:, t:t + 1], cache, split_B + t)
+        logits, cache = decode(second[:, t : t + 1], cache, split_B + t)
         np.testing.assert_allclose(logits, full[np.arange(3), np.asarray(split_B) + t], rtol=0, atol=1e-5)
     assert cache.k.shape == (config.n_layer, 3, 16, config.kv_heads * 8) and cache.k.dtype == jnp.float32
 
@@ -479,13 +522,16 @@ def test_decode_with_cache_matches_the_full_forward(base, scan_layers):
 VARIANTS = {  # between them, each switch both ways
     "llama": LLAMA,
     "qwen2: qkv biases, llama3 rope scaling, untied": dataclasses.replace(
-        LLAMA, qkv_bias=True, rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_context=32),
+        LLAMA, qkv_bias=True, rope_scaling="llama3", rope_scaling_factor=4.0, rope_original_context=32
+    ),
     "multi-query, rope, layernorm, swiglu, biases, tied": dataclasses.replace(
-        TINY, pos_embedding="rope", rope_theta=500_000.0, n_kv_head=1, mlp="swiglu", mlp_hidden=48),
+        TINY, pos_embedding="rope", rope_theta=500_000.0, n_kv_head=1, mlp="swiglu", mlp_hidden=48
+    ),
     "speedrun: qk_norm, relu2, zero-init projections, softcap 15 on llama": SPEEDRUN,
     # a cap of 0.5 bends these small logits (|logit| up to ~0.5), so tanh really is in the check
     "gpt2 + qk_norm, relu2 (biases, 48 wide), softcap 0.5": dataclasses.replace(
-        TINY, qk_norm=True, mlp="relu2", mlp_hidden=48, logit_softcap=0.5),
+        TINY, qk_norm=True, mlp="relu2", mlp_hidden=48, logit_softcap=0.5
+    ),
 }
 
 
@@ -501,15 +547,25 @@ def test_rope_matches_a_float64_numpy_rotation(theta):
     np.testing.assert_array_equal(rotated[0, 0], x_BxTxNxH[0, 0])  # position 0: unchanged
     # What RoPE is for: a rotated query-key product depends on their distance only.
     q, k = (jnp.asarray(rng.standard_normal((1, 1, 1, 16)), jnp.float32) for _ in range(2))
-    score = lambda i, j: float(jnp.sum(model.rope(q, jnp.array([[i]]), config) * model.rope(k, jnp.array([[j]]), config)))
+    score = lambda i, j: float(
+        jnp.sum(model.rope(q, jnp.array([[i]]), config) * model.rope(k, jnp.array([[j]]), config))
+    )
     assert abs(score(9, 4) - score(105, 100)) < 1e-4 and abs(score(9, 4) - score(4, 9)) > 1e-3
 
 
 def test_llama3_rope_scaling_follows_the_published_formula():
     """Llama 3.1 8B's values (head size 128, theta 500000, factor 8, 1 / 4, 8192 tokens)."""
-    llama31 = dataclasses.replace(LLAMA, n_embd=4096, n_head=32, rope_theta=500_000.0, rope_scaling="llama3",
-                                  rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
-                                  rope_high_freq_factor=4.0, rope_original_context=8192)
+    llama31 = dataclasses.replace(
+        LLAMA,
+        n_embd=4096,
+        n_head=32,
+        rope_theta=500_000.0,
+        rope_scaling="llama3",
+        rope_scaling_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_context=8192,
+    )
     scaled, expected = model.rope_frequencies(128, llama31), _frequencies(128, llama31)
     plain = model.rope_frequencies(128, dataclasses.replace(llama31, rope_scaling="none"))
     np.testing.assert_allclose(scaled, expected, rtol=1e-12)
@@ -580,8 +636,9 @@ def test_flops_per_token_counts_the_matmul_weights_of_the_real_model(name):
     config = VARIANTS.get(name, TINY)
     params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: GPT(config, jax.random.key(0)))))
     lookups = {"wpe"} | ({"wte"} if "lm_head_kernel" in params else set())
-    n_matmul = sum(math.prod(a.shape) for path, a in jax.tree_util.tree_leaves_with_path(params)
-                   if path[0].key not in lookups)
+    n_matmul = sum(
+        math.prod(a.shape) for path, a in jax.tree_util.tree_leaves_with_path(params) if path[0].key not in lookups
+    )
     T = 16
     assert model.flops_per_token(config) == 6 * n_matmul + 12 * config.n_layer * T * config.n_embd
 
@@ -595,10 +652,17 @@ def test_llama_style_bfloat16_compute():
 
 # --- quantized matmuls (layers/quantization.py) --------------------------------------------------
 
-@pytest.mark.parametrize("base, mode, tolerance, grad_tolerance", [
-    (TINY, "int8", 0.03, 0.03), (LLAMA, "int8", 0.03, 0.03),
-    (TINY, "fp8", 0.1, 0.25), (MOE_VARIANTS["gelu, top-2 of 4"], "int8", 0.03, 0.03)],
-    ids=["gpt2-int8", "llama-int8", "gpt2-fp8", "moe-int8"])  # e5m2 gradients: 2 mantissa bits
+
+@pytest.mark.parametrize(
+    "base, mode, tolerance, grad_tolerance",
+    [
+        (TINY, "int8", 0.03, 0.03),
+        (LLAMA, "int8", 0.03, 0.03),
+        (TINY, "fp8", 0.1, 0.25),
+        (MOE_VARIANTS["gelu, top-2 of 4"], "int8", 0.03, 0.03),
+    ],
+    ids=["gpt2-int8", "llama-int8", "gpt2-fp8", "moe-int8"],
+)  # e5m2 gradients: 2 mantissa bits
 def test_quantized_model_is_close_to_the_float_model(base, mode, tolerance, grad_tolerance):
     """Same weights: logits and gradients within a few percent of the float model's, and not equal."""
     idx, targets = tokens(seed=1), tokens(seed=3)
@@ -607,15 +671,18 @@ def test_quantized_model_is_close_to_the_float_model(base, mode, tolerance, grad
     logits, logits_q = np.asarray(exact(idx)), np.asarray(quantized(idx))
     error = np.abs(logits_q - logits).max() / np.abs(logits).max()
     assert 0 < error < tolerance
-    for g, g_q in zip(jax.tree.leaves(grads_of(exact, idx, targets)),
-                      jax.tree.leaves(grads_of(quantized, idx, targets)), strict=True):
+    for g, g_q in zip(
+        jax.tree.leaves(grads_of(exact, idx, targets)), jax.tree.leaves(grads_of(quantized, idx, targets)), strict=True
+    ):
         assert np.linalg.norm(g_q - g) <= grad_tolerance * np.linalg.norm(g) + 1e-6
 
 
 def test_quantized_layers_scanned_unrolled_and_rematerialized_agree():
     idx, targets = tokens(seed=1), tokens(seed=3)
-    runs = [randomize(make(quantization="int8", scan_layers=scan, remat_policy=policy))
-            for scan, policy in ((True, "none"), (False, "none"), (True, "full"), (True, "dots_saveable"))]
+    runs = [
+        randomize(make(quantization="int8", scan_layers=scan, remat_policy=policy))
+        for scan, policy in ((True, "none"), (False, "none"), (True, "full"), (True, "dots_saveable"))
+    ]
     logits = [np.asarray(gpt(idx)) for gpt in runs]
     grads = [jax.tree.leaves(grads_of(gpt, idx, targets)) for gpt in runs]
     for other_logits, other_grads in zip(logits[1:], grads[1:]):
@@ -632,7 +699,7 @@ def test_quantized_decode_with_cache_matches_the_full_forward():
     logits, cache = gpt.decode(idx[:, :8], cache, jnp.zeros(2, jnp.int32))
     np.testing.assert_allclose(logits, full[:, 7], rtol=0, atol=1e-4)
     for t in range(8, 12):
-        logits, cache = gpt.decode(idx[:, t:t + 1], cache, jnp.full(2, t, jnp.int32))
+        logits, cache = gpt.decode(idx[:, t : t + 1], cache, jnp.full(2, t, jnp.int32))
         # one token's quantization grid is its own (per-token scales), so it matches the batch's
         np.testing.assert_allclose(logits, full[:, t], rtol=0, atol=1e-4)
 
@@ -642,20 +709,29 @@ def test_int8_grouped_query_cache_attends_as_its_dequantized_keys_and_values():
     and head: attend equals per-head softmax attention, written out here, over the keys and
     values the int8 cache holds (scaled back), the new tokens' included, at each row's position."""
     B, T, N, K, H, S = 3, 2, 4, 2, 8, 16
-    q, keys, values, new_k, new_v = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(
-        [(B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, K, H), (B, T, K, H)]))
-    empty = kv_cache.KVCache(jnp.zeros((B, 0, K * H), jnp.int8), jnp.zeros((B, 0, K * H), jnp.int8), K,
-                             jnp.zeros((B, 0, K)), jnp.zeros((B, 0, K)))
+    q, keys, values, new_k, new_v = (
+        jax.random.normal(jax.random.key(i), shape)
+        for i, shape in enumerate([(B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, K, H), (B, T, K, H)])
+    )
+    empty = kv_cache.KVCache(
+        jnp.zeros((B, 0, K * H), jnp.int8),
+        jnp.zeros((B, 0, K * H), jnp.int8),
+        K,
+        jnp.zeros((B, 0, K)),
+        jnp.zeros((B, 0, K)),
+    )
     cache, new = empty.encode(keys, values), empty.encode(new_k, new_v)
     assert cache.k.shape == (B, S, K * H) and cache.k.dtype == jnp.int8 and cache.k_scale.shape == (B, S, K)
     start_B = np.array([5, 0, 14])
     out = np.asarray(cache.attend(q, new, jnp.asarray(start_B)))
-    (k_all, v_all), (k_new, v_new) = (np.asarray(x).reshape(B, -1, K, H) for x in cache.read(jnp.float32)), (
-        np.asarray(x).reshape(B, T, K, H) for x in new.read(jnp.float32))
+    (k_all, v_all), (k_new, v_new) = (
+        (np.asarray(x).reshape(B, -1, K, H) for x in cache.read(jnp.float32)),
+        (np.asarray(x).reshape(B, T, K, H) for x in new.read(jnp.float32)),
+    )
     for b in range(B):
         for t in range(T):
-            k_seen = np.concatenate([k_all[b, :start_B[b]], k_new[b, :t + 1]])  # (visible, K, H)
-            v_seen = np.concatenate([v_all[b, :start_B[b]], v_new[b, :t + 1]])
+            k_seen = np.concatenate([k_all[b, : start_B[b]], k_new[b, : t + 1]])  # (visible, K, H)
+            v_seen = np.concatenate([v_all[b, : start_B[b]], v_new[b, : t + 1]])
             for n in range(N):
                 scores = k_seen[:, n // (N // K)] @ np.asarray(q[b, t, n]) / np.sqrt(H)
                 p = np.exp(scores - scores.max())
@@ -681,18 +757,21 @@ def test_int8_cache_written_a_token_at_a_time_holds_what_prefill_writes():
         for name in ("k", "v"):
             written, expected = (np.asarray(getattr(c, name)[:, b, :end], np.int32) for c in (cache, prefilled))
             assert written.shape == (LLAMA.n_layer, end, 2 * 8) and np.abs(written - expected).max() <= 1
-            np.testing.assert_allclose(getattr(cache, name + "_scale")[:, b, :end],
-                                       getattr(prefilled, name + "_scale")[:, b, :end], rtol=1e-2)
+            np.testing.assert_allclose(
+                getattr(cache, name + "_scale")[:, b, :end], getattr(prefilled, name + "_scale")[:, b, :end], rtol=1e-2
+            )
 
 
-@pytest.mark.parametrize("one_scatter_max_pairs", [0, 10 ** 6], ids=["a_scatter_per_layer", "one_scatter"])
+@pytest.mark.parametrize("one_scatter_max_pairs", [0, 10**6], ids=["a_scatter_per_layer", "one_scatter"])
 def test_a_decode_steps_write_puts_each_rows_token_at_its_position(monkeypatch, one_scatter_max_pairs):
     """Both ways KVCache.write stores one token per row (past ONE_SCATTER_MAX_PAIRS (layer, row) pairs
     a scatter per layer) change exactly the (layer, row, start_B[row]) entries, to the new ones."""
     monkeypatch.setattr(kv_cache, "ONE_SCATTER_MAX_PAIRS", one_scatter_max_pairs)
     L, B, S, K, H = 3, 5, 8, 2, 4
-    old, new = (kv_cache.KVCache(*(jax.random.normal(jax.random.key(i + j), shape) for j in range(2)), K)
-                for i, shape in ((0, (L, B, S, K * H)), (2, (L, B, 1, K * H))))
+    old, new = (
+        kv_cache.KVCache(*(jax.random.normal(jax.random.key(i + j), shape) for j in range(2)), K)
+        for i, shape in ((0, (L, B, S, K * H)), (2, (L, B, 1, K * H)))
+    )
     start_B = np.array([0, 7, 3, 3, 5])
     written = old.write(new, jnp.asarray(start_B))
     for name in ("k", "v"):
@@ -702,6 +781,7 @@ def test_a_decode_steps_write_puts_each_rows_token_at_its_position(monkeypatch, 
 
 
 # --- the GPT-2 speedruns' switches: qk_norm, relu2, zero_init_proj, logit_softcap --------------
+
 
 def test_speedrun_switches_off_are_the_default_model():
     """Off, each switch leaves the default model as it was: the same parameters (same random
@@ -716,10 +796,13 @@ def test_speedrun_switches_off_are_the_default_model():
     on = make(qk_norm=True, mlp="relu2", logit_softcap=30.0)
     for a, b in zip(param_leaves(default), param_leaves(on), strict=True):
         np.testing.assert_array_equal(a, b)  # same weights, another function of them
-    assert model.count_params(dataclasses.replace(GPTConfig(), mlp="relu2", qk_norm=True,
-                                                  logit_softcap=30.0)) == GPT2_SMALL_PARAMS
-    assert model.flops_per_token(dataclasses.replace(GPTConfig(), mlp="relu2", qk_norm=True,
-                                                     logit_softcap=30.0)) == model.flops_per_token(GPTConfig())
+    assert (
+        model.count_params(dataclasses.replace(GPTConfig(), mlp="relu2", qk_norm=True, logit_softcap=30.0))
+        == GPT2_SMALL_PARAMS
+    )
+    assert model.flops_per_token(
+        dataclasses.replace(GPTConfig(), mlp="relu2", qk_norm=True, logit_softcap=30.0)
+    ) == model.flops_per_token(GPTConfig())
 
 
 def test_zero_init_proj_zeroes_only_the_residual_projections():
@@ -772,8 +855,11 @@ def test_switches_scanned_unrolled_and_rematerialized_agree(base):
     (each with the other layout, so both layouts meet recomputation); Llama-style, the speedrun's
     switches, and a mixture of experts with a dense first layer."""
     idx, targets = tokens(seed=1), tokens(seed=3)
-    config = {"llama": LLAMA, "speedrun": SPEEDRUN,
-              "moe": MOE_VARIANTS["swiglu, top-1, a shared expert, first layer dense"]}[base]
+    config = {
+        "llama": LLAMA,
+        "speedrun": SPEEDRUN,
+        "moe": MOE_VARIANTS["swiglu, top-1, a shared expert, first layer dense"],
+    }[base]
 
     def logits_and_grads(**changes):
         gpt = randomize(make(config, **changes))
@@ -799,8 +885,11 @@ def test_export_refuses_the_switches_transformers_lacks_and_takes_zero_init_proj
     """qk_norm, relu2 and logit_softcap change the function: GPT2, Llama and Qwen2 have none of
     them, so export_hf.py refuses, naming the key. zero_init_proj is only an initialisation."""
     gpt2 = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
-    for changes, key in (({"qk_norm": True}, "qk_norm=True"), ({"mlp": "relu2"}, "mlp='relu2'"),
-                         ({"logit_softcap": 30.0}, "logit_softcap=30.0")):
+    for changes, key in (
+        ({"qk_norm": True}, "qk_norm=True"),
+        ({"mlp": "relu2"}, "mlp='relu2'"),
+        ({"logit_softcap": 30.0}, "logit_softcap=30.0"),
+    ):
         for base in (gpt2, LLAMA):
             with pytest.raises(hf.HFError, match=f"{key} .*has no equivalent in transformers"):
                 hf.check_architecture(dataclasses.replace(base, **changes))
@@ -810,6 +899,7 @@ def test_export_refuses_the_switches_transformers_lacks_and_takes_zero_init_proj
 
 
 # --- mixture of experts ---------------------------------------------------------------------
+
 
 def decisive_router(gpt, scale=20.0):
     """Router weights scaled up, so that no two experts' probabilities are within float32
@@ -896,7 +986,9 @@ def test_moe_counts_total_and_active_parameters_and_flops_on_the_active_ones():
     config = MOE_VARIANTS["swiglu, top-1, a shared expert, first layer dense"]
     params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: GPT(config, jax.random.key(0)))))
     assert model.count_params(config) == sum(math.prod(a.shape) for a in jax.tree.leaves(params))
-    expert_kernels = sum(math.prod(params["blocks"]["mlp"][n].shape) for n in ("gate_kernel", "fc_kernel", "proj_kernel"))
+    expert_kernels = sum(
+        math.prod(params["blocks"]["mlp"][n].shape) for n in ("gate_kernel", "fc_kernel", "proj_kernel")
+    )
     idle = expert_kernels * (config.n_experts - config.experts_per_token) // config.n_experts
     assert model.active_params(config) == model.count_params(config) - idle
     # a token uses the dense model, but in each of the 2 sparse layers a router, its one expert
@@ -933,7 +1025,9 @@ def test_attention_dropout_and_its_backward_equal_autodiff_of_the_formula(segmen
     rows (a segment across the two query blocks), where a query sees only its own segment's keys."""
     T, rate, key = 40, 0.25, jax.random.key(9)
     ids = jnp.array([[0] * 7 + [1] * 25 + [2] * 8, [4] * 40]) if segmented else None
-    visible = jnp.tril(jnp.ones((T, T), bool)) & (True if ids is None else (ids[:, None, :, None] == ids[:, None, None]))
+    visible = jnp.tril(jnp.ones((T, T), bool)) & (
+        True if ids is None else (ids[:, None, :, None] == ids[:, None, None])
+    )
     kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(kq, (2, T, 4, 8))
     k, v = (jax.random.normal(x, (2, T, 2, 8)) for x in (kk, kv))
@@ -952,8 +1046,9 @@ def test_attention_dropout_and_its_backward_equal_autodiff_of_the_formula(segmen
     for a, b in zip(our_pullback(dy), their_pullback(dy)):  # dq, dk, dv
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
     assert np.abs(ours - attention.causal_attention(q, k, v, 0.0, None, ids)).max() > 0.1  # it does drop
-    np.testing.assert_array_equal(attention.causal_attention(q, k, v, 0.0, key, ids),
-                                  attention.causal_attention(q, k, v, 0.0, None, ids))
+    np.testing.assert_array_equal(
+        attention.causal_attention(q, k, v, 0.0, key, ids), attention.causal_attention(q, k, v, 0.0, None, ids)
+    )
 
 
 def test_layer_norm_backward_equals_autodiff_of_its_formula():
@@ -989,8 +1084,8 @@ def packing(T=32, vocab=TINY.vocab_size, seed=5):
     for r, lengths in enumerate(PACKED_ROWS):
         start = 0
         for i, n in enumerate(lengths):
-            ids[r, start:start + n] = 7 - i  # any ids: equal within a run, different from the next
-            alone_x[e, :n], alone_y[e, :n] = x[r, start:start + n], y[r, start:start + n]
+            ids[r, start : start + n] = 7 - i  # any ids: equal within a run, different from the next
+            alone_x[e, :n], alone_y[e, :n] = x[r, start : start + n], y[r, start : start + n]
             packed_at += [(r, start + t) for t in range(n)]
             alone_at += [(e, t) for t in range(n)]
             start, e = start + n, e + 1
@@ -1000,11 +1095,13 @@ def packing(T=32, vocab=TINY.vocab_size, seed=5):
 
 PACKED_VARIANTS = {  # every attention path; block 32 gives the written-out attention two query blocks
     "learned positions, xla": dataclasses.replace(TINY, attention="xla"),
-    "learned positions, einsum, unrolled, remat": dataclasses.replace(TINY, attention="einsum", scan_layers=False,
-                                                                       remat_policy="full"),
+    "learned positions, einsum, unrolled, remat": dataclasses.replace(
+        TINY, attention="einsum", scan_layers=False, remat_policy="full"
+    ),
     "rope, grouped-query, xla": dataclasses.replace(LLAMA, attention="xla"),
     "rope, grouped-query, einsum, a dense layer then experts": dataclasses.replace(
-        LLAMA, attention="einsum", n_experts=4, experts_per_token=2, moe_dense_layers=1, capacity_factor=0.0),
+        LLAMA, attention="einsum", n_experts=4, experts_per_token=2, moe_dense_layers=1, capacity_factor=0.0
+    ),
 }
 
 
@@ -1046,9 +1143,11 @@ def test_segment_positions_restart_at_each_run_and_one_segment_is_the_unpacked_m
     np.testing.assert_allclose(*one_segment(gpt, idx), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("config", [dataclasses.replace(TINY, attention="xla"),
-                                    dataclasses.replace(LLAMA, attention="xla", block_size=16)],
-                         ids=["learned positions", "rope, grouped-query"])
+@pytest.mark.parametrize(
+    "config",
+    [dataclasses.replace(TINY, attention="xla"), dataclasses.replace(LLAMA, attention="xla", block_size=16)],
+    ids=["learned positions", "rope, grouped-query"],
+)
 def test_rows_in_balanced_order_get_their_in_order_logits(config):
     """Context parallelism's balanced layout (attention.balanced_order, 2 x 4 chunks): rows given
     permuted, with order_T, get the in-order rows' logits permuted the same way, documents or not
@@ -1076,5 +1175,10 @@ def test_the_llama_350m_config_is_llama_style_at_about_350m_parameters():
     gpt = loader.model_config(config, 50257, "tpu")
     assert 340e6 < model.count_params(gpt) < 370e6
     assert (gpt.pos_embedding, gpt.norm, gpt.mlp, gpt.block_size, gpt.tie_embeddings) == (
-        "rope", "rmsnorm", "swiglu", 2048, False)
+        "rope",
+        "rmsnorm",
+        "swiglu",
+        2048,
+        False,
+    )
     assert gpt.n_embd // gpt.n_head == 128 and 1 < gpt.kv_heads < gpt.n_head and gpt.attention == "splash"

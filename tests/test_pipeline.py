@@ -29,14 +29,16 @@ def test_schedule_runs_every_item_once_in_order_with_the_textbook_bubble(stages,
         if i >= microbatches:  # the next repeat starts after the last stage finished the last one
             assert tick_of[(0, i)] > tick_of[(stages - 1, i - microbatches)]
     assert pipeline.bubble_fraction(stages, microbatches, n_repeats) == pytest.approx(
-        (stages - 1) / (n_repeats * microbatches + stages - 1))
+        (stages - 1) / (n_repeats * microbatches + stages - 1)
+    )
 
 
 MOE = dict(n_experts=4, experts_per_token=2, capacity_factor=0.0)
 
 
-@pytest.mark.parametrize("stages, microbatches, layers_per_stage, experts", [
-    (2, 4, 0, {}), (4, 4, 1, {}), (2, 2, 1, MOE)])
+@pytest.mark.parametrize(
+    "stages, microbatches, layers_per_stage, experts", [(2, 4, 0, {}), (4, 4, 1, {}), (2, 2, 1, MOE)]
+)
 def test_pipelined_forward_equals_the_plain_stack(stages, microbatches, layers_per_stage, experts):
     """On one device: the same logits; a mixture of experts' router stats are the micro-batches'
     own, averaged (the balance loss, a product of two means, is each micro-batch's, as with
@@ -46,10 +48,13 @@ def test_pipelined_forward_equals_the_plain_stack(stages, microbatches, layers_p
     plain = model.GPT(config, jax.random.key(0))
     logits, stats = plain.forward(idx)
     if experts:  # micro-batch m holds rows m, m + M, ...
-        stats = jax.tree.map(lambda *each: sum(each) / microbatches,
-                             *[plain.forward(idx[m::microbatches])[1] for m in range(microbatches)])
-    piped = dataclasses.replace(config, pipeline_stages=stages, pipeline_microbatches=microbatches,
-                                layers_per_stage=layers_per_stage)
+        stats = jax.tree.map(
+            lambda *each: sum(each) / microbatches,
+            *[plain.forward(idx[m::microbatches])[1] for m in range(microbatches)],
+        )
+    piped = dataclasses.replace(
+        config, pipeline_stages=stages, pipeline_microbatches=microbatches, layers_per_stage=layers_per_stage
+    )
     piped_logits, piped_stats = jax.jit(lambda i: model.GPT(piped, jax.random.key(0)).forward(i))(idx)
     np.testing.assert_allclose(piped_logits, logits, rtol=0, atol=1e-5)
     assert stats.keys() == piped_stats.keys() and (not experts or stats["load"].shape == (8, 4))
@@ -61,16 +66,18 @@ def test_pipelined_forward_equals_the_plain_stack(stages, microbatches, layers_p
 
 LAYOUTS = {  # name -> mesh and pipeline keys; 8 layers, batch 8
     "stage=2 x fsdp=2 x tensor=2, GPipe": dict(mesh_stage=2, mesh_fsdp=2, mesh_tensor=2, pipeline_microbatches=4),
-    "stage=2 x fsdp=2 x tensor=2, circular": dict(mesh_stage=2, mesh_fsdp=2, mesh_tensor=2, pipeline_microbatches=4,
-                                                  layers_per_stage=2),
+    "stage=2 x fsdp=2 x tensor=2, circular": dict(
+        mesh_stage=2, mesh_fsdp=2, mesh_tensor=2, pipeline_microbatches=4, layers_per_stage=2
+    ),
     "stage=4 x data=2, GPipe": dict(mesh_stage=4, mesh_data=2, pipeline_microbatches=4),
     "stage=4 x data=2, circular": dict(mesh_stage=4, mesh_data=2, pipeline_microbatches=4, layers_per_stage=1),
 }
 
 
 def config_for(root, name, **keys):
-    base = small_config(root, n_embd=64, n_head=4, n_layer=8, max_iters=6, eval_interval=1000,
-                        out_dir=str(root / name), mesh_data=1)
+    base = small_config(
+        root, n_embd=64, n_head=4, n_layer=8, max_iters=6, eval_interval=1000, out_dir=str(root / name), mesh_data=1
+    )
     return dataclasses.replace(base, **keys)
 
 
@@ -110,20 +117,28 @@ def test_pipelined_experts_split_over_expert_and_fsdp_equal_the_pipeline_alone(o
     batch 2 more give the losses of the two stages alone (both pipelined: the balance loss is
     the micro-batches' own)."""
     root, _ = one_device
-    moe = dict(n_layer=4, n_experts=4, experts_per_token=2, capacity_factor=1.25, mesh_stage=2,
-               pipeline_microbatches=2)
+    moe = dict(n_layer=4, n_experts=4, experts_per_token=2, capacity_factor=1.25, mesh_stage=2, pipeline_microbatches=2)
     alone = losses(config_for(root, "moe-stages", **moe))
     split = losses(config_for(root, "moe-split", **moe, mesh_expert=2, mesh_fsdp=2))
     np.testing.assert_allclose(split, alone, rtol=0, atol=1e-5)
     assert alone[-1] < alone[0] - 0.1
 
 
-@pytest.mark.parametrize("keys, message", [
-    (dict(mesh_stage=3), "n_layer=8 is not divisible by mesh_stage=3"),
-    (dict(mesh_stage=2, layers_per_stage=3), "layers_per_stage=3: n_layer=8 is not a multiple of"),
-    (dict(mesh_stage=4, layers_per_stage=1, pipeline_microbatches=2), "needs pipeline_microbatches >= mesh_stage=4"),
-    (dict(mesh_stage=2, mesh_data=2, pipeline_microbatches=8), "batch_size=8 can't be cut into pipeline_microbatches=8"),
-])
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (dict(mesh_stage=3), "n_layer=8 is not divisible by mesh_stage=3"),
+        (dict(mesh_stage=2, layers_per_stage=3), "layers_per_stage=3: n_layer=8 is not a multiple of"),
+        (
+            dict(mesh_stage=4, layers_per_stage=1, pipeline_microbatches=2),
+            "needs pipeline_microbatches >= mesh_stage=4",
+        ),
+        (
+            dict(mesh_stage=2, mesh_data=2, pipeline_microbatches=8),
+            "batch_size=8 can't be cut into pipeline_microbatches=8",
+        ),
+    ],
+)
 def test_a_pipeline_that_does_not_fit_is_one_clear_error(tmp_path, keys, message):
     config = config_for(tmp_path, "bad", **keys)
     n = math.prod(getattr(config, f"mesh_{axis}") for axis in sharding.MESH_AXES)
@@ -138,6 +153,7 @@ def test_pipeline_with_dense_first_layers_is_refused():
 
 # ---------------------------------------------------------------------- host offload
 
+
 @pytest.mark.parametrize("offload", ["optimizer", "params_and_optimizer"])
 def test_offloaded_state_lives_on_the_host_and_trains_like_one_device(one_device, offload):
     root, reference = one_device
@@ -147,8 +163,10 @@ def test_offloaded_state_lives_on_the_host_and_trains_like_one_device(one_device
     state = train.init_state(setup)
     state, _ = train.jit_train_step(setup)(state, tuple(np.zeros((2, 1, 8, 16), np.int32)))
     kinds = {name: {a.sharding.memory_kind for a in jax.tree.leaves(state[name])} for name in ("params", "opt_state")}
-    assert kinds == {"params": {"pinned_host" if offload == "params_and_optimizer" else "device"},
-                     "opt_state": {"pinned_host"}}
+    assert kinds == {
+        "params": {"pinned_host" if offload == "params_and_optimizer" else "device"},
+        "opt_state": {"pinned_host"},
+    }
     resumed = dataclasses.replace(config, init_from="resume", max_iters=8, offload="none")  # back on the device
     assert len(losses(resumed)) == 2
 
@@ -176,7 +194,15 @@ def test_pipelined_packed_rows_equal_the_plain_stack_circular():
 def test_document_masking_pipelined_and_sharded_trains_on_each_document_as_if_alone(tmp_path):
     """stage=2 x fsdp=2 x tensor=2 (GPipe, 4 micro-batches): the step's loss and gradient norm over rows
     of several documents are the documents' own, each alone on one device."""
-    config = small_config(tmp_path, n_head=4, mesh_stage=2, mesh_fsdp=2, mesh_tensor=2, mesh_data=1,
-                          pipeline_microbatches=4, document_masking=True)
+    config = small_config(
+        tmp_path,
+        n_head=4,
+        mesh_stage=2,
+        mesh_fsdp=2,
+        mesh_tensor=2,
+        mesh_data=1,
+        pipeline_microbatches=4,
+        document_masking=True,
+    )
     got, expected = masked_step_and_alone(config, train.make_mesh(config))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -33,9 +33,11 @@ def test_plot_of_a_run_without_events_is_one_message(tmp_path):
 
 def test_decode_plot_has_a_line_per_weight_and_cache_dtype(tmp_path):
     runs = lambda ms: [{"batch_size": b, "tokens_per_s": b / (ms * 1e-3), "step_s": ms * 1e-3} for b in (1, 8)]
-    records = [{"mode": "decode", "weight_dtype": "auto", "kv_cache_dtype": "auto", "runs": runs(2.0)},
-               {"mode": "train"},
-               {"mode": "decode", "weight_dtype": "int8", "kv_cache_dtype": "int8", "runs": runs(1.0)}]
+    records = [
+        {"mode": "decode", "weight_dtype": "auto", "kv_cache_dtype": "auto", "runs": runs(2.0)},
+        {"mode": "train"},
+        {"mode": "decode", "weight_dtype": "int8", "kv_cache_dtype": "int8", "runs": runs(1.0)},
+    ]
     jsonl = tmp_path / "bench.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
     series = plot.decode_series([str(jsonl)])

@@ -30,12 +30,15 @@ from data.openwebtext import prepare as openwebtext  # noqa: E402
 from data.text import prepare as text_prep  # noqa: E402
 
 EOT = tokenizer.GPT2_EOT
-DOCS = [f"Document {i}: café ☕ naïve, {'some words ' * (i % 7)}and a quoted <|endoftext|>.\n" * (1 + i % 3)
-        for i in range(24)] + ["", "  leading spaces and\ttabs", "emoji 🚀 and 中文"]
+DOCS = [
+    f"Document {i}: café ☕ naïve, {'some words ' * (i % 7)}and a quoted <|endoftext|>.\n" * (1 + i % 3)
+    for i in range(24)
+] + ["", "  leading spaces and\ttabs", "emoji 🚀 and 中文"]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 # ---- writing corpora in every format
+
 
 def write_jsonl_lines(docs, key="text"):
     return "".join(json.dumps({key: d, "id": i}, ensure_ascii=False) + "\n" for i, d in enumerate(docs)).encode()
@@ -71,8 +74,10 @@ def read_dataset(out, dtype="uint16"):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["dtype"] == dtype
     tok = tokenizer.load_tokenizer(out)
-    return [[tok.decode(d[:-1]) for d in split_documents(np.fromfile(out / f"{s}.bin", dtype=dtype), tok.eot_token)]
-            for s in ("train", "val")]
+    return [
+        [tok.decode(d[:-1]) for d in split_documents(np.fromfile(out / f"{s}.bin", dtype=dtype), tok.eot_token)]
+        for s in ("train", "val")
+    ]
 
 
 def bins(out):
@@ -92,8 +97,12 @@ def expected_val(files_docs, root, seed=1337, val_fraction=0.3):
             lines = write_jsonl_lines(docs).splitlines(keepends=True)
             positions = np.cumsum([0] + [len(line) for line in lines[:-1]])
         for position, doc in zip(positions, docs):
-            h = int.from_bytes(__import__("hashlib").blake2b(f"{name}\n{position}".encode(), digest_size=8,
-                                                              key=str(seed).encode()).digest(), "big")
+            h = int.from_bytes(
+                __import__("hashlib")
+                .blake2b(f"{name}\n{position}".encode(), digest_size=8, key=str(seed).encode())
+                .digest(),
+                "big",
+            )
             if h < int(val_fraction * 2**64):
                 val.append(doc)
     return val
@@ -105,8 +114,10 @@ def test_each_format_end_to_end(tmp_path, ext):
     if ext == ".txt":
         files_docs = [(write_docs(root / f"doc{i:02d}.txt", [d]), [d]) for i, d in enumerate(DOCS)]
     else:
-        files_docs = [(write_docs(root / f"a{ext}", DOCS[:10]), DOCS[:10]),
-                      (write_docs(root / "sub" / f"b{ext}", DOCS[10:]), DOCS[10:])]
+        files_docs = [
+            (write_docs(root / f"a{ext}", DOCS[:10]), DOCS[:10]),
+            (write_docs(root / "sub" / f"b{ext}", DOCS[10:]), DOCS[10:]),
+        ]
     summary = text_prep.prepare(root, tmp_path / "out", val_fraction=0.3, num_proc=1)
     train, val = read_dataset(tmp_path / "out")
     want_val = expected_val(files_docs, root)
@@ -120,13 +131,13 @@ def test_each_format_end_to_end(tmp_path, ext):
 def test_num_proc_and_piece_size_do_not_change_the_output(tmp_path):
     root = tmp_path / "in"
     for i, ext in enumerate([".jsonl", ".jsonl.gz", ".parquet", ".jsonl.zst", ".txt"]):
-        write_docs(root / f"{i}{ext}", DOCS[i * 5:])
+        write_docs(root / f"{i}{ext}", DOCS[i * 5 :])
     text_prep.prepare(root, tmp_path / "one", val_fraction=0.2, num_proc=1)
     # Small pieces in a pool of 2, in a process of its own (forking this one, with JAX's threads, could deadlock).
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(ROOT)!r})
         from data.text import prepare
-        s = prepare.prepare({str(root)!r}, {str(tmp_path / 'two')!r}, val_fraction=0.2, num_proc=2, piece_bytes=300)
+        s = prepare.prepare({str(root)!r}, {str(tmp_path / "two")!r}, val_fraction=0.2, num_proc=2, piece_bytes=300)
         assert s["pieces"] > 4, s
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -161,6 +172,7 @@ def test_empty_splits_get_one_document(tmp_path):
 
 # ---- bigger vocabularies: uint32 token files
 
+
 def test_a_vocabulary_over_65536_writes_uint32(tmp_path):
     vocab = {f"w{i}": i for i in range(70_000)}
     vocab["[UNK]"] = len(vocab)
@@ -182,6 +194,7 @@ def test_a_vocabulary_over_65536_writes_uint32(tmp_path):
 
 # ---- bad input: one line naming the file
 
+
 def run_main(script, *args):
     with pytest.raises(SystemExit) as e:
         script.main(list(args))
@@ -193,10 +206,13 @@ def run_main(script, *args):
 def test_parquet_without_the_text_column(tmp_path):
     write_docs(tmp_path / "in" / "a.parquet", DOCS, key="body")
     message = run_main(text_prep, f"--input_dir={tmp_path / 'in'}", f"--out_dir={tmp_path / 'out'}")
-    assert message == (f"error: {tmp_path / 'in' / 'a.parquet'} has no column 'text'; its columns: id, body "
-                       "(choose one with --text_key)")
-    text_prep.main([f"--input_dir={tmp_path / 'in'}", f"--out_dir={tmp_path / 'out'}", "--text_key=body",
-                    "--num_proc=1"])
+    assert message == (
+        f"error: {tmp_path / 'in' / 'a.parquet'} has no column 'text'; its columns: id, body "
+        "(choose one with --text_key)"
+    )
+    text_prep.main(
+        [f"--input_dir={tmp_path / 'in'}", f"--out_dir={tmp_path / 'out'}", "--text_key=body", "--num_proc=1"]
+    )
     assert sorted(sum(read_dataset(tmp_path / "out"), [])) == sorted(DOCS)
 
 
@@ -205,10 +221,14 @@ def test_a_val_split_shorter_than_a_row_names_the_val_fraction_that_gives_one(tm
     write_docs(tmp_path / "in" / "a.jsonl", DOCS * 4)
     text_prep.main([f"--input_dir={tmp_path / 'in'}", f"--out_dir={tmp_path / 'out'}", "--num_proc=1"])
     out = capsys.readouterr().out
-    train, val = (int(n.replace(",", "")) for n in re.search(r"train: ([\d,]+) tokens, val: ([\d,]+) tokens", out).groups())
+    train, val = (
+        int(n.replace(",", "")) for n in re.search(r"train: ([\d,]+) tokens, val: ([\d,]+) tokens", out).groups()
+    )
     suggested = writer.val_fraction_for(1025, train + val)
-    assert f"note: val holds only {val} tokens and training needs block_size + 1 of them (1,025 at GPT-2's " \
-           f"1024): for more, run again with --val_fraction={suggested:g}" in out
+    assert (
+        f"note: val holds only {val} tokens and training needs block_size + 1 of them (1,025 at GPT-2's "
+        f"1024): for more, run again with --val_fraction={suggested:g}" in out
+    )
     assert 0.0005 < suggested <= 0.5
 
 
@@ -241,10 +261,11 @@ def test_truncated_shards_stop_the_run_or_are_skipped(tmp_path, capsys):
 
 # ---- Ctrl-C, then the same command again
 
+
 def test_resume_after_an_interruption_skips_finished_pieces(tmp_path, monkeypatch, capsys):
     root = tmp_path / "in"
     for i, ext in enumerate([".jsonl", ".parquet", ".jsonl.gz", ".jsonl", ".jsonl.zst", ".parquet"]):
-        write_docs(root / f"{i}{ext}", DOCS[i * 4:i * 4 + 4])
+        write_docs(root / f"{i}{ext}", DOCS[i * 4 : i * 4 + 4])
     piece = 1000  # bytes: a parquet file is a piece, small ones share one
     plan = corpus.plan_pieces(corpus.find_files(root), root, "text", piece)[0]
     first_two = 4 * (len(plan[0]) + len(plan[1]))  # documents in the first two pieces
@@ -282,9 +303,12 @@ def test_resume_after_an_interruption_skips_finished_pieces(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         text_prep.prepare(root, out, val_fraction=0.3, num_proc=1, piece_bytes=piece)
     parts = sorted(work.iterdir())
-    with pytest.raises(text_prep.InputError, match=rf"{work} holds the finished pieces of another preparation, "
-                       rf"with other settings: finish it with `python data/text/prepare\.py .*--seed=1337`, "
-                       rf"or delete {work} to start afresh"):
+    with pytest.raises(
+        text_prep.InputError,
+        match=rf"{work} holds the finished pieces of another preparation, "
+        rf"with other settings: finish it with `python data/text/prepare\.py .*--seed=1337`, "
+        rf"or delete {work} to start afresh",
+    ):
         text_prep.prepare(root, out, val_fraction=0.3, num_proc=1, piece_bytes=piece, seed=7)
     assert sorted(work.iterdir()) == parts
     # A file that changed since: its piece is made again, the other finished one is used.
@@ -297,8 +321,10 @@ def test_resume_after_an_interruption_skips_finished_pieces(tmp_path, monkeypatc
 
 # ---- memory does not grow with the corpus
 
-WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have "
-         "an they you were lorem ipsum dolor amet consectetur tempor incididunt").split()
+WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which but have "
+    "an they you were lorem ipsum dolor amet consectetur tempor incididunt"
+).split()
 
 
 def generated_docs(nbytes, seed):
@@ -311,15 +337,21 @@ def generated_docs(nbytes, seed):
 
 # A small Python runs the script and reports its peak memory: the peak of a child forked
 # from this (big) test process would start at this process's size.
-MEASURE = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, "
-           "stderr=subprocess.DEVNULL); _, status, usage = os.wait4(p.pid, 0); "
-           "print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)")
+MEASURE = (
+    "import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, "
+    "stderr=subprocess.DEVNULL); _, status, usage = os.wait4(p.pid, 0); "
+    "print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)"
+)
 
 
 def peak_rss_mb(*args):
     """Runs data/text/prepare.py in a process of its own; its peak resident memory in MB."""
-    r = subprocess.run([sys.executable, "-c", MEASURE, sys.executable, str(ROOT / "data/text/prepare.py"), *args],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", MEASURE, sys.executable, str(ROOT / "data/text/prepare.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     status, kb = map(int, r.stdout.split())
     assert status == 0
     return kb / 1024  # ru_maxrss is in KB on Linux
@@ -331,12 +363,14 @@ def test_memory_stays_flat_while_the_corpus_grows_8x(tmp_path, ext):
     for mb in (5, 40):
         docs = list(generated_docs(mb << 20, seed=mb))
         write_docs(tmp_path / f"in{mb}" / f"corpus{ext}", docs, row_group_size=200)
-        peaks.append(peak_rss_mb(f"--input_dir={tmp_path / f'in{mb}'}", f"--out_dir={tmp_path / f'out{mb}'}",
-                                 "--num_proc=1"))
+        peaks.append(
+            peak_rss_mb(f"--input_dir={tmp_path / f'in{mb}'}", f"--out_dir={tmp_path / f'out{mb}'}", "--num_proc=1")
+        )
     assert peaks[1] - peaks[0] < 20, peaks
 
 
 # ---- FineWeb-Edu and OpenWebText: a fake Hugging Face cache, as huggingface_hub lays it out
+
 
 def fake_hub_cache(cache: Path, repo_id, revision, files: dict) -> Path:
     """CACHE/datasets--ORG--NAME/{refs/REVISION, blobs/, snapshots/COMMIT/PATH -> blob}."""
@@ -352,7 +386,7 @@ def fake_hub_cache(cache: Path, repo_id, revision, files: dict) -> Path:
     return repo / "snapshots" / COMMIT
 
 
-SHARDS = {f"sample/10BT/{i:03d}_00000.parquet": DOCS[i * 9:i * 9 + 9] for i in range(3)}
+SHARDS = {f"sample/10BT/{i:03d}_00000.parquet": DOCS[i * 9 : i * 9 + 9] for i in range(3)}
 
 
 def test_fineweb_from_the_cache_and_from_a_folder(tmp_path, capsys):
@@ -363,12 +397,21 @@ def test_fineweb_from_the_cache_and_from_a_folder(tmp_path, capsys):
     assert source == f"https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu/tree/{COMMIT}/sample/10BT"
 
     out = tmp_path / "fw"
-    fineweb.main([f"--cache_dir={cache}", "--offline", "--max_shards=2", f"--out_dir={out}", "--num_proc=1",
-                  "--val_fraction=0.2"])
+    fineweb.main(
+        [
+            f"--cache_dir={cache}",
+            "--offline",
+            "--max_shards=2",
+            f"--out_dir={out}",
+            "--num_proc=1",
+            "--val_fraction=0.2",
+        ]
+    )
     assert "2 files, 18 documents" in capsys.readouterr().out
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["source"] == source and meta["prepare"].startswith("python data/fineweb/prepare.py --sample=10BT "
-                                                                   "--max_shards=2 --out_dir=")
+    assert meta["source"] == source and meta["prepare"].startswith(
+        "python data/fineweb/prepare.py --sample=10BT --max_shards=2 --out_dir="
+    )
     assert sorted(sum(read_dataset(out), [])) == sorted(DOCS[:18])
 
     # The same shards in a plain folder (--input_dir) make the same dataset: names are relative to it.
@@ -381,7 +424,7 @@ def test_fineweb_from_the_cache_and_from_a_folder(tmp_path, capsys):
 
 def test_openwebtext_from_the_converted_parquet_revision(tmp_path):
     cache = tmp_path / "hub"
-    shards = {f"plain_text/train/{i:04d}.parquet": DOCS[i * 9:i * 9 + 9] for i in range(3)}
+    shards = {f"plain_text/train/{i:04d}.parquet": DOCS[i * 9 : i * 9 + 9] for i in range(3)}
     snapshot = fake_hub_cache(cache, openwebtext.REPO_ID, openwebtext.REVISION, shards)
     assert (cache / "datasets--Skylion007--openwebtext/refs/refs/convert/parquet").is_file()
     root, files, _ = openwebtext.shards(cache_dir=cache, local_files_only=True)
@@ -406,16 +449,19 @@ def test_no_network_and_no_cache_is_one_message(tmp_path, monkeypatch):
         f"error: cannot reach the Hugging Face Hub (huggingface.co is unreachable) and the cache {empty} "
         f"has no copy of "
         "https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu/tree/main/sample/10BT: download its .parquet "
-        "files into a folder and pass --input_dir=FOLDER, or run again where huggingface.co is reachable")
+        "files into a folder and pass --input_dir=FOLDER, or run again where huggingface.co is reachable"
+    )
     assert "offline mode" in run_main(openwebtext, f"--cache_dir={empty}", "--offline", f"--out_dir={tmp_path / 'o'}")
     monkeypatch.setattr(corpus, "hub_reachable", lambda: True)  # a connection, then a failing request
     monkeypatch.setattr(corpus, "HfApi", NoNetwork)
     assert "cannot reach the Hugging Face Hub (ConnectionError: [Errno -3] Temporary failure" in run_main(
-        fineweb, f"--cache_dir={empty}", f"--out_dir={tmp_path / 'out'}")
+        fineweb, f"--cache_dir={empty}", f"--out_dir={tmp_path / 'out'}"
+    )
     # Without the network the cache serves, but not with fewer shards than asked for.
     fake_hub_cache(tmp_path / "hub", fineweb.REPO_ID, "main", SHARDS)
-    assert "holds 3 of the .parquet files" in run_main(fineweb, f"--cache_dir={tmp_path / 'hub'}", "--max_shards=5",
-                                                       f"--out_dir={tmp_path / 'out'}")
+    assert "holds 3 of the .parquet files" in run_main(
+        fineweb, f"--cache_dir={tmp_path / 'hub'}", "--max_shards=5", f"--out_dir={tmp_path / 'out'}"
+    )
     assert fineweb.shards("10BT", cache_dir=tmp_path / "hub")[1][-1].name == "002_00000.parquet"
 
 
@@ -437,14 +483,19 @@ def test_online_download_takes_the_first_shards(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "hub_reachable", lambda: True)
     root, files, _ = fineweb.shards("10BT", max_shards=2, cache_dir=tmp_path / "hub")
     assert asked["tree"] == ("HuggingFaceFW/fineweb-edu", "sample/10BT", "main", "dataset")
-    assert asked["download"] == {"repo_type": "dataset", "revision": "main", "cache_dir": tmp_path / "hub",
-                                 "allow_patterns": list(SHARDS)[:2]}
+    assert asked["download"] == {
+        "repo_type": "dataset",
+        "revision": "main",
+        "cache_dir": tmp_path / "hub",
+        "allow_patterns": list(SHARDS)[:2],
+    }
     assert files == [snapshot / name for name in list(SHARDS)[:2]]
 
 
 def test_every_prepare_help_gives_its_description_whole():
     for script in sorted(ROOT.glob("data/*/prepare.py")):
-        help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
-                                   check=True).stdout
+        help_text = subprocess.run(
+            [sys.executable, str(script), "--help"], capture_output=True, text=True, check=True
+        ).stdout
         description = " ".join(help_text.split("\n\n")[1].split())  # after the usage lines
         assert description.endswith("."), (script, description)

@@ -83,8 +83,9 @@ def test_gradients_are_straight_through(mode):
     if mode == "int8":
         bound = product_error_bound(c, w.T, int8_rounding_error(c, 1), int8_rounding_error(w.T, 0))
     else:
-        bound = product_error_bound(c, w.T, fp8_rounding_error(c, quantization.GRADIENT_FP8),
-                                    fp8_rounding_error(w.T, quantization.FORWARD_FP8))
+        bound = product_error_bound(
+            c, w.T, fp8_rounding_error(c, quantization.GRADIENT_FP8), fp8_rounding_error(w.T, quantization.FORWARD_FP8)
+        )
     exact = c @ w.T
     assert bool(jnp.all(jnp.abs(dx - exact) <= bound * 1.001 + 1e-6 * jnp.abs(exact)))
     assert float(jnp.abs(dx - exact).max()) > 0  # quantized, not the float product

@@ -49,21 +49,30 @@ def python_scripts(block: str) -> list[tuple[str, list[str]]]:
     for words in commands(block):
         for i, word in enumerate(words[:-1]):
             if re.fullmatch(r"(\S*/)?python3?", word) and words[i + 1].endswith(".py"):
-                runs.append((words[i + 1], words[i + 2:]))
+                runs.append((words[i + 1], words[i + 2 :]))
                 break
-            if re.fullmatch(r"(\S*/)?python3?", word) and words[i + 1] == "-m" and i + 2 < len(words) \
-                    and words[i + 2] not in ("venv", "pip", "pytest"):  # the repo's modules, not Python's tools
-                runs.append((words[i + 2].replace(".", "/") + ".py", words[i + 3:]))
+            if (
+                re.fullmatch(r"(\S*/)?python3?", word)
+                and words[i + 1] == "-m"
+                and i + 2 < len(words)
+                and words[i + 2] not in ("venv", "pip", "pytest")
+            ):  # the repo's modules, not Python's tools
+                runs.append((words[i + 2].replace(".", "/") + ".py", words[i + 3 :]))
                 break
     return runs
 
 
 def dataclass_fields(tree: ast.AST, names=None) -> set[str]:
     """The fields of the dataclasses defined in a module (of those named `names`, if given)."""
-    return {item.target.id for node in ast.walk(tree)
-            if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list)
-            and (names is None or node.name in names)
-            for item in node.body if isinstance(item, ast.AnnAssign)}
+    return {
+        item.target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and any("dataclass" in ast.unparse(d) for d in node.decorator_list)
+        and (names is None or node.name in names)
+        for item in node.body
+        if isinstance(item, ast.AnnAssign)
+    }
 
 
 def own_options(script: str) -> set[str]:
@@ -104,10 +113,13 @@ def config_file_value(path: str, key: str):
     return namespace.get(key)
 
 
-PAGES = {path.relative_to(ROOT).as_posix(): path.read_text()
-         for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
-RUNS_BY_PAGE = {page: [run for block in bash_blocks(text) for run in python_scripts(block)]
-                for page, text in PAGES.items()}
+PAGES = {
+    path.relative_to(ROOT).as_posix(): path.read_text()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+}
+RUNS_BY_PAGE = {
+    page: [run for block in bash_blocks(text) for run in python_scripts(block)] for page, text in PAGES.items()
+}
 RUNS = [run for runs in RUNS_BY_PAGE.values() for run in runs]
 IDS = [f"{page}: {' '.join([s, *a])}"[:90] for page, runs in RUNS_BY_PAGE.items() for s, a in runs]
 
@@ -116,8 +128,16 @@ def test_the_readme_and_the_docs_have_the_commands_this_test_reads():
     readme = {script for script, _ in RUNS_BY_PAGE["README.md"]}
     assert {"train.py", "sample.py"} <= readme and any(script.startswith("data/") for script in readme)
     scripts = {script for script, _ in RUNS}
-    assert {"train.py", "sample.py", "export_hf.py", "eval.py", "bench.py", "compile_aot.py",
-            "serve.py", "evals/lm_eval_nanomax.py"} <= scripts
+    assert {
+        "train.py",
+        "sample.py",
+        "export_hf.py",
+        "eval.py",
+        "bench.py",
+        "compile_aot.py",
+        "serve.py",
+        "evals/lm_eval_nanomax.py",
+    } <= scripts
 
 
 def test_every_docs_page_is_linked_from_the_readme():
@@ -154,7 +174,9 @@ def test_no_two_training_examples_share_an_out_dir():
         flags = dict(a[2:].partition("=")[::2] for a in args if a.startswith("--"))
         files = [a for a in args if a.endswith(".py")]
         out_dir = flags.get("out_dir") or next(
-            (config_file_value(f, "out_dir") for f in reversed(files) if config_file_value(f, "out_dir")), Config.out_dir)
+            (config_file_value(f, "out_dir") for f in reversed(files) if config_file_value(f, "out_dir")),
+            Config.out_dir,
+        )
         command = " ".join(["train.py", *args])
         if flags.get("init_from") == "resume":
             resumed.append((out_dir, command))

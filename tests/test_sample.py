@@ -17,12 +17,21 @@ CHARS = "".join(chr(0x100 + i) for i in range(65))  # a 65-symbol character voca
 
 
 def test_command_line_on_hugging_face_files_with_a_prompt_file(tmp_path, capsys):
-    hf_dir = write_hf_gpt2(tmp_path / "gpt2", random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=50257,
-                                                            n_positions=64), n_head=4)
+    hf_dir = write_hf_gpt2(
+        tmp_path / "gpt2", random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=50257, n_positions=64), n_head=4
+    )
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello, my name is\n\nThe quick brown fox jumps over the lazy\n")
-    sample.main([f"--init_from={hf_dir}", f"--start=FILE:{prompts}", "--num_samples=2",
-                 "--max_new_tokens=6", "--temperature=0", "--stream=True"])
+    sample.main(
+        [
+            f"--init_from={hf_dir}",
+            f"--start=FILE:{prompts}",
+            "--num_samples=2",
+            "--max_new_tokens=6",
+            "--temperature=0",
+            "--stream=True",
+        ]
+    )
     out, err = capsys.readouterr()
     samples = out.split("---------------\n")[:-1]
     assert len(samples) == 4  # 2 prompts (the empty line is skipped) x 2 samples
@@ -45,10 +54,25 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
     for split in ("train", "val"):
         rng.integers(0, 65, 2000).astype(np.uint16).tofile(data / f"{split}.bin")
     (data / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": 65, "chars": CHARS}))
-    config = Config(init_from=hf_dir, data_dir=str(tmp_path / "data"), dataset="chars", quantization="int8",
-                    out_dir=str(tmp_path / "out"), n_layer=2, n_head=4, n_embd=32, block_size=16,
-                    batch_size=2, max_iters=1, learning_rate=0.0, min_lr=0.0, warmup_iters=0,
-                    eval_interval=1, eval_iters=1, tensorboard=False)
+    config = Config(
+        init_from=hf_dir,
+        data_dir=str(tmp_path / "data"),
+        dataset="chars",
+        quantization="int8",
+        out_dir=str(tmp_path / "out"),
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        block_size=16,
+        batch_size=2,
+        max_iters=1,
+        learning_rate=0.0,
+        min_lr=0.0,
+        warmup_iters=0,
+        eval_interval=1,
+        eval_iters=1,
+        tensorboard=False,
+    )
     train.train(config, jax.devices()[:1])
     setup, params, step, tok = loader.load_checkpoint(config.out_dir)
     assert setup.model_config.quantization == "none"  # trained quantized or not: chosen when sampling
@@ -56,7 +80,15 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(a, b)
     capsys.readouterr()
-    sample.main(["--init_from=resume", f"--out_dir={config.out_dir}", f"--start={CHARS[:4]}",
-                 "--num_samples=1", "--max_new_tokens=20", "--quantization=int8"])
+    sample.main(
+        [
+            "--init_from=resume",
+            f"--out_dir={config.out_dir}",
+            f"--start={CHARS[:4]}",
+            "--num_samples=1",
+            "--max_new_tokens=20",
+            "--quantization=int8",
+        ]
+    )
     out, err = capsys.readouterr()
     assert out.startswith(CHARS[:4]) and len(out.split("\n")[0]) == 24  # on past the context (16)

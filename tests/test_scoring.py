@@ -33,8 +33,11 @@ def write_examples(path, n=6, seed=0, context_len=12, hellaswag=True):
         for _ in range(n):
             context, choices = text(rng, context_len), [text(rng, int(rng.integers(2, 8))) for _ in range(4)]
             label = int(rng.integers(0, 4))
-            record = ({"ctx": context, "endings": choices, "label": str(label)} if hellaswag
-                      else {"context": context, "choices": choices, "label": label})
+            record = (
+                {"ctx": context, "endings": choices, "label": str(label)}
+                if hellaswag
+                else {"context": context, "choices": choices, "label": label}
+            )
             f.write(json.dumps(record) + "\n")
     return str(path)
 
@@ -73,8 +76,9 @@ def test_scores_equal_one_forward_pass_per_choice_batched_or_not(model, tmp_path
         sums, counts, greedy = scoring.score_rows(setup, params, rows, batch_rows)
         np.testing.assert_allclose(sums, reference, rtol=0, atol=1e-5)
         assert list(counts) == [len(t) - s for t, s in zip(rows.tokens, rows.start)]
-    assert scoring.multiple_choice(setup, params, TOK, examples, batch_rows=1) == \
-        scoring.multiple_choice(setup, params, TOK, examples, batch_rows=32)
+    assert scoring.multiple_choice(setup, params, TOK, examples, batch_rows=1) == scoring.multiple_choice(
+        setup, params, TOK, examples, batch_rows=32
+    )
 
 
 def test_contexts_start_as_lm_evaluation_harness_starts_them(tmp_path):
@@ -98,13 +102,22 @@ def test_contexts_start_as_lm_evaluation_harness_starts_them(tmp_path):
 
 def test_hellaswag_lines_read_as_the_harness_reads_them(tmp_path):
     path = tmp_path / "hs.jsonl"
-    path.write_text(json.dumps({"activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.",
-                                "ctx_b": "he", "ctx": "A man is sitting on a roof. he", "label": "1",
-                                "endings": ["is using wrap.", " [title] Remove the shingles. [step] Use a pry bar."]}))
-    example, = scoring.read_examples(str(path), "hellaswag")
+    path.write_text(
+        json.dumps(
+            {
+                "activity_label": "Roof shingle removal",
+                "ctx_a": "A man is sitting on a roof.",
+                "ctx_b": "he",
+                "ctx": "A man is sitting on a roof. he",
+                "label": "1",
+                "endings": ["is using wrap.", " [title] Remove the shingles. [step] Use a pry bar."],
+            }
+        )
+    )
+    (example,) = scoring.read_examples(str(path), "hellaswag")
     assert example.context == "Roof shingle removal: A man is sitting on a roof. He"
     assert example.choices == ("is using wrap.", " Remove the shingles. Use a pry bar.")  # the harness's own
-    raw, = scoring.read_examples(str(path), "hellaswag", hellaswag_text="raw")  # build-nanogpt's
+    (raw,) = scoring.read_examples(str(path), "hellaswag", hellaswag_text="raw")  # build-nanogpt's
     assert raw.context == "A man is sitting on a roof. he" and raw.choices[1].startswith(" [title] Remove")
 
 
@@ -126,9 +139,9 @@ def test_acc_and_acc_norm_worked_by_hand():
     Per character (the harness's), "bb" vs "c" at -5 vs -3: -2.5 > -3 picks 0; counting the space
     before each choice would give -5/3 < -3/2 and pick 1."""
     examples = [scoring.Example("a", ("b", "c"), label, f"x:{i}") for i, label in enumerate((1, 0, 0))]
-    sums, counts = np.array([-4., -6, -3, -1, -2, -9]), np.array([2, 4, 3, 1, 1, 9])
+    sums, counts = np.array([-4.0, -6, -3, -1, -2, -9]), np.array([2, 4, 3, 1, 1, 9])
     assert scoring.accuracy(examples, sums, counts, norm="token") == {"acc": 1 / 3, "acc_norm": 2 / 3, "examples": 3}
-    by_char = scoring.accuracy([scoring.Example("a", ("bb", "c"), 0, "x:0")], np.array([-5., -3]), np.array([1, 1]))
+    by_char = scoring.accuracy([scoring.Example("a", ("bb", "c"), 0, "x:0")], np.array([-5.0, -3]), np.array([1, 1]))
     assert by_char == {"acc": 0, "acc_norm": 1, "examples": 1}
 
 
@@ -136,8 +149,11 @@ def test_perplexity_scores_every_token_once_in_half_overlapping_windows(model):
     setup, params = model
     ids = list(np.random.default_rng(1).integers(0, 65, 100))
     rows = scoring.window_rows(ids, 32)
-    scored = [row_start + begin for begin, (row, start) in zip(range(0, 100, 16), zip(rows.tokens, rows.start))
-              for row_start in range(max(start, 1), len(row))]
+    scored = [
+        row_start + begin
+        for begin, (row, start) in zip(range(0, 100, 16), zip(rows.tokens, rows.start))
+        for row_start in range(max(start, 1), len(row))
+    ]
     assert scored == list(range(1, 100))  # each token after the first, once, in order
     assert all(start >= 16 for start in rows.start[1:])  # with at least half a window before it
     assert len(rows.tokens) == 6 and all(len(row) <= 33 for row in rows.tokens)  # begins 0, 16, ..., 80
@@ -159,13 +175,16 @@ def test_a_long_context_is_cut_from_the_left_and_counted(model, tmp_path):
     assert "8 rows cut from the left to fit" in scoring.summary("hellaswag", result)
 
 
-@pytest.mark.parametrize("line, words", [
-    ('{"ctx": "ab", "endings": ["c", "d"], "label": 2}', ["x.jsonl:2", "label 2 is not an index of its 2 choices"]),
-    ('{"ctx": "ab", "endings": ["c", "d"]', ["x.jsonl:2", "malformed JSON"]),
-    ('{"context": "ab", "choices": ["c", "d"], "label": 0}', ["x.jsonl:2", "no 'ctx', 'endings' field"]),
-    ('{"ctx": "ab", "endings": "cd", "label": 0}', ["x.jsonl:2", "a list of at least two strings"]),
-    ('{"ctx": "ab", "endings": ["c", " "], "label": 0}', ["x.jsonl:2", "choice 1 is empty"]),  # it would always win
-])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ('{"ctx": "ab", "endings": ["c", "d"], "label": 2}', ["x.jsonl:2", "label 2 is not an index of its 2 choices"]),
+        ('{"ctx": "ab", "endings": ["c", "d"]', ["x.jsonl:2", "malformed JSON"]),
+        ('{"context": "ab", "choices": ["c", "d"], "label": 0}', ["x.jsonl:2", "no 'ctx', 'endings' field"]),
+        ('{"ctx": "ab", "endings": "cd", "label": 0}', ["x.jsonl:2", "a list of at least two strings"]),
+        ('{"ctx": "ab", "endings": ["c", " "], "label": 0}', ["x.jsonl:2", "choice 1 is empty"]),  # it would always win
+    ],
+)
 def test_bad_lines_are_named(tmp_path, line, words):
     path = tmp_path / "x.jsonl"
     path.write_text('{"ctx": "ab", "endings": ["c", "d"], "label": 0}\n' + line + "\n")
@@ -181,7 +200,9 @@ def test_command_line_and_its_one_line_errors(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     data = write_examples(tmp_path / "c.jsonl", n=3, context_len=6, hellaswag=False)
     result = eval_cli.main([f"--out_dir={config.out_dir}", "--task=choice", f"--data={data}", "--devices=1"])
-    assert capsys.readouterr().out == f"choice: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} (3 examples)\n"
+    assert (
+        capsys.readouterr().out == f"choice: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} (3 examples)\n"
+    )
 
     def offline(*args, **kwargs):
         raise urllib.error.URLError("no network")
@@ -195,8 +216,10 @@ def test_command_line_and_its_one_line_errors(tmp_path, monkeypatch, capsys):
         (["--task=perplexity"], ["--task=perplexity needs --data=FILE"]),
         (["--task=perplexity", "--data=x.txt", "--limit=5"], ["--limit counts the examples", "cut the file"]),
         (["--task=choice", f"--data={data}", "--prefix=bos"], ["--prefix=bos: this tokenizer has no BOS token"]),
-        (["--task=choice", f"--data={write_examples(tmp_path / 'hs.jsonl', n=1)}"],  # HellaSwag's form
-         ["no 'context', 'choices' field"]),
+        (
+            ["--task=choice", f"--data={write_examples(tmp_path / 'hs.jsonl', n=1)}"],  # HellaSwag's form
+            ["no 'context', 'choices' field"],
+        ),
     ]:
         with pytest.raises(SystemExit) as excinfo:
             eval_cli.main([f"--out_dir={config.out_dir}", "--devices=1", *flags])
@@ -208,8 +231,13 @@ def test_eval_tasks_in_training_are_logged_and_plotted(tmp_path, capsys):
     make_spaced_dataset(tmp_path)
     data = write_examples(tmp_path / "hs.jsonl", n=4)
     (tmp_path / "t.txt").write_text(text(np.random.default_rng(2), 80), encoding="utf-8")
-    config = small_config(tmp_path, max_iters=2, eval_interval=1, tensorboard=True,
-                          eval_tasks=f"hellaswag:{data},perplexity:{tmp_path / 't.txt'}")
+    config = small_config(
+        tmp_path,
+        max_iters=2,
+        eval_interval=1,
+        tensorboard=True,
+        eval_tasks=f"hellaswag:{data},perplexity:{tmp_path / 't.txt'}",
+    )
     train.train(config, ONE_DEVICE)
     lines = [line for line in capsys.readouterr().out.splitlines() if " | val loss " in line]
     assert [line.split(" |")[0] for line in lines] == ["step 1", "step 2"]  # every eval_interval
@@ -219,5 +247,4 @@ def test_eval_tasks_in_training_are_logged_and_plotted(tmp_path, capsys):
     plot.main([config.out_dir, f"--out={tmp_path / 'p.png'}"])
     assert (tmp_path / "p.png").stat().st_size > 0
     with pytest.raises(scoring.EvalError, match="missing.jsonl not found"):
-        train.train(small_config(tmp_path, out_dir=str(tmp_path / "o2"), eval_tasks="choice:missing.jsonl"),
-                    ONE_DEVICE)
+        train.train(small_config(tmp_path, out_dir=str(tmp_path / "o2"), eval_tasks="choice:missing.jsonl"), ONE_DEVICE)

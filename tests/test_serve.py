@@ -63,8 +63,12 @@ def free_port() -> int:
 def start_server(*flags) -> tuple:
     """(url, process) of serve.py with these flags on a free port, once /health says 200."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), *flags, f"--port={port}"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "serve.py"), *flags, f"--port={port}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline, status = time.time() + 180, None
     while time.time() < deadline and process.poll() is None:
@@ -84,8 +88,9 @@ def start_server(*flags) -> tuple:
 def server(run, request):
     """The server on the trained run: HTTP on the engine's process, or in two worker processes
     (--http_workers, serving/workers.py) that exchange requests and tokens with it over pipes."""
-    url, process = start_server(f"--out_dir={run}", "--slots=4", "--max_queue=16", "--log_interval=0",
-                                f"--http_workers={request.param}")
+    url, process = start_server(
+        f"--out_dir={run}", "--slots=4", "--max_queue=16", "--log_interval=0", f"--http_workers={request.param}"
+    )
     yield url, process
     if process.poll() is None:
         process.kill()
@@ -100,14 +105,24 @@ def slow_server(tmp_path_factory, request):
     mid-stream. Its last test stops it with SIGTERM."""
     directory = tmp_path_factory.mktemp("slow") / "model"
     shape = dict(n_layer=1, hidden=1024, heads=8, kv_heads=8, intermediate=4096, vocab_size=len(CHARS), tied=True)
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
-              "intermediate_size": 4096, "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 8,
-              "vocab_size": len(CHARS), "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
-              "tie_word_embeddings": True}
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "vocab_size": len(CHARS),
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+    }
     write_hf_llama(directory, random_hf_llama(**shape), config)
     tokenizer.char_tokenizer(CHARS).save_files(directory)
-    url, process = start_server(f"--init_from={directory}", "--slots=1", "--log_interval=0",
-                                f"--http_workers={request.param}")
+    url, process = start_server(
+        f"--init_from={directory}", "--slots=1", "--log_interval=0", f"--http_workers={request.param}"
+    )
     yield url, process
     if process.poll() is None:
         process.kill()
@@ -126,8 +141,9 @@ def loaded(run):
 
 def post(url, body, raw: bytes | None = None):
     """(status, JSON body) of a POST, errors included."""
-    request = urllib.request.Request(url, data=raw if raw is not None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=raw if raw is not None else json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -138,8 +154,11 @@ def post(url, body, raw: bytes | None = None):
 def stream_lines(url, body):
     """The non-empty lines of a streamed completion, read as they come over raw HTTP; leaving the
     `with` hangs up."""
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     return urllib.request.urlopen(request, timeout=60)
 
 
@@ -169,38 +188,57 @@ def test_greedy_completion_equals_generate_streamed_or_not(client, loaded):
     echo = client.completions.create(model="out", prompt="hello world", max_tokens=12, temperature=0, echo=True)
     assert echo.choices[0].text == "hello world" + whole.choices[0].text
     # Any integer is a seed (the device's are int32: taken modulo 2^31)
-    assert client.completions.create(model="out", prompt="hi", max_tokens=2, seed=2 ** 40).usage.completion_tokens == 2
+    assert client.completions.create(model="out", prompt="hi", max_tokens=2, seed=2**40).usage.completion_tokens == 2
 
 
 def test_eight_concurrent_seeded_streams_each_equal_the_request_alone(client, loaded):
     """Continuous batching on 4 slots: 8 streams at once, each with its own seed and settings, give
     what each gives alone; and a seeded request is what inference/generate.py draws for its first row."""
     setup, params, _, tok = loaded
-    settings = [dict(seed=s, temperature=0.5 + s / 8, top_k=(0, 5)[s % 2], top_p=(1.0, 0.9)[s // 4])
-                for s in range(8)]
-    ask = lambda s: streamed_text(client.completions.create(  # top_k is an extension: extra_body
-        model="out", prompt="abc", max_tokens=20, stream=True, seed=s["seed"], temperature=s["temperature"],
-        top_p=s["top_p"], extra_body={"top_k": s["top_k"]}))
+    settings = [dict(seed=s, temperature=0.5 + s / 8, top_k=(0, 5)[s % 2], top_p=(1.0, 0.9)[s // 4]) for s in range(8)]
+    ask = lambda s: streamed_text(
+        client.completions.create(  # top_k is an extension: extra_body
+            model="out",
+            prompt="abc",
+            max_tokens=20,
+            stream=True,
+            seed=s["seed"],
+            temperature=s["temperature"],
+            top_p=s["top_p"],
+            extra_body={"top_k": s["top_k"]},
+        )
+    )
     alone = [ask(s) for s in settings]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         together = list(pool.map(ask, settings))
     assert together == alone
     assert len({text for text, _ in alone}) > 4  # the settings matter
     s = settings[3]
-    expected = generate.generate(setup, params, [generate.encode_prompt(tok, "abc")], 20, seed=s["seed"],
-                                 temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"]).tokens[0]
+    expected = generate.generate(
+        setup,
+        params,
+        [generate.encode_prompt(tok, "abc")],
+        20,
+        seed=s["seed"],
+        temperature=s["temperature"],
+        top_k=s["top_k"],
+        top_p=s["top_p"],
+    ).tokens[0]
     assert alone[3][0] == tok.decode(expected)
 
 
 def test_stop_strings_end_the_text_before_them(client):
     full = client.completions.create(model="out", prompt="abc", max_tokens=20, temperature=0).choices[0].text
     stop = full[5:7]
-    cut = full[:full.find(stop)]
+    cut = full[: full.find(stop)]
     for stream in (False, True):
-        reply = client.completions.create(model="out", prompt="abc", max_tokens=20, temperature=0, stop=[stop],
-                                          stream=stream)
+        reply = client.completions.create(
+            model="out", prompt="abc", max_tokens=20, temperature=0, stop=[stop], stream=stream
+        )
         assert (streamed_text(reply) if stream else (reply.choices[0].text, reply.choices[0].finish_reason)) == (
-            cut, "stop")
+            cut,
+            "stop",
+        )
 
 
 def test_logprobs_end_with_the_text_before_a_stop_string(client):
@@ -209,16 +247,17 @@ def test_logprobs_end_with_the_text_before_a_stop_string(client):
     full = client.completions.create(model="out", prompt="abc", max_tokens=20, temperature=0, logprobs=1)
     tokens = full.choices[0].logprobs.tokens
     stop = "".join(tokens[3:5])  # two whole tokens: a stop string that spans tokens
-    cut = full.choices[0].text[:full.choices[0].text.find(stop)]
+    cut = full.choices[0].text[: full.choices[0].text.find(stop)]
     for stream in (False, True):
-        reply = client.completions.create(model="out", prompt="abc", max_tokens=20, temperature=0, stop=[stop],
-                                          stream=stream, logprobs=1)
+        reply = client.completions.create(
+            model="out", prompt="abc", max_tokens=20, temperature=0, stop=[stop], stream=stream, logprobs=1
+        )
         chunks = list(reply) if stream else [reply]
         assert "".join(c.choices[0].text for c in chunks) == cut
         logprobs = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
         tokens = [t for lp in logprobs for t in lp.tokens]
         offsets = [o for lp in logprobs for o in lp.text_offset]
-        assert "".join(tokens) == cut and [cut[o:o + len(t)] for t, o in zip(tokens, offsets)] == tokens
+        assert "".join(tokens) == cut and [cut[o : o + len(t)] for t, o in zip(tokens, offsets)] == tokens
 
 
 def test_chat_renders_the_template_and_streams_the_role_first(client, server, loaded):
@@ -230,8 +269,9 @@ def test_chat_renders_the_template_and_streams_the_role_first(client, server, lo
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].message.content == as_completion.choices[0].text
     assert reply.usage.prompt_tokens == len(ids) and reply.object == "chat.completion"
-    chunks = list(client.chat.completions.create(model="out", messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model="out", messages=messages, max_tokens=10, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -242,7 +282,7 @@ def test_logprobs_are_the_models_own(client, loaded):
     each step (before temperature), the chosen token's and the k most likely."""
     setup, params, _, tok = loaded
     ids = generate.encode_prompt(tok, "hello")
-    logits = nnx.merge(setup.graphdef, params)(jnp.asarray([ids]))[0, -1, :tok.vocab_size]
+    logits = nnx.merge(setup.graphdef, params)(jnp.asarray([ids]))[0, -1, : tok.vocab_size]
     expected = np.asarray(jax.nn.log_softmax(logits))
     best = np.argsort(-expected)[:3]
     reply = client.completions.create(model="out", prompt="hello", max_tokens=4, temperature=0, logprobs=3)
@@ -253,10 +293,16 @@ def test_logprobs_are_the_models_own(client, loaded):
     np.testing.assert_allclose(list(lp.top_logprobs[0].values()), expected[best], atol=1e-4)
     assert "".join(lp.tokens) == reply.choices[0].text and lp.text_offset[:2] == [0, len(lp.tokens[0])]
     messages = [{"role": "user", "content": "hi"}]
-    content = client.chat.completions.create(model="out", messages=messages, max_tokens=4, temperature=0,
-                                             logprobs=True, top_logprobs=2).choices[0].logprobs.content
-    assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token
-                                     for c in content)  # greedy: the chosen token is the most likely
+    content = (
+        client.chat.completions.create(
+            model="out", messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+        )
+        .choices[0]
+        .logprobs.content
+    )
+    assert len(content) == 4 and all(
+        len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content
+    )  # greedy: the chosen token is the most likely
 
 
 def test_echo_with_logprobs_scores_the_prompt_and_tokenizer_routes_match(client, server, loaded):
@@ -268,15 +314,17 @@ def test_echo_with_logprobs_scores_the_prompt_and_tokenizer_routes_match(client,
     health = lambda: json.loads(urllib.request.urlopen(url + "/health").read())
     assert health()["compiles_while_serving"] == 0  # the requests so far all ran on the start-up programs
     ids = generate.encode_prompt(tok, "hello world")
-    logits = nnx.merge(setup.graphdef, params)(jnp.asarray([ids]))[0, :, :tok.vocab_size]
+    logits = nnx.merge(setup.graphdef, params)(jnp.asarray([ids]))[0, :, : tok.vocab_size]
     expected = np.asarray(jax.nn.log_softmax(logits))
-    reply = client.completions.create(model="out", prompt="hello world", max_tokens=1, temperature=0,
-                                      logprobs=2, echo=True)
+    reply = client.completions.create(
+        model="out", prompt="hello world", max_tokens=1, temperature=0, logprobs=2, echo=True
+    )
     lp = reply.choices[0].logprobs
     assert lp.tokens == [tok.decode([i]) for i in ids] + [tok.decode([expected[-1].argmax()])]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    np.testing.assert_allclose(lp.token_logprobs[1:], [expected[t, i] for t, i in enumerate(ids[1:] + [
-        expected[-1].argmax()])], atol=1e-4)
+    np.testing.assert_allclose(
+        lp.token_logprobs[1:], [expected[t, i] for t, i in enumerate(ids[1:] + [expected[-1].argmax()])], atol=1e-4
+    )
     best = np.argsort(-expected[2])[:2]
     assert list(lp.top_logprobs[3]) == [tok.decode([i]) for i in best]
     assert lp.text_offset == list(range(len(ids) + 1)) and reply.choices[0].text.startswith("hello world")
@@ -287,21 +335,24 @@ def test_echo_with_logprobs_scores_the_prompt_and_tokenizer_routes_match(client,
     assert post(url + "/tokenize", {"prompt": 3})[0] == 400
 
 
-@pytest.mark.parametrize("body, status, param, words", [
-    (None, 400, None, "not valid JSON"),
-    ({"prompt": "ab", "max_tokens": "x"}, 400, "max_tokens", "an integer >= 1"),
-    ({"prompt": "ab", "max_tokens": 0}, 400, "max_tokens", "an integer >= 1"),
-    ({"prompt": "ab", "temperature": -1}, 400, "temperature", "[0, 2]"),
-    ({"prompt": ""}, 400, "prompt", "empty"),
-    ({"prompt": "a" * 40}, 400, "prompt", "context is 32 tokens"),
-    ({"prompt": "ab", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
-    ({"prompt": "ab", "logprobs": 6}, 400, "logprobs", "[0, 5]"),
-    ({"prompt": "ab", "top-k": 3}, 400, "top-k", "unknown parameter"),
-    ({"prompt": "ab", "model": "gpt-4"}, 404, "model", "does not exist"),
-    ({"prompt": "☃"}, 400, "prompt", "can't be encoded"),
-    # 2 prompts x 16 = 32 generations at once; 4 slots + max_queue 16 hold 20: none of them runs
-    ({"prompt": ["ab", "ba"], "n": 16, "max_tokens": 2}, 429, None, "max_queue"),
-])
+@pytest.mark.parametrize(
+    "body, status, param, words",
+    [
+        (None, 400, None, "not valid JSON"),
+        ({"prompt": "ab", "max_tokens": "x"}, 400, "max_tokens", "an integer >= 1"),
+        ({"prompt": "ab", "max_tokens": 0}, 400, "max_tokens", "an integer >= 1"),
+        ({"prompt": "ab", "temperature": -1}, 400, "temperature", "[0, 2]"),
+        ({"prompt": ""}, 400, "prompt", "empty"),
+        ({"prompt": "a" * 40}, 400, "prompt", "context is 32 tokens"),
+        ({"prompt": "ab", "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+        ({"prompt": "ab", "logprobs": 6}, 400, "logprobs", "[0, 5]"),
+        ({"prompt": "ab", "top-k": 3}, 400, "top-k", "unknown parameter"),
+        ({"prompt": "ab", "model": "gpt-4"}, 404, "model", "does not exist"),
+        ({"prompt": "☃"}, 400, "prompt", "can't be encoded"),
+        # 2 prompts x 16 = 32 generations at once; 4 slots + max_queue 16 hold 20: none of them runs
+        ({"prompt": ["ab", "ba"], "n": 16, "max_tokens": 2}, 429, None, "max_queue"),
+    ],
+)
 def test_bad_requests_get_openai_errors(server, body, status, param, words):
     got, reply = post(server[0] + "/v1/completions", body, raw=b"{not json" if body is None else None)
     assert got == status
@@ -313,7 +364,8 @@ def response_of(connection: socket.socket) -> tuple[int, dict]:
     """(status, JSON body) of one HTTP response read off a raw connection."""
     data = b""
     while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
-            re.search(rb"content-length: (\d+)", data, re.I).group(1)):
+        re.search(rb"content-length: (\d+)", data, re.I).group(1)
+    ):
         data += connection.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)
@@ -326,14 +378,25 @@ def test_bodies_over_the_limit_get_413_before_they_are_read(server, client):
     the limit is served; the server stays healthy."""
     url, limit = server[0], serve.ServeConfig.max_body_bytes
     host, port = url.removeprefix("http://").split(":")
-    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-                         ("GET", "/index.html"), ("GET", "/health")):
+    for method, path in (
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/tokenize"),
+        ("GET", "/index.html"),
+        ("GET", "/health"),
+    ):
         with socket.create_connection((host, int(port)), timeout=30) as connection:
             connection.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {limit + 1}\r\n\r\n".encode())
             status, reply = response_of(connection)  # no body was sent: the answer came from the header alone
-        assert status == 413 and reply == {"error": {
-            "message": f"the request body is larger than this server's limit of {limit:,} bytes (serve.py "
-                       f"--max_body_bytes)", "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+        assert status == 413 and reply == {
+            "error": {
+                "message": f"the request body is larger than this server's limit of {limit:,} bytes (serve.py "
+                f"--max_body_bytes)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_too_large",
+            }
+        }
     with socket.create_connection((host, int(port)), timeout=30) as connection:  # chunked: no length said
         connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
         sent, piece = 0, b"7" * 65536
@@ -379,9 +442,19 @@ def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run
     socket file removed."""
     setup, params, _, tok = loaded
     path = str(tmp_path_factory.mktemp("uds") / "serve.sock")
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}", "--slots=2",
-                                "--log_interval=0", f"--uds={path}"], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "serve.py"),
+            f"--out_dir={run}",
+            "--slots=2",
+            "--log_interval=0",
+            f"--uds={path}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     http = httpx2.Client(transport=httpx2.HTTPTransport(uds=path), timeout=60)
     try:
         deadline, status = time.time() + 180, None
@@ -392,24 +465,47 @@ def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run
                 time.sleep(0.3)
         assert status == 200, process.stdout.read() if process.poll() is not None else "no 200 from /health"
         client = openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http, max_retries=0)
-        expected = generate.generate(setup, params, [generate.encode_prompt(tok, "hello world")], 12,
-                                     temperature=0).tokens[0]
+        expected = generate.generate(
+            setup, params, [generate.encode_prompt(tok, "hello world")], 12, temperature=0
+        ).tokens[0]
         reply = client.completions.create(model="out", prompt="hello world", max_tokens=12, temperature=0)
         assert reply.choices[0].text == tok.decode(expected)
-        record = bench_serve.run([f"--uds={path}", "--url=http://localhost/v1", "--concurrency=1,2", "--requests=3",
-                                  "--max_tokens=4", "--prompt=ab"])
+        record = bench_serve.run(
+            [
+                f"--uds={path}",
+                "--url=http://localhost/v1",
+                "--concurrency=1,2",
+                "--requests=3",
+                "--max_tokens=4",
+                "--prompt=ab",
+            ]
+        )
         assert [(level["ok"], level["failed"]) for level in record["levels"]] == [(3, 0), (3, 0)]
         assert record["health"]["context"] == 32 and record["levels"][1]["output_tokens"] == 3 * 4
-        shared = bench_serve.run([f"--uds={path}", "--url=http://localhost/v1", "--concurrency=3", "--requests=5",
-                                  "--max_tokens=4", "--prompt=ab", "--processes=2", "--rate=50"])
+        shared = bench_serve.run(
+            [
+                f"--uds={path}",
+                "--url=http://localhost/v1",
+                "--concurrency=3",
+                "--requests=5",
+                "--max_tokens=4",
+                "--prompt=ab",
+                "--processes=2",
+                "--rate=50",
+            ]
+        )
         assert [(level["ok"], level["output_tokens"]) for level in shared["levels"]] == [(5, 5 * 4)] * 2
-        with pytest.raises(bench_serve.BenchError, match="the first request failed: RequestFailed: 404: the model "
-                                                         "'nope' does not exist"):
+        with pytest.raises(
+            bench_serve.BenchError,
+            match="the first request failed: RequestFailed: 404: the model 'nope' does not exist",
+        ):
             bench_serve.run([f"--uds={path}", "--url=http://localhost/v1", "--model=nope"])
         with pytest.raises(SystemExit) as refused:
             serve.main([f"--out_dir={run}", f"--uds={path}"])
-        assert str(refused.value) == f"config error: --uds={path}: another server is listening on it; stop that " \
-                                     f"one, or choose another path"
+        assert (
+            str(refused.value) == f"config error: --uds={path}: another server is listening on it; stop that "
+            f"one, or choose another path"
+        )
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
         assert f"serving on unix socket {path}" in process.stdout.read() and not os.path.exists(path)
@@ -419,12 +515,15 @@ def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run
             process.kill()
 
 
-@pytest.mark.parametrize("name, words", [
-    ("missing/serve.sock", "the folder {tmp}/missing does not exist"),
-    ("a_file", "--uds={tmp}/a_file exists and is not a socket: serve.py won't replace it"),
-    (".", "is a directory"),
-    ("x" * 100 + ".sock", "a unix socket's path takes at most 107"),
-])
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("missing/serve.sock", "the folder {tmp}/missing does not exist"),
+        ("a_file", "--uds={tmp}/a_file exists and is not a socket: serve.py won't replace it"),
+        (".", "is a directory"),
+        ("x" * 100 + ".sock", "a unix socket's path takes at most 107"),
+    ],
+)
 def test_a_bad_socket_path_is_one_line_before_the_model_loads(tmp_path, name, words):
     (tmp_path / "a_file").write_text("not mine to replace")
     with pytest.raises(SystemExit) as e:
@@ -446,13 +545,15 @@ def test_a_socket_folder_this_user_cannot_write_in_is_one_line(tmp_path):
 def teacher_forced(setup, params, tokens_BxT) -> tuple[float, np.ndarray]:
     """(perplexity, greedy token at each position (B, T-1)) of the given rows, decoded one token at a time
     through the KV cache (so an int8 cache is written and read back as in serving)."""
+
     def run(params, tokens_BxT):
         gpt = nnx.merge(setup.graphdef, params)
         B, T = tokens_BxT.shape
 
         def step(cache, t):
-            logits_BxV, cache = gpt.decode(jax.lax.dynamic_slice_in_dim(tokens_BxT, t, 1, 1), cache,
-                                           jnp.full(B, t, jnp.int32))
+            logits_BxV, cache = gpt.decode(
+                jax.lax.dynamic_slice_in_dim(tokens_BxT, t, 1, 1), cache, jnp.full(B, t, jnp.int32)
+            )
             target_B = jax.lax.dynamic_index_in_dim(tokens_BxT, t + 1, 1, keepdims=False)
             loss_B = -jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), target_B[:, None], 1)[:, 0]
             return cache, (loss_B, jnp.argmax(logits_BxV, axis=-1))
@@ -470,8 +571,8 @@ def test_int8_weights_and_kv_cache_agree_with_float(run, loaded):
     of validation text, each after the same prefix) and its perplexity (within 1%), in less memory."""
     setup, params, _, tok = loaded
     val = np.fromfile(os.path.join(os.path.dirname(run), "data", "toy", "val.bin"), np.uint16).astype(np.int32)
-    prompts = [val[i:i + 6].tolist() for i in (0, 100, 200, 300)]
-    rows = jnp.asarray(val[:8 * 32].reshape(8, 32))
+    prompts = [val[i : i + 6].tolist() for i in (0, 100, 200, 300)]
+    rows = jnp.asarray(val[: 8 * 32].reshape(8, 32))
     expected = generate.generate(setup, params, prompts, 64, temperature=0).tokens
     float_ppl, float_greedy = teacher_forced(setup, params, rows)
     int8_params = loader.int8_weights(params)
@@ -492,8 +593,11 @@ def test_int8_weights_and_kv_cache_agree_with_float(run, loaded):
 def test_server_on_data_and_tensor_with_int8_weights_and_cache_says_its_bytes(run, capsys):
     """serve.py's mesh and int8 keys: the engine's slots split over data=2, heads over tensor=2; its
     greedy tokens are one device's with the same int8 weights and cache; start-up prints the bytes."""
-    server = serve.Server(serve.ServeConfig(out_dir=run, slots=2, mesh_data=2, mesh_tensor=2, weight_dtype="int8",
-                                            kv_cache_dtype="int8", log_interval=0))
+    server = serve.Server(
+        serve.ServeConfig(
+            out_dir=run, slots=2, mesh_data=2, mesh_tensor=2, weight_dtype="int8", kv_cache_dtype="int8", log_interval=0
+        )
+    )
     server.start_engine()
     printed = capsys.readouterr().out
     assert "int8 blocks" in printed and "KV cache 160 bytes per token (int8)" in printed, printed
@@ -511,29 +615,49 @@ def test_server_on_data_and_tensor_with_int8_weights_and_cache_says_its_bytes(ru
 def test_programs_too_big_for_the_memory_end_the_server_with_one_line(run):
     """The start-up check: the compiled programs (~290 KiB) against a 105 KiB limit, refused before any request."""
     port = free_port()
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}", "--slots=4",
-                             "--memory_limit_gib=0.0001", "--log_interval=0", f"--port={port}"],
-                            capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "serve.py"),
+            f"--out_dir={run}",
+            "--slots=4",
+            "--memory_limit_gib=0.0001",
+            "--log_interval=0",
+            f"--port={port}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     error = result.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"error: memory: serving needs [\d.]+ [KM]iB per device, more than the 104.86 KiB available "
-                        r"\(memory_limit_gib\); try --slots=2, or --kv_cache_dtype=int8, or .*", error), error
+    assert re.fullmatch(
+        r"error: memory: serving needs [\d.]+ [KM]iB per device, more than the 104.86 KiB available "
+        r"\(memory_limit_gib\); try --slots=2, or --kv_cache_dtype=int8, or .*",
+        error,
+    ), error
 
 
 def test_programs_xla_cannot_compile_end_the_server_with_one_line(run, monkeypatch):
     """XLA:TPU refuses, while compiling, programs too big for the chip: the server stops with the
     start-up check's one line, the bytes from XLA's message, and its remedies (the compile faked)."""
     server = serve.Server(serve.ServeConfig(out_dir=run, slots=4, log_interval=0))
+
     def compile_(self, *args, **kwargs):
-        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
-                                         "memory space hbm. Used 18.50G of 15.75G hbm. Exceeded hbm capacity by 2.75G.")
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
+            "memory space hbm. Used 18.50G of 15.75G hbm. Exceeded hbm capacity by 2.75G."
+        )
+
     monkeypatch.setattr(jax.stages.Lowered, "compile", compile_)
     stopped = []
     server.start_engine(on_failure=lambda: stopped.append(True))
     assert stopped and server.engine is None
-    assert re.fullmatch(r"memory: serving needs 18.50 GiB per device, more than the 15.75 GiB of hbm available "
-                        r"\(XLA:CPU refused it: RESOURCE_EXHAUSTED\); try --slots=2, or --kv_cache_dtype=int8, .*",
-                        server.failure), server.failure
+    assert re.fullmatch(
+        r"memory: serving needs 18.50 GiB per device, more than the 15.75 GiB of hbm available "
+        r"\(XLA:CPU refused it: RESOURCE_EXHAUSTED\); try --slots=2, or --kv_cache_dtype=int8, .*",
+        server.failure,
+    ), server.failure
 
 
 def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(slow_server):
@@ -590,8 +714,12 @@ def test_an_http_worker_that_dies_stops_the_server_with_one_line(run):
 
 
 def test_a_bad_number_of_http_workers_is_one_line():
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), "--http_workers=-2"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "serve.py"), "--http_workers=-2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0 and "http_workers must be >= 0, or -1 (auto), got -2" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -625,7 +753,7 @@ def test_text_streamed_token_by_token_is_the_whole_decode(kind, tmp_path):
     # a decode program's tokens come together: in twos, the same text, and a piece ends at the last
     # whole character it has (GPT-2's second pair ends inside '☕': its 'é' still goes out)
     stream = app.TextStream(tok, [], offsets=True)
-    pieces = [stream.add(ids[k:k + 2]) for k in range(0, len(ids), 2)] + [stream.finish()]
+    pieces = [stream.add(ids[k : k + 2]) for k in range(0, len(ids), 2)] + [stream.finish()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     if kind == "gpt2":
         assert pieces[:2] == ["caf", "é"], pieces
@@ -664,6 +792,7 @@ def test_a_stop_string_completed_by_tokens_that_end_inside_a_character_still_sto
 
 class ByteTokens:
     """A tokenizer whose ids are byte strings (a byte-level model can emit half a character)."""
+
     pieces = [b"x", b"\xc3", b"STOP", b"\xa9"]
 
     def decode(self, ids):

@@ -30,9 +30,19 @@ LAYOUTS = {  # (data, fsdp, tensor[, context]): between them, every axis split 2
 
 def sharded_config(tmp_path, data, fsdp, tensor, context=1, context_attention="gather"):
     # vocab 64 and width 64 divide evenly, so every named axis really is split
-    return small_config(tmp_path, mesh_data=data, mesh_fsdp=fsdp, mesh_tensor=tensor, mesh_context=context,
-                        context_attention=context_attention, n_embd=64, n_head=4, max_iters=5, eval_interval=1000,
-                        out_dir=str(tmp_path / f"out-{data}-{fsdp}-{tensor}"))
+    return small_config(
+        tmp_path,
+        mesh_data=data,
+        mesh_fsdp=fsdp,
+        mesh_tensor=tensor,
+        mesh_context=context,
+        context_attention=context_attention,
+        n_embd=64,
+        n_head=4,
+        max_iters=5,
+        eval_interval=1000,
+        out_dir=str(tmp_path / f"out-{data}-{fsdp}-{tensor}"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,36 +72,53 @@ def test_fsdp_stores_an_eighth_of_the_parameters_per_device(toy64, fsdp, context
     per_device = sum(a.addressable_shards[0].data.nbytes for _, a in leaves)
     replicated = {jax.tree_util.keystr(p) for p, a in leaves if a.sharding.is_fully_replicated}
     # Only the width-n_embd vectors (layer norms and output biases) are replicated on purpose.
-    assert replicated == {"['blocks']['attn']['out_bias']", "['blocks']['mlp']['proj_bias']",
-                          "['blocks']['ln_1']['scale']", "['blocks']['ln_1']['bias']",
-                          "['blocks']['ln_2']['scale']", "['blocks']['ln_2']['bias']",
-                          "['ln_f']['scale']", "['ln_f']['bias']",
-                          "['blocks']['attn']['qkv_bias']", "['blocks']['mlp']['fc_bias']"}
+    assert replicated == {
+        "['blocks']['attn']['out_bias']",
+        "['blocks']['mlp']['proj_bias']",
+        "['blocks']['ln_1']['scale']",
+        "['blocks']['ln_1']['bias']",
+        "['blocks']['ln_2']['scale']",
+        "['blocks']['ln_2']['bias']",
+        "['ln_f']['scale']",
+        "['ln_f']['bias']",
+        "['blocks']['attn']['qkv_bias']",
+        "['blocks']['mlp']['fc_bias']",
+    }
     replicated_bytes = sum(a.nbytes for p, a in leaves if jax.tree_util.keystr(p) in replicated)
     assert per_device == (total - replicated_bytes) // 8 + replicated_bytes
     assert replicated_bytes < 0.02 * total
     opt_leaves = jax.tree.leaves(state["opt_state"])
     assert sum(a.addressable_shards[0].data.nbytes for a in opt_leaves) < 0.15 * sum(
-        a.nbytes for a in opt_leaves)  # Adam moments are sharded like the parameters
+        a.nbytes for a in opt_leaves
+    )  # Adam moments are sharded like the parameters
 
 
 def sizes(data, fsdp, tensor, expert=1, stage=1):
     return dict(stage=stage, data=data, expert=expert, fsdp=fsdp, context=1, tensor=tensor)
 
 
-@pytest.mark.parametrize("shape, n_devices, expected", [  # expected in MESH_AXES order: stage first
-    ((-1, 1, 1), 8, (1, 8, 1, 1, 1, 1)), ((2, -1, 2), 8, (1, 2, 1, 2, 1, 2)), ((1, 4, 2), 8, (1, 1, 1, 4, 1, 2)),
-    ((1, 2, 1, -1), 8, (1, 1, 4, 2, 1, 1)), ((-1, 2, 1, 1, 2), 8, (2, 2, 1, 2, 1, 1)),
-])
+@pytest.mark.parametrize(
+    "shape, n_devices, expected",
+    [  # expected in MESH_AXES order: stage first
+        ((-1, 1, 1), 8, (1, 8, 1, 1, 1, 1)),
+        ((2, -1, 2), 8, (1, 2, 1, 2, 1, 2)),
+        ((1, 4, 2), 8, (1, 1, 1, 4, 1, 2)),
+        ((1, 2, 1, -1), 8, (1, 1, 4, 2, 1, 1)),
+        ((-1, 2, 1, 1, 2), 8, (2, 2, 1, 2, 1, 1)),
+    ],
+)
 def test_resolve_mesh_shape(shape, n_devices, expected):
     assert tuple(sharding.resolve_mesh_shape(sizes(*shape), n_devices).values()) == expected
 
 
-@pytest.mark.parametrize("shape, message", [
-    ((2, 2, 1), "= 4 devices, but there are 8"),
-    ((-1, -1, 1), "only one of"),
-    ((3, -1, 1), "8 devices are not divisible by 3"),
-])
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ((2, 2, 1), "= 4 devices, but there are 8"),
+        ((-1, -1, 1), "only one of"),
+        ((3, -1, 1), "8 devices are not divisible by 3"),
+    ],
+)
 def test_bad_mesh_shapes_name_the_numbers(shape, message):
     with pytest.raises(sharding.MeshError, match=message):
         sharding.resolve_mesh_shape(sizes(*shape), 8)
@@ -101,7 +128,9 @@ def test_model_that_does_not_fit_the_mesh(toy64):
     mesh = sharding.make_mesh(1, 2, 4)
     with pytest.raises(sharding.MeshError, match="n_head=2 is not divisible by mesh_tensor=4"):
         sharding.check_model_fits_mesh(mesh, n_head=2, n_embd=64, batch_size=8)
-    with pytest.raises(sharding.MeshError, match="batch_size=5 is not divisible by mesh_data x mesh_expert x mesh_fsdp"):
+    with pytest.raises(
+        sharding.MeshError, match="batch_size=5 is not divisible by mesh_data x mesh_expert x mesh_fsdp"
+    ):
         sharding.check_model_fits_mesh(mesh, n_head=4, n_embd=64, batch_size=5)
     experts_4 = sharding.make_mesh(1, 2, 1, expert=4)
     for n_experts in (0, 6):  # a dense model, or experts that 4 devices can't share evenly
@@ -112,6 +141,7 @@ def test_model_that_does_not_fit_the_mesh(toy64):
 
 def tensorboard_losses(out_dir) -> list[float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(os.path.join(out_dir, "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
     return [float(tensor_util.make_ndarray(e.tensor_proto)) for e in events.Tensors("train/loss")]
@@ -120,22 +150,53 @@ def tensorboard_losses(out_dir) -> list[float]:
 def test_two_processes_match_one_process_and_their_checkpoint_restores(toy64, tmp_path):
     """2 processes x 4 CPU devices, joined by jax.distributed, as a user would launch them."""
     root, _ = toy64
-    flags = [f"--data_dir={root / 'data'}", "--dataset=toy", "--n_layer=2", "--n_head=4",
-             "--n_embd=64", "--block_size=16", "--batch_size=8", "--max_iters=4",
-             "--learning_rate=3e-3", "--warmup_iters=2", "--lr_decay_iters=8", "--min_lr=3e-4",
-             "--eval_interval=4", "--eval_iters=2", "--log_interval=1",
-             "--mesh_data=1", "--mesh_fsdp=4", "--dcn_data=2"]  # data spans the 2 processes
+    flags = [
+        f"--data_dir={root / 'data'}",
+        "--dataset=toy",
+        "--n_layer=2",
+        "--n_head=4",
+        "--n_embd=64",
+        "--block_size=16",
+        "--batch_size=8",
+        "--max_iters=4",
+        "--learning_rate=3e-3",
+        "--warmup_iters=2",
+        "--lr_decay_iters=8",
+        "--min_lr=3e-4",
+        "--eval_interval=4",
+        "--eval_iters=2",
+        "--log_interval=1",
+        "--mesh_data=1",
+        "--mesh_fsdp=4",
+        "--dcn_data=2",
+    ]  # data spans the 2 processes
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = os.environ | {"XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=4"),
-                        "JAX_PLATFORMS": "cpu"}
+    env = os.environ | {
+        "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=4"),
+        "JAX_PLATFORMS": "cpu",
+    }
     out_dir = tmp_path / "two-processes"
-    procs = [subprocess.Popen(
-        [sys.executable, "train.py", *flags, f"--out_dir={out_dir}", f"--process_id={i}",
-         "--num_processes=2", f"--coordinator_address=localhost:{port}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "train.py",
+                *flags,
+                f"--out_dir={out_dir}",
+                f"--process_id={i}",
+                "--num_processes=2",
+                f"--coordinator_address=localhost:{port}",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "mesh stage=1 x data=2 x expert=1 x fsdp=4 x context=1 x tensor=1" in outputs[0]
@@ -143,11 +204,11 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores(toy64, tm
     # The same 4 steps in this process on 8 devices, then 4 more resumed from the
     # two-process checkpoint, compared with 8 uninterrupted steps.
     one_process = sharded_config(root, 2, 4, 1)
-    straight = [l for _, l in train.train(
-        dataclasses.replace(one_process, max_iters=8, out_dir=str(tmp_path / "straight")))]
+    straight = [
+        l for _, l in train.train(dataclasses.replace(one_process, max_iters=8, out_dir=str(tmp_path / "straight")))
+    ]
     np.testing.assert_allclose(tensorboard_losses(out_dir), straight[:4], rtol=0, atol=1e-5)
-    resumed = train.train(dataclasses.replace(one_process, max_iters=8, out_dir=str(out_dir),
-                                              init_from="resume"))
+    resumed = train.train(dataclasses.replace(one_process, max_iters=8, out_dir=str(out_dir), init_from="resume"))
     np.testing.assert_allclose([l for _, l in resumed], straight[4:], rtol=0, atol=1e-5)
 
 
@@ -156,15 +217,27 @@ def test_checkpoint_restores_onto_a_different_mesh(toy64, tmp_path):
     context=1 on data x fsdp x tensor and on one device: the losses of an uninterrupted run."""
     root, _ = toy64
     base = dataclasses.replace(sharded_config(root, 1, 4, 1, context=2), max_iters=8, eval_interval=4)
-    straight = [l for _, l in train.train(dataclasses.replace(
-        base, out_dir=str(tmp_path / "straight"), mesh_fsdp=1, mesh_context=1), jax.devices()[:1])]
+    straight = [
+        l
+        for _, l in train.train(
+            dataclasses.replace(base, out_dir=str(tmp_path / "straight"), mesh_fsdp=1, mesh_context=1),
+            jax.devices()[:1],
+        )
+    ]
     for name, layout in (("2x2x2", (2, 2, 2)), ("one-device", (1, 1, 1))):
         out_dir = str(tmp_path / name)
         train.train(dataclasses.replace(base, out_dir=out_dir, max_iters=4))  # saved on fsdp=4 x context=2
         data, fsdp, tensor = layout
-        resumed = dataclasses.replace(base, out_dir=out_dir, init_from="resume", mesh_data=data,
-                                      mesh_fsdp=fsdp, mesh_tensor=tensor, mesh_context=1)
-        devices = jax.devices()[:data * fsdp * tensor]
+        resumed = dataclasses.replace(
+            base,
+            out_dir=out_dir,
+            init_from="resume",
+            mesh_data=data,
+            mesh_fsdp=fsdp,
+            mesh_tensor=tensor,
+            mesh_context=1,
+        )
+        devices = jax.devices()[: data * fsdp * tensor]
         losses = [l for _, l in train.train(resumed, devices)]
         np.testing.assert_allclose(losses, straight[4:], rtol=0, atol=1e-5)
 
@@ -175,8 +248,7 @@ def test_scanned_layers_keep_the_program_size_flat_in_depth(toy64):
     root, _ = toy64
 
     def program_size(n_layer, scan_layers):
-        config = dataclasses.replace(sharded_config(root, 1, 1, 1), n_layer=n_layer,
-                                     scan_layers=scan_layers)
+        config = dataclasses.replace(sharded_config(root, 1, 1, 1), n_layer=n_layer, scan_layers=scan_layers)
         mesh = sharding.make_mesh(devices=jax.devices()[:1])
         setup = train.make_setup(config, mesh, 64)
         batch = jax.ShapeDtypeStruct((1, config.batch_size, config.block_size), np.int32)
@@ -188,8 +260,7 @@ def test_scanned_layers_keep_the_program_size_flat_in_depth(toy64):
     assert program_size(12, False) > 2 * program_size(3, False)
 
 
-LLAMA_STYLE = dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, bias=False,
-                   tie_embeddings=False)
+LLAMA_STYLE = dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, bias=False, tie_embeddings=False)
 
 
 def test_llama_style_model_sharded_equals_one_device(toy64):
@@ -200,15 +271,14 @@ def test_llama_style_model_sharded_equals_one_device(toy64):
 
     def setup_and_losses(data, fsdp, tensor):
         config = dataclasses.replace(sharded_config(root, data, fsdp, tensor), dropout=0.1, **LLAMA_STYLE)
-        mesh = sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[:data * fsdp * tensor])
+        mesh = sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[: data * fsdp * tensor])
         setup = train.make_setup(config, mesh, 64)
         state, train_step = train.init_state(setup), train.jit_train_step(setup)
         tokens, losses = dataset.open_split(config, "train", 64), []
         with sharding.activate(mesh):
             for step in range(4):
                 batch = dataset.batch_for_step(tokens, config, step, "train", np.arange(config.batch_size), 1)
-                state, metrics = train_step(state, tuple(jax.device_put(a, setup.micro_batch_sharding)
-                                                         for a in batch))
+                state, metrics = train_step(state, tuple(jax.device_put(a, setup.micro_batch_sharding) for a in batch))
                 losses.append(float(metrics["loss"]))
         return setup, losses
 
@@ -227,8 +297,7 @@ def test_llama_style_model_sharded_equals_one_device(toy64):
 def test_key_value_heads_that_tensor_cannot_split_or_replicate_are_one_clear_error(toy64):
     """3 key/value heads on tensor=2: neither divides the other (2 heads on tensor=4 are replicated)."""
     root, _ = toy64
-    config = dataclasses.replace(sharded_config(root, 1, 1, 2), **{**LLAMA_STYLE, "n_kv_head": 3},
-                                 n_head=6, n_embd=48)
+    config = dataclasses.replace(sharded_config(root, 1, 1, 2), **{**LLAMA_STYLE, "n_kv_head": 3}, n_head=6, n_embd=48)
     with pytest.raises(sharding.MeshError, match="n_kv_head=3 is not divisible by mesh_tensor=2, nor"):
         train.make_setup(config, sharding.make_mesh(1, 1, 2, devices=jax.devices()[:2]), 64)
 
@@ -243,9 +312,12 @@ def test_quantized_step_sharded_equals_one_device(toy64, mode, layout):
     root, _ = toy64
 
     def losses(data, fsdp, tensor):
-        config = dataclasses.replace(sharded_config(root, data, fsdp, tensor), quantization=mode,
-                                     out_dir=str(root / f"out-{mode}-{data}-{fsdp}-{tensor}"))
-        return [loss for _, loss in train.train(config, jax.devices()[:data * fsdp * tensor])]
+        config = dataclasses.replace(
+            sharded_config(root, data, fsdp, tensor),
+            quantization=mode,
+            out_dir=str(root / f"out-{mode}-{data}-{fsdp}-{tensor}"),
+        )
+        return [loss for _, loss in train.train(config, jax.devices()[: data * fsdp * tensor])]
 
     one_device, split = losses(1, 1, 1), losses(*LAYOUTS[layout])
     np.testing.assert_allclose(split[0], one_device[0], rtol=0, atol=1e-5)
@@ -258,7 +330,7 @@ MUON = dict(optimizer="muon", muon_learning_rate=0.03)
 def muon_run(root, data, fsdp, tensor, steps=5):
     """(setup, losses, final state) of `steps` Muon steps on the toy data, on that mesh."""
     config = dataclasses.replace(sharded_config(root, data, fsdp, tensor), **MUON)
-    mesh = sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[:data * fsdp * tensor])
+    mesh = sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[: data * fsdp * tensor])
     setup = train.make_setup(config, mesh, 64)
     state, train_step = train.init_state(setup), train.jit_train_step(setup)
     tokens, losses = dataset.open_split(config, "train", 64), []
@@ -284,8 +356,7 @@ def test_muon_sharded_equals_one_device(toy64, muon_one_device, layout):
     _, one_losses, one_state = muon_one_device
     setup, losses, state = muon_run(root, *LAYOUTS[layout])
     np.testing.assert_allclose(losses, one_losses, rtol=0, atol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
-                 state["params"], one_state["params"])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), state["params"], one_state["params"])
     assert one_losses[-1] < one_losses[0] - 0.1  # it learns
     muon_state = setup.state_shardings["opt_state"][1].inner_states["muon"].inner_state[0]
     qkv = lambda tree: tree["blocks"]["attn"]["qkv_kernel"]
@@ -302,9 +373,12 @@ def test_speedrun_switches_sharded_equals_one_device(toy64):
     root, _ = toy64
 
     def losses(data, fsdp, tensor):
-        config = dataclasses.replace(sharded_config(root, data, fsdp, tensor), **{**LLAMA_STYLE, **SPEEDRUN},
-                                     out_dir=str(root / f"out-speedrun-{data}-{fsdp}-{tensor}"))
-        return [loss for _, loss in train.train(config, jax.devices()[:data * fsdp * tensor])]
+        config = dataclasses.replace(
+            sharded_config(root, data, fsdp, tensor),
+            **{**LLAMA_STYLE, **SPEEDRUN},
+            out_dir=str(root / f"out-speedrun-{data}-{fsdp}-{tensor}"),
+        )
+        return [loss for _, loss in train.train(config, jax.devices()[: data * fsdp * tensor])]
 
     one_device, split = losses(1, 1, 1), losses(1, 4, 2)
     np.testing.assert_allclose(split, one_device, rtol=0, atol=1e-5)
@@ -313,13 +387,16 @@ def test_speedrun_switches_sharded_equals_one_device(toy64):
 
 # A mixture of experts with dropping (capacity 1.25): 4 experts, top-2, the first layer dense.
 MOE = dict(n_experts=4, experts_per_token=2, capacity_factor=1.25, moe_dense_layers=1, n_layer=3, max_iters=6)
-MOE_LAYOUTS = {"expert=4 x fsdp=2": dict(mesh_expert=4, mesh_fsdp=2),
-               "expert=2 x tensor=2 x data=2": dict(mesh_expert=2, mesh_tensor=2, mesh_data=2)}
+MOE_LAYOUTS = {
+    "expert=4 x fsdp=2": dict(mesh_expert=4, mesh_fsdp=2),
+    "expert=2 x tensor=2 x data=2": dict(mesh_expert=2, mesh_tensor=2, mesh_data=2),
+}
 
 
 def moe_losses(root, name, architecture=None, **mesh):
-    config = dataclasses.replace(sharded_config(root, 1, 1, 1), **MOE, **(architecture or {}), **mesh,
-                                 out_dir=str(root / f"out-moe-{name}"))
+    config = dataclasses.replace(
+        sharded_config(root, 1, 1, 1), **MOE, **(architecture or {}), **mesh, out_dir=str(root / f"out-moe-{name}")
+    )
     n_devices = math.prod(mesh.get(f"mesh_{a}", 1) for a in ("data", "fsdp", "tensor", "expert"))
     return [loss for _, loss in train.train(config, jax.devices()[:n_devices])]
 
@@ -343,14 +420,20 @@ def test_moe_sharded_equals_one_device(toy64, moe_one_device, layout, mlp):
 
 def test_moe_experts_are_split_and_a_checkpoint_moves_to_another_expert_layout(toy64, moe_one_device):
     root, _ = toy64
-    config = dataclasses.replace(sharded_config(root, 1, 1, 1), **{**MOE, "max_iters": 3}, mesh_expert=4,
-                                 mesh_fsdp=2, out_dir=str(root / "out-moe-moved"))
+    config = dataclasses.replace(
+        sharded_config(root, 1, 1, 1),
+        **{**MOE, "max_iters": 3},
+        mesh_expert=4,
+        mesh_fsdp=2,
+        out_dir=str(root / "out-moe-moved"),
+    )
     setup = train.make_setup(config, train.make_mesh(config, jax.devices()), 64)
     fc = setup.state_shardings["params"]["blocks"]["mlp"]["fc_kernel"]  # (L, E, D, F)
     assert fc.spec[1] == "expert" and fc.shard_shape((2, 4, 64, 256)) == (2, 1, 32, 256)
     train.train(config, jax.devices())
-    resumed = dataclasses.replace(config, init_from="resume", max_iters=6, mesh_expert=2, mesh_fsdp=1,
-                                  mesh_tensor=2, mesh_data=2)
+    resumed = dataclasses.replace(
+        config, init_from="resume", max_iters=6, mesh_expert=2, mesh_fsdp=1, mesh_tensor=2, mesh_data=2
+    )
     losses = [loss for _, loss in train.train(resumed, jax.devices())]
     np.testing.assert_allclose(losses, moe_one_device["gelu"][3:], rtol=0, atol=1e-5)
 
@@ -358,6 +441,7 @@ def test_moe_experts_are_split_and_a_checkpoint_moves_to_another_expert_layout(t
 def test_a_mesh_that_the_torus_cannot_factor_splits_a_physical_axis(monkeypatch):
     """jax.make_mesh refuses an axis of 8 on a 4x4x4 TPU torus; the mesh is then built with a
     physical axis split (checked here by making make_mesh refuse on the CPU devices)."""
+
     def refuse(*args, **kwargs):
         raise NotImplementedError("Failed to find assignment for logical_axis_index 1 of size 8")
 
@@ -385,9 +469,10 @@ def test_accumulation_with_sums_kept_apart_equals_one_device(toy64, fsdp_reduce_
     x, y = rng.integers(0, 64, (2, 2, 8, 16)).astype(np.int32)  # (inputs | targets, micro-steps, B, T)
     results = []
     for data, fsdp in ((1, 1), (4, 2)):
-        config = dataclasses.replace(sharded_config(root, data, fsdp, 1), gradient_accumulation_steps=2,
-                                     fsdp_reduce_once=fsdp_reduce_once)
-        setup = train.make_setup(config, sharding.make_mesh(data, fsdp, 1, devices=jax.devices()[:data * fsdp]), 64)
+        config = dataclasses.replace(
+            sharded_config(root, data, fsdp, 1), gradient_accumulation_steps=2, fsdp_reduce_once=fsdp_reduce_once
+        )
+        setup = train.make_setup(config, sharding.make_mesh(data, fsdp, 1, devices=jax.devices()[: data * fsdp]), 64)
         if data > 1:
             assert train.shards_kept_apart(setup) == (("data", "fsdp") if fsdp_reduce_once else ("data",))
         with sharding.activate(setup.mesh):
@@ -400,17 +485,25 @@ def test_accumulation_with_sums_kept_apart_equals_one_device(toy64, fsdp_reduce_
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), sharded, one)
 
 
-@pytest.mark.parametrize("model, fsdp, context, tensor, context_attention", [
-    ("gpt2", 1, 8, 1, "gather"), ("llama", 2, 2, 2, "gather"), ("gpt2", 1, 8, 1, "ring"), ("llama", 2, 2, 2, "ring")])
-def test_context_parallel_trains_on_each_document_as_if_alone(tmp_path, model, fsdp, context, tensor,
-                                                              context_attention):
+@pytest.mark.parametrize(
+    "model, fsdp, context, tensor, context_attention",
+    [("gpt2", 1, 8, 1, "gather"), ("llama", 2, 2, 2, "gather"), ("gpt2", 1, 8, 1, "ring"), ("llama", 2, 2, 2, "ring")],
+)
+def test_context_parallel_trains_on_each_document_as_if_alone(
+    tmp_path, model, fsdp, context, tensor, context_attention
+):
     """mesh_context splits each row's tokens (keys and values gathered, or passed round the ring): with
     document masking, the step's loss and gradient norm are the documents' own, each alone on one device
     (GPT-2 with all 8 devices on context; RoPE and grouped-query attention with context=2 x fsdp=2 x
     tensor=2)."""
-    config = dataclasses.replace(sharded_config(tmp_path, 1, fsdp, tensor), n_embd=32, document_masking=True,
-                                 mesh_context=context, context_attention=context_attention,
-                                 **(LLAMA_STYLE if model == "llama" else {}))
+    config = dataclasses.replace(
+        sharded_config(tmp_path, 1, fsdp, tensor),
+        n_embd=32,
+        document_masking=True,
+        mesh_context=context,
+        context_attention=context_attention,
+        **(LLAMA_STYLE if model == "llama" else {}),
+    )
     mesh = sharding.make_mesh(1, fsdp, tensor, context=context)
     assert tuple(sharding.batch_sharding(mesh).spec) == (("data", "expert", "fsdp"), "context")  # tokens split
     got, expected = masked_step_and_alone(config, mesh)
@@ -437,12 +530,20 @@ def test_context_parallel_splits_the_activations(tmp_path):
     gradients, and the balanced layout's one T/8 x T block of scores per device, where one device
     skips the score tiles above the diagonal); 0.19 with contiguous chunks, before the balance. Ring
     attention, whose scores are one T/8 x T/8 block at a time, needs less still."""
+
     def temp_bytes(context, context_attention="gather"):
-        config = small_config(tmp_path, block_size=512, batch_size=1, mesh_data=1, mesh_context=context,
-                              context_attention=context_attention)
+        config = small_config(
+            tmp_path,
+            block_size=512,
+            batch_size=1,
+            mesh_data=1,
+            mesh_context=context,
+            context_attention=context_attention,
+        )
         mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:context], context=context)
         setup = train.make_setup(config, mesh, 64)
         return train.lower(setup).compile().memory_analysis().temp_size_in_bytes
+
     gathered = temp_bytes(8)
     assert gathered < 0.25 * temp_bytes(1)
     assert temp_bytes(8, "ring") < 0.7 * gathered

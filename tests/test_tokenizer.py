@@ -20,8 +20,12 @@ from data import tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 BOS, EOS, EOT_ID = 0, 1, 2  # ids of SPECIALS: a trainer gives special tokens the first ids
-CORPUS = ["The quick brown fox jumps over the lazy dog.", "café ☕ naïve résumé",
-          "Hello, world! Hello again, world.", "Numbers 12345 and symbols #$%&"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "café ☕ naïve résumé",
+    "Hello, world! Hello again, world.",
+    "Numbers 12345 and symbols #$%&",
+]
 TEXTS = ["café ☕ naïve", "Hello, world!", "unseen words: zebra quokka ✓", " two  spaces\nnewline\t"]
 LLAMA_CONFIG = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
 
@@ -33,13 +37,21 @@ def tokenizer_json(bos: bool) -> str:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS * 5, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIALS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        CORPUS * 5,
+        trainers.BpeTrainer(
+            vocab_size=320,
+            special_tokens=SPECIALS,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     if bos:
         tok.post_processor = processors.TemplateProcessing(
-            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
-            special_tokens=[("<|begin_of_text|>", BOS)])
+            single="<|begin_of_text|> $A",
+            pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+            special_tokens=[("<|begin_of_text|>", BOS)],
+        )
     return tok.to_str(pretty=True)
 
 
@@ -80,32 +92,53 @@ def test_hf_encodes_and_decodes_exactly_as_tokenizers_does(tok_dir):
 
 def test_gpt2_and_char_have_the_same_interface():
     gpt2, char = tokenizer.gpt2_tokenizer(), tokenizer.char_tokenizer("ab\n")
-    assert (gpt2.kind, gpt2.vocab_size, gpt2.eot_token, gpt2.bos_token, gpt2.stop_tokens) == \
-        ("gpt2", 50257, 50256, None, [50256])
-    assert (char.kind, char.vocab_size, char.eot_token, char.bos_token, char.stop_tokens) == \
-        ("char", 3, None, None, [])
+    assert (gpt2.kind, gpt2.vocab_size, gpt2.eot_token, gpt2.bos_token, gpt2.stop_tokens) == (
+        "gpt2",
+        50257,
+        50256,
+        None,
+        [50256],
+    )
+    assert (char.kind, char.vocab_size, char.eot_token, char.bos_token, char.stop_tokens) == ("char", 3, None, None, [])
     assert gpt2.encode_ordinary("<|endoftext|>") != [50256] and gpt2.encode("<|endoftext|>") == [50256]
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 3\): \[3\]"):
         char.decode([0, 3])
 
 
-@pytest.mark.parametrize("bos, files, expected", [
-    # Llama 3: tokenizer_config.json names them (a string or {"content": ...}), and the
-    # post-processor adds <|begin_of_text|>.
-    (True, {"tokenizer_config.json": LLAMA_CONFIG}, (BOS, EOS, [EOS])),
-    (True, {"tokenizer_config.json": {"bos_token": {"content": "<|begin_of_text|>"},
-                                      "eos_token": {"content": "<|eot_id|>", "lstrip": False}}},
-     (BOS, EOT_ID, [EOT_ID])),
-    # A bos_token the post-processor never adds is not wanted (GPT-NeoX names one).
-    (False, {"tokenizer_config.json": LLAMA_CONFIG}, (None, EOS, [EOS])),
-    # config.json's ids, when tokenizer_config.json names none.
-    (True, {"config.json": {"bos_token_id": BOS, "eos_token_id": EOS}}, (BOS, EOS, [EOS])),
-    # generation_config.json's stop ids come first; Llama 3 Instruct lists several.
-    (True, {"tokenizer_config.json": LLAMA_CONFIG, "config.json": {"eos_token_id": EOS},
-            "generation_config.json": {"eos_token_id": [EOS, EOT_ID]}}, (BOS, EOS, [EOS, EOT_ID])),
-    (True, {"generation_config.json": {"eos_token_id": EOT_ID}}, (None, EOT_ID, [EOT_ID])),
-    (True, {}, (None, None, [])),
-])
+@pytest.mark.parametrize(
+    "bos, files, expected",
+    [
+        # Llama 3: tokenizer_config.json names them (a string or {"content": ...}), and the
+        # post-processor adds <|begin_of_text|>.
+        (True, {"tokenizer_config.json": LLAMA_CONFIG}, (BOS, EOS, [EOS])),
+        (
+            True,
+            {
+                "tokenizer_config.json": {
+                    "bos_token": {"content": "<|begin_of_text|>"},
+                    "eos_token": {"content": "<|eot_id|>", "lstrip": False},
+                }
+            },
+            (BOS, EOT_ID, [EOT_ID]),
+        ),
+        # A bos_token the post-processor never adds is not wanted (GPT-NeoX names one).
+        (False, {"tokenizer_config.json": LLAMA_CONFIG}, (None, EOS, [EOS])),
+        # config.json's ids, when tokenizer_config.json names none.
+        (True, {"config.json": {"bos_token_id": BOS, "eos_token_id": EOS}}, (BOS, EOS, [EOS])),
+        # generation_config.json's stop ids come first; Llama 3 Instruct lists several.
+        (
+            True,
+            {
+                "tokenizer_config.json": LLAMA_CONFIG,
+                "config.json": {"eos_token_id": EOS},
+                "generation_config.json": {"eos_token_id": [EOS, EOT_ID]},
+            },
+            (BOS, EOS, [EOS, EOT_ID]),
+        ),
+        (True, {"generation_config.json": {"eos_token_id": EOT_ID}}, (None, EOT_ID, [EOT_ID])),
+        (True, {}, (None, None, [])),
+    ],
+)
 def test_special_tokens_from_each_config_file(tmp_path, bos, files, expected):
     tok = tokenizer.hf_tokenizer(make_tokenizer(tmp_path / "tok", bos=bos, files=files))
     assert (tok.bos_token, tok.eot_token, tok.stop_tokens) == expected
@@ -118,8 +151,12 @@ def test_describe_rebuilds_the_tokenizer(tmp_path, tok_dir):
         assert (again.kind, again.describe(), again.encode("ab\n")) == (tok.kind, description, tok.encode("ab\n"))
     description = tokenizer.hf_tokenizer(tok_dir).describe()
     sha256 = tokenizer.hashlib.sha256((tok_dir / "tokenizer.json").read_bytes()).hexdigest()
-    assert description == {"kind": "huggingface", "vocab_size": description["vocab_size"],
-                           "sha256": sha256, "dir": str(tok_dir.resolve())}
+    assert description == {
+        "kind": "huggingface",
+        "vocab_size": description["vocab_size"],
+        "sha256": sha256,
+        "dir": str(tok_dir.resolve()),
+    }
 
     # search_dirs first, in order, skipping folders whose tokenizer.json is another one.
     copy, other, empty = tmp_path / "copy", make_tokenizer(tmp_path / "other", bos=False), tmp_path / "empty"
@@ -132,16 +169,24 @@ def test_describe_rebuilds_the_tokenizer(tmp_path, tok_dir):
     (copy / "tokenizer.json").write_text(tokenizer_json(bos=False))  # changed
     with pytest.raises(ValueError) as e:
         tokenizer.tokenizer_from_description(description, search_dirs=[copy, other])
-    assert str(e.value) == (f"no tokenizer.json with sha256 {sha256} in {copy}, {other}, {tok_dir.resolve()}: "
-                            "the tokenizer files changed or are gone")
+    assert str(e.value) == (
+        f"no tokenizer.json with sha256 {sha256} in {copy}, {other}, {tok_dir.resolve()}: "
+        "the tokenizer files changed or are gone"
+    )
     with pytest.raises(ValueError, match="not a tokenizer description"):
         tokenizer.tokenizer_from_description({"kind": "huggingface", "vocab_size": 5})
 
 
 def test_save_files(tmp_path):
-    src = make_tokenizer(tmp_path / "src", files={
-        "tokenizer_config.json": LLAMA_CONFIG, "special_tokens_map.json": {"bos_token": "<|begin_of_text|>"},
-        "generation_config.json": {"eos_token_id": [EOS, EOT_ID]}, "config.json": {"vocab_size": 320}})
+    src = make_tokenizer(
+        tmp_path / "src",
+        files={
+            "tokenizer_config.json": LLAMA_CONFIG,
+            "special_tokens_map.json": {"bos_token": "<|begin_of_text|>"},
+            "generation_config.json": {"eos_token_id": [EOS, EOT_ID]},
+            "config.json": {"vocab_size": 320},
+        },
+    )
     assert tokenizer.hf_tokenizer(src).save_files(tmp_path / "out" / "hf") is True
     saved = sorted(p.name for p in (tmp_path / "out" / "hf").iterdir())
     assert saved == ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]  # no .tmp left
@@ -160,14 +205,22 @@ def test_save_files(tmp_path):
 
     gpt2 = tmp_path / "gpt2"
     assert tokenizer.gpt2_tokenizer().save_files(gpt2) is True
-    assert sorted(p.name for p in gpt2.iterdir()) == ["merges.txt", "tokenizer.json", "tokenizer_config.json",
-                                                      "vocab.json"]
+    assert sorted(p.name for p in gpt2.iterdir()) == [
+        "merges.txt",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.json",
+    ]
     text = "Hello world, it's café time.\n\n  <|endoftext|>"
     as_hf = tokenizer.hf_tokenizer(gpt2)
     assert as_hf.encode(text) == tokenizer.gpt2_tokenizer().encode(text) and as_hf.stop_tokens == [50256]
     assert json.loads((gpt2 / "tokenizer_config.json").read_text()) == {
-        "tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-        "unk_token": "<|endoftext|>", "model_max_length": 1024}
+        "tokenizer_class": "GPT2Tokenizer",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "model_max_length": 1024,
+    }
     # vocab.json + merges.txt are GPT-2's BPE: the same ids as tiktoken's, read with `tokenizers`.
     bpe = tokenizers.Tokenizer(models.BPE.from_file(str(gpt2 / "vocab.json"), str(gpt2 / "merges.txt")))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -187,7 +240,8 @@ def test_bad_tokenizer_folders_are_named(tmp_path, tok_dir):
     assert one_line_error(hf, tmp_path / "nope") == f"{tmp_path / 'nope'} has no tokenizer.json: no such folder"
     (tmp_path / "empty").mkdir()
     assert one_line_error(hf, tmp_path / "empty").startswith(
-        f"{tmp_path / 'empty'} has no tokenizer.json: give the folder")
+        f"{tmp_path / 'empty'} has no tokenizer.json: give the folder"
+    )
     path = tok_dir / "tokenizer.json"
     path.write_text("{not json")
     assert one_line_error(hf, tok_dir).startswith(f"{path} is not valid JSON (")
@@ -199,10 +253,11 @@ def test_bad_tokenizer_folders_are_named(tmp_path, tok_dir):
     make_tokenizer(tok_dir)
     config = tok_dir / "tokenizer_config.json"
     for content, message in [
-            ("{oops", f"{config} is not valid JSON ("),
-            ("[1, 2]", f"{config} must hold a JSON object, got list"),
-            (json.dumps({"eos_token": "</s>"}), f"{config}: eos_token '</s>' is not a token of tokenizer.json"),
-            (json.dumps({"bos_token": 7}), f"{config}: bos_token 7 is not a token of tokenizer.json")]:
+        ("{oops", f"{config} is not valid JSON ("),
+        ("[1, 2]", f"{config} must hold a JSON object, got list"),
+        (json.dumps({"eos_token": "</s>"}), f"{config}: eos_token '</s>' is not a token of tokenizer.json"),
+        (json.dumps({"bos_token": 7}), f"{config}: bos_token 7 is not a token of tokenizer.json"),
+    ]:
         config.write_text(content)
         assert one_line_error(hf, tok_dir).startswith(message)
     config.unlink()
@@ -217,6 +272,7 @@ def test_bad_tokenizer_folders_are_named(tmp_path, tok_dir):
 
 # ---- datasets made with a Hugging Face tokenizer: data/text/prepare.py --tokenizer=DIR
 
+
 def load_prepare_script():
     spec = importlib.util.spec_from_file_location("prep_text_hf", ROOT / "data/text/prepare.py")
     module = importlib.util.module_from_spec(spec)
@@ -225,8 +281,12 @@ def load_prepare_script():
 
 
 text_prep = load_prepare_script()
-DOCS = ["First document: café ☕ naïve.\n", "Second one quotes <|end_of_text|> as text.",
-        "Third, with\nlines.\n", "Fourth and last."]
+DOCS = [
+    "First document: café ☕ naïve.\n",
+    "Second one quotes <|end_of_text|> as text.",
+    "Third, with\nlines.\n",
+    "Fourth and last.",
+]
 
 
 def make_corpus(root: Path) -> Path:
@@ -252,19 +312,35 @@ def dataset_files(out: Path) -> dict:
 def test_text_prepare_with_a_hf_tokenizer(tmp_path, tok_dir, capsys):
     (tok_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, EOT_ID]}))
     out = tmp_path / "out"
-    text_prep.main([f"--input_dir={make_corpus(tmp_path / 'in')}", f"--out_dir={out}", f"--tokenizer={tok_dir}",
-                    "--val_fraction=0.3", "--num_proc=1"])
+    text_prep.main(
+        [
+            f"--input_dir={make_corpus(tmp_path / 'in')}",
+            f"--out_dir={out}",
+            f"--tokenizer={tok_dir}",
+            "--val_fraction=0.3",
+            "--num_proc=1",
+        ]
+    )
     assert "4 documents (2 in val)" in capsys.readouterr().out  # the seeded val draw picks 2
     files = dataset_files(out)
-    assert sorted(files) == ["generation_config.json", "meta.json", "tokenizer.json", "tokenizer_config.json",
-                             "train.bin", "val.bin"]
+    assert sorted(files) == [
+        "generation_config.json",
+        "meta.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "train.bin",
+        "val.bin",
+    ]
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert files[name] == (tok_dir / name).read_bytes()
     meta = json.loads(files["meta.json"])
     tok = tokenizer.load_tokenizer(out)  # from the dataset's own copy
     assert {k: meta[k] for k in ("kind", "vocab_size", "sha256", "tokenizer")} == {
-        "kind": "huggingface", "vocab_size": tok.vocab_size, "tokenizer": "tokenizer.json",
-        "sha256": tokenizer.hf_tokenizer(tok_dir).sha256}
+        "kind": "huggingface",
+        "vocab_size": tok.vocab_size,
+        "tokenizer": "tokenizer.json",
+        "sha256": tokenizer.hf_tokenizer(tok_dir).sha256,
+    }
     assert f"--tokenizer={tok_dir.resolve()}" in meta["prepare"]
     assert (tok.dir, tok.bos_token, tok.stop_tokens) == (out.resolve(), BOS, [EOS, EOT_ID])
     train, val = (np.fromfile(out / f"{s}.bin", dtype=np.uint16) for s in ("train", "val"))
@@ -272,8 +348,13 @@ def test_text_prepare_with_a_hf_tokenizer(tmp_path, tok_dir, capsys):
 
     # The recorded command, run again from the repo root with pool workers (in a process of
     # its own: forking this one, with JAX's threads, could deadlock), makes the same dataset.
-    r = subprocess.run([sys.executable, *meta["prepare"].split()[1:], "--num_proc=2"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, *meta["prepare"].split()[1:], "--num_proc=2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "100.0%" in r.stderr and "Warning" not in r.stderr
     assert dataset_files(out) == files
@@ -324,16 +405,24 @@ def test_text_prepare_refuses_tokenizers_it_cannot_use(tmp_path, tok_dir, monkey
     monkeypatch.setattr(text_prep, "hf_tokenizer", lambda directory: big)
     # Refused before the input is looked at (there is none).
     assert run_main(nowhere, out, f"--tokenizer={tok_dir}") == (
-        f"error: --tokenizer {tok_dir}: a vocabulary of 4,294,967,297 tokens does not fit in 32-bit token files")
+        f"error: --tokenizer {tok_dir}: a vocabulary of 4,294,967,297 tokens does not fit in 32-bit token files"
+    )
     monkeypatch.undo()
     (tok_dir / "tokenizer_config.json").unlink()
     assert run_main(nowhere, out, f"--tokenizer={tok_dir}").startswith(
-        f"error: --tokenizer {tok_dir} has no end-of-sequence token to separate documents")
-    assert run_main(nowhere, out, f"--tokenizer={tmp_path / 'nope'}") == \
-        f"error: --tokenizer: {tmp_path / 'nope'} has no tokenizer.json: no such folder"
+        f"error: --tokenizer {tok_dir} has no end-of-sequence token to separate documents"
+    )
+    assert (
+        run_main(nowhere, out, f"--tokenizer={tmp_path / 'nope'}")
+        == f"error: --tokenizer: {tmp_path / 'nope'} has no tokenizer.json: no such folder"
+    )
     assert not (tmp_path / "out").exists()
-    r = subprocess.run([sys.executable, str(ROOT / "data/text/prepare.py"), nowhere, out,
-                        f"--tokenizer={tmp_path}"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "data/text/prepare.py"), nowhere, out, f"--tokenizer={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and r.stderr.startswith(f"error: --tokenizer: {tmp_path} has no tokenizer.json: ")
     assert len(r.stderr.strip().splitlines()) == 1
 
@@ -342,10 +431,12 @@ def test_bad_hf_meta_is_named(tmp_path, tok_dir):
     text_prep.prepare(make_corpus(tmp_path / "in"), tmp_path / "out", val_fraction=0.3, tokenizer=tok_dir)
     meta_path = tmp_path / "out" / "meta.json"
     meta = json.loads(meta_path.read_text())
-    for field, value, message in [("sha256", "abc", "'sha256' must be 64 lowercase hex digits"),
-                                  ("tokenizer", "../tok/tokenizer.json", "'tokenizer' must be the dataset's own"),
-                                  ("tokenizer", "vocab.json", "'tokenizer' must be the dataset's own"),
-                                  ("vocab_size", 7, r"vocab_size is 7 but .*tokenizer\.json has \d+ tokens")]:
+    for field, value, message in [
+        ("sha256", "abc", "'sha256' must be 64 lowercase hex digits"),
+        ("tokenizer", "../tok/tokenizer.json", "'tokenizer' must be the dataset's own"),
+        ("tokenizer", "vocab.json", "'tokenizer' must be the dataset's own"),
+        ("vocab_size", 7, r"vocab_size is 7 but .*tokenizer\.json has \d+ tokens"),
+    ]:
         meta_path.write_text(json.dumps({**meta, field: value}))
         with pytest.raises(ValueError, match=rf"{message}.*: rerun `python data/text/prepare\.py"):
             tokenizer.load_tokenizer(tmp_path / "out")

@@ -65,8 +65,19 @@ def chip_run(tmp_path_factory):
     losses and its checkpoint's parameters as restored on the chip."""
     root = tmp_path_factory.mktemp("tpu")
     make_dataset(root / "data")
-    config = small_config(root, n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=16, max_iters=STEPS,
-                          lr_decay_iters=STEPS, eval_interval=1000, eval_iters=1, dtype="float32")
+    config = small_config(
+        root,
+        n_layer=2,
+        n_head=4,
+        n_embd=128,
+        block_size=64,
+        batch_size=16,
+        max_iters=STEPS,
+        lr_decay_iters=STEPS,
+        eval_interval=1000,
+        eval_iters=1,
+        dtype="float32",
+    )
     assert jax.devices()[0].platform == "tpu"
     losses = [loss for _, loss in train.train(config)]
     setup, params, step, _ = loader.load_checkpoint(config.out_dir)
@@ -78,13 +89,22 @@ def chip_run(tmp_path_factory):
 def cpu_side(chip_run, tmp_path_factory):
     config = chip_run[0]
     where = tmp_path_factory.mktemp("cpu")
-    args = {"config": dataclasses.asdict(config), "cpu_out_dir": str(where / "out"), "prompts": PROMPTS,
-            "new_tokens": NEW_TOKENS, "resumed_steps": RESUMED_STEPS,
-            "restored": str(where / "restored.npz"), "resumed": str(where / "resumed.npz")}
-    env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
-        [REPO, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, "-c", ON_CPU, json.dumps(args)], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=400)
+    args = {
+        "config": dataclasses.asdict(config),
+        "cpu_out_dir": str(where / "out"),
+        "prompts": PROMPTS,
+        "new_tokens": NEW_TOKENS,
+        "resumed_steps": RESUMED_STEPS,
+        "restored": str(where / "restored.npz"),
+        "resumed": str(where / "resumed.npz"),
+    }
+    env = os.environ | {
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", ON_CPU, json.dumps(args)], capture_output=True, text=True, cwd=REPO, env=env, timeout=400
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["platform"] == "cpu"
@@ -127,8 +147,18 @@ def test_greedy_decode_on_the_chip_equals_the_cpus(chip_run, cpu_side):
 
 # A step big enough for its temporaries to be most of its need (the logits of 16 x 512 tokens
 # over 8,192 ids, two layers' activations), small enough to compile in seconds.
-MEDIUM = dict(n_layer=2, n_head=8, n_embd=512, block_size=512, batch_size=16, gradient_accumulation_steps=1,
-              vocab_size=8192, dtype="bfloat16", remat_policy="none", mesh_data=1)
+MEDIUM = dict(
+    n_layer=2,
+    n_head=8,
+    n_embd=512,
+    block_size=512,
+    batch_size=16,
+    gradient_accumulation_steps=1,
+    vocab_size=8192,
+    dtype="bfloat16",
+    remat_policy="none",
+    mesh_data=1,
+)
 
 
 def test_a_step_that_fits_prints_its_compiled_need_and_its_real_peak_is_within_15_percent(capsys):
@@ -143,8 +173,10 @@ def test_a_step_that_fits_prints_its_compiled_need_and_its_real_peak_is_within_1
     step.run(3)
     peak, source = bench.step_peak_memory(devices, step.step)
     with capsys.disabled():
-        print(f"\n{printed.strip()}\ncompiled {compiled / 2**20:,.1f} MiB; real peak {peak / 2**20:,.1f} MiB ({source}); "
-              f"memory_stats {devices[0].memory_stats()}")
+        print(
+            f"\n{printed.strip()}\ncompiled {compiled / 2**20:,.1f} MiB; real peak {peak / 2**20:,.1f} MiB ({source}); "
+            f"memory_stats {devices[0].memory_stats()}"
+        )
     assert abs(peak / compiled - 1) < 0.15, (peak, compiled, source)
     del step
     # the need moves with the remat policy, as the step's real need does
@@ -159,10 +191,16 @@ def test_gpt2_124m_at_batch_16_without_remat_is_refused_in_one_line(monkeypatch,
     attention's layout: XLA refused it at 620015b, it compiles at 6dc2d3a)."""
     messages = []
     refusal = memory.refusal
-    monkeypatch.setattr(memory, "refusal", lambda what, message, *a: messages.append(message) or refusal(
-        what, message, *a))
-    argv = [os.path.join(REPO, "config", "gpt2_124m.py"), "--batch_size=16", "--gradient_accumulation_steps=1",
-            "--remat_policy=none", "--json="]
+    monkeypatch.setattr(
+        memory, "refusal", lambda what, message, *a: messages.append(message) or refusal(what, message, *a)
+    )
+    argv = [
+        os.path.join(REPO, "config", "gpt2_124m.py"),
+        "--batch_size=16",
+        "--gradient_accumulation_steps=1",
+        "--remat_policy=none",
+        "--json=",
+    ]
     with pytest.raises(configurator.ConfigError) as refused:
         bench.run(argv)
     line = str(refused.value)
@@ -171,9 +209,12 @@ def test_gpt2_124m_at_batch_16_without_remat_is_refused_in_one_line(monkeypatch,
         if messages:
             print("XLA's message began:", *messages[0].splitlines()[:14], sep="\n")
     assert "\n" not in line, line
-    found = re.fullmatch(r"memory: the train step needs ([\d.]+) GiB per device, more than the ([\d.]+) GiB "
-                         r"(?:of (?:hbm|memory) )?available \((?:XLA:TPU refused it: RESOURCE_EXHAUSTED|"
-                         r"TPU v5 lite's memory limit)\); try (.*)", line)
+    found = re.fullmatch(
+        r"memory: the train step needs ([\d.]+) GiB per device, more than the ([\d.]+) GiB "
+        r"(?:of (?:hbm|memory) )?available \((?:XLA:TPU refused it: RESOURCE_EXHAUSTED|"
+        r"TPU v5 lite's memory limit)\); try (.*)",
+        line,
+    )
     assert found, line
     assert float(found.group(1)) > float(found.group(2)) > 10  # the chip's ~16 GiB, and more than it
     assert "--remat_policy=dots_with_no_batch_dims_saveable" in found.group(3)

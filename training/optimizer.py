@@ -73,14 +73,18 @@ def _muon_dimension_numbers(path, leaf):
     if keys[0] not in STACKS or not name.endswith("kernel") or name in ADAMW_MATRICES:
         return None
     if name not in BLOCK_MATRICES:  # a new weight in model.py: say how it multiplies
-        raise ValueError(f"training/optimizer.py: {'.'.join(keys)} {tuple(leaf.shape)} is a block weight "
-                         f"matrix whose axes Muon does not know: add it to BLOCK_MATRICES")
+        raise ValueError(
+            f"training/optimizer.py: {'.'.join(keys)} {tuple(leaf.shape)} is a block weight "
+            f"matrix whose axes Muon does not know: add it to BLOCK_MATRICES"
+        )
     dims = BLOCK_MATRICES[name]
     shift = len(leaf.shape) - 1 - len(_axes(dims.reduction_axis)) - len(_axes(dims.output_axis))
     if not shift:
         return dims
-    return MuonDimensionNumbers(reduction_axis=tuple(a + shift for a in _axes(dims.reduction_axis)),
-                                output_axis=tuple(a + shift for a in _axes(dims.output_axis)))
+    return MuonDimensionNumbers(
+        reduction_axis=tuple(a + shift for a in _axes(dims.reduction_axis)),
+        output_axis=tuple(a + shift for a in _axes(dims.output_axis)),
+    )
 
 
 def _axes(a) -> tuple:
@@ -94,8 +98,9 @@ def _group(path, leaf) -> str:
 def param_groups(params) -> dict:
     """{'blocks.attn.qkv_kernel': 'muon', 'wte': 'adamw', ...}: which optimizer updates which
     parameter when optimizer='muon'. `params` may hold arrays or ShapeDtypeStructs."""
-    return {".".join(k.key for k in path): _group(path, leaf)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    return {
+        ".".join(k.key for k in path): _group(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    }
 
 
 def groups_summary(params) -> str:
@@ -112,12 +117,16 @@ def groups_summary(params) -> str:
 def make_optimizer(config: Config) -> optax.GradientTransformation:
     tx = adamw = optax.adamw(
         learning_rate=lambda count: learning_rate(config, count),
-        b1=config.beta1, b2=config.beta2, weight_decay=config.weight_decay,
+        b1=config.beta1,
+        b2=config.beta2,
+        weight_decay=config.weight_decay,
         mask=lambda params: jax.tree_util.tree_map_with_path(decays, params),
     )
     if config.optimizer == "muon":  # each parameter goes to one of the two, by param_groups
-        tx = optax.partition({"muon": muon(config), "adamw": adamw},
-                             param_labels=lambda params: jax.tree_util.tree_map_with_path(_group, params))
+        tx = optax.partition(
+            {"muon": muon(config), "adamw": adamw},
+            param_labels=lambda params: jax.tree_util.tree_map_with_path(_group, params),
+        )
     if config.grad_clip > 0:  # on the whole gradient, before either group sees it
         return optax.chain(optax.clip_by_global_norm(config.grad_clip), tx)
     return tx
@@ -128,16 +137,21 @@ def muon(config: Config) -> optax.GradientTransformation:
     itself: its AdamW half takes Muon's nesterov flag (so it would be NAdam) and decays every
     parameter it updates (norm scales and biases too), where the AdamW group here must be
     exactly optimizer='adamw''s."""
+
     def dimension_numbers(updates):  # the Muon half's tree: other parameters are masked out
         return jax.tree_util.tree_map_with_path(_muon_dimension_numbers, updates)
 
     # Updates are scaled by sqrt(max(1, fan_out / fan_in)): by scale_by_muon itself in optax 0.2.6,
     # by a step of its own (not exported from optax.contrib) from 0.2.7 on.
-    width_scaling = ([optax_muon.scale_by_shape(weight_dimension_numbers=dimension_numbers)]
-                     if hasattr(optax_muon, "scale_by_shape") else [])
+    width_scaling = (
+        [optax_muon.scale_by_shape(weight_dimension_numbers=dimension_numbers)]
+        if hasattr(optax_muon, "scale_by_shape")
+        else []
+    )
     return optax.chain(
-        scale_by_muon(ns_steps=NS_STEPS, beta=config.muon_momentum, nesterov=True,
-                      weight_dimension_numbers=dimension_numbers),
+        scale_by_muon(
+            ns_steps=NS_STEPS, beta=config.muon_momentum, nesterov=True, weight_dimension_numbers=dimension_numbers
+        ),
         *width_scaling,
         optax.add_decayed_weights(config.muon_weight_decay),
         optax.scale_by_learning_rate(lambda count: learning_rate(config, count, config.muon_learning_rate)),
@@ -149,8 +163,14 @@ def state_shardings(tx: optax.GradientTransformation, abstract_opt_state, param_
     the parameter; counts and the like are replicated. A group's copy has its other group's
     parameters masked out (optax.MaskedNode), and keeps those holes."""
     masked = lambda x: isinstance(x, optax.MaskedNode)
-    return optax.tree_map_params(tx, lambda leaf, s: leaf if masked(leaf) else s, abstract_opt_state,
-                                 param_shardings, transform_non_params=lambda _: replicated, is_leaf=masked)
+    return optax.tree_map_params(
+        tx,
+        lambda leaf, s: leaf if masked(leaf) else s,
+        abstract_opt_state,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=masked,
+    )
 
 
 def flops_per_step(params, config: Config) -> float:
@@ -168,5 +188,5 @@ def flops_per_step(params, config: Config) -> float:
         rows = math.prod(leaf.shape[a] for a in _axes(dims.reduction_axis))
         cols = math.prod(leaf.shape[a] for a in _axes(dims.output_axis))
         m, n = min(rows, cols), max(rows, cols)
-        total += math.prod(leaf.shape) // (m * n) * NS_STEPS * (4 * m * m * n + 2 * m ** 3)
+        total += math.prod(leaf.shape) // (m * n) * NS_STEPS * (4 * m * m * n + 2 * m**3)
     return total

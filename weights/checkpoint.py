@@ -50,6 +50,7 @@ def checkpoint_dir(out_dir: str) -> str:
 
 # ----------------------------------------------------------------------------- the out_dir
 
+
 class OutDirLock:
     """An exclusive flock on out_dir/lock, taken before anything in out_dir is written.
 
@@ -77,8 +78,9 @@ class OutDirLock:
             os.makedirs(out_dir, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise CheckpointError(f"can't write to out_dir {out_dir} ({e.strerror}): choose another "
-                                  f"--out_dir, or fix its permissions") from None
+            raise CheckpointError(
+                f"can't write to out_dir {out_dir} ({e.strerror}): choose another --out_dir, or fix its permissions"
+            ) from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -86,9 +88,11 @@ class OutDirLock:
             self.fd = None
             if e.errno not in (errno.EAGAIN, errno.EACCES):
                 raise CheckpointError(f"can't lock {self.path} ({e.strerror})") from None
-            raise CheckpointError(f"out_dir {out_dir} is in use by another training run "
-                                  f"({self.holder() or 'it holds ' + self.path}): wait for it to "
-                                  f"end, stop it, or choose another --out_dir") from None
+            raise CheckpointError(
+                f"out_dir {out_dir} is in use by another training run "
+                f"({self.holder() or 'it holds ' + self.path}): wait for it to "
+                f"end, stop it, or choose another --out_dir"
+            ) from None
 
     def holder(self) -> str:
         try:
@@ -101,8 +105,11 @@ class OutDirLock:
         """Say who holds the lock (once every check has passed and the run really starts)."""
         if self.fd is not None:
             os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}, started "
-                               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+            os.pwrite(
+                self.fd,
+                f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(),
+                0,
+            )
 
     def release(self) -> None:
         if self.fd is not None:
@@ -114,20 +121,22 @@ def start_fresh(config: Config, log=print) -> None:
     """A run from scratch (or from pretrained weights) into out_dir: refuse to mix it with the
     checkpoints of an earlier run unless overwrite_out_dir says to delete them."""
     directory = checkpoint_dir(config.out_dir)
-    steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit()) \
-        if os.path.isdir(directory) else []
+    steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit()) if os.path.isdir(directory) else []
     if not steps:
         return
     if not config.overwrite_out_dir:
         raise CheckpointError(
             f"out_dir {os.path.abspath(config.out_dir)} holds checkpoints of an earlier run (steps "
             f"{', '.join(map(str, steps))}): continue it with --init_from=resume, choose another "
-            f"--out_dir, or pass --overwrite_out_dir=True to delete them and start again")
+            f"--out_dir, or pass --overwrite_out_dir=True to delete them and start again"
+        )
     if jax.process_index() == 0:
         for name in ("checkpoints", "checkpoints-damaged", "tensorboard"):
             shutil.rmtree(os.path.join(config.out_dir, name), ignore_errors=True)
-        log(f"overwrite_out_dir: deleted the earlier run's checkpoints (steps "
-            f"{', '.join(map(str, steps))}) and TensorBoard events in {os.path.abspath(config.out_dir)}")
+        log(
+            f"overwrite_out_dir: deleted the earlier run's checkpoints (steps "
+            f"{', '.join(map(str, steps))}) and TensorBoard events in {os.path.abspath(config.out_dir)}"
+        )
     sync("start_fresh")
 
 
@@ -149,6 +158,7 @@ def sync(name: str) -> None:
 
 
 # ----------------------------------------------------------------------------- Orbax
+
 
 def hide_orbax_echoes() -> None:
     """Orbax reports a failed read or write once to the caller, which turns it into one message,
@@ -195,13 +205,24 @@ def checkpoint_manager(config: Config, read_only=False) -> ocp.CheckpointManager
 
     A writer must hold the out_dir lock first: creating one deletes unfinished saves."""
     policies = ocp.checkpoint_managers
-    keep = policies.AnyPreservationPolicy([
-        policies.LatestN(n=config.max_to_keep),
-        policies.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=config.keep_best,
-                       keep_checkpoints_without_metrics=False)])
-    options = ocp.CheckpointManagerOptions(preservation_policy=keep, read_only=read_only,
-                                           save_interval_steps=0 if read_only else 1, create=False,
-                                           cleanup_tmp_directories=not read_only)
+    keep = policies.AnyPreservationPolicy(
+        [
+            policies.LatestN(n=config.max_to_keep),
+            policies.BestN(
+                get_metric_fn=lambda m: m["val_loss"],
+                reverse=True,
+                n=config.keep_best,
+                keep_checkpoints_without_metrics=False,
+            ),
+        ]
+    )
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=keep,
+        read_only=read_only,
+        save_interval_steps=0 if read_only else 1,
+        create=False,
+        cleanup_tmp_directories=not read_only,
+    )
     hide_orbax_echoes()  # also read_only's two absl warnings about options it sets itself
     return ocp.CheckpointManager(checkpoint_dir(config.out_dir), options=options)
 
@@ -212,14 +233,20 @@ def save(manager, state: dict, meta: dict, val_loss: float | None) -> None:
     step = int(state["step"])
     checksums = {name: checksums_of(state[name]) for name in ("params", "opt_state")}
     with write_errors(manager):  # also reports a failure of the previous async save
-        saved = manager.save(step, metrics=None if val_loss is None else {"val_loss": val_loss},
-                             args=ocp.args.Composite(params=ocp.args.StandardSave(state["params"]),
-                                                     opt_state=ocp.args.StandardSave(state["opt_state"]),
-                                                     meta=ocp.args.JsonSave({**meta, "step": step,
-                                                                             "checksums": checksums})))
+        saved = manager.save(
+            step,
+            metrics=None if val_loss is None else {"val_loss": val_loss},
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(state["params"]),
+                opt_state=ocp.args.StandardSave(state["opt_state"]),
+                meta=ocp.args.JsonSave({**meta, "step": step, "checksums": checksums}),
+            ),
+        )
     if not saved:  # Orbax skips a step that is not past the latest one in the directory
-        raise CheckpointError(f"the checkpoint of step {step} was not saved: {manager.directory} "
-                              f"already holds step {manager.latest_step()}")
+        raise CheckpointError(
+            f"the checkpoint of step {step} was not saved: {manager.directory} "
+            f"already holds step {manager.latest_step()}"
+        )
 
 
 def checksums_of(tree) -> dict:
@@ -243,6 +270,7 @@ def _bit_sums(arrays):
         words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
         position = jnp.arange(1, x.size + 1, dtype=jnp.uint32).reshape(x.shape)
         return jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * position, dtype=jnp.uint32)
+
     return [sums(x) for x in arrays]
 
 
@@ -284,12 +312,16 @@ def write_errors(manager):
         reason = "No space left on device" if "No space left" in str(e) else str(e).split("\n")[0][:300]
         manager.reload()  # forget the step that failed
         latest = manager.latest_step()
-        kept = "no checkpoint had completed before it" if latest is None else \
-            f"the latest complete checkpoint (step {latest}) is intact"
+        kept = (
+            "no checkpoint had completed before it"
+            if latest is None
+            else f"the latest complete checkpoint (step {latest}) is intact"
+        )
         raise CheckpointError(f"writing a checkpoint failed ({reason}); {kept}") from e
 
 
 # ----------------------------------------------------------------------------- restoring
+
 
 @dataclasses.dataclass
 class Restored:
@@ -323,16 +355,20 @@ def restore_latest(manager, out_dir: str, abstract_for, log=print, move_damaged=
         abstract = abstract_for(meta)
         reason = "unreadable on another process"
         try:
-            items = manager.restore(step, args=ocp.args.Composite(
-                **{name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}))
+            items = manager.restore(
+                step,
+                args=ocp.args.Composite(**{name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}),
+            )
             items = {name: items[name] for name in abstract}
             problems = list(filter(None, (verify(name, tree, meta) for name, tree in items.items())))
             readable, reason = not problems, (problems or [reason])[0]
         except Exception as e:
             if "is not compatible with the stored shape" in str(e):  # not damage: another model
-                raise CheckpointError(f"step {step} in {manager.directory} holds arrays of other "
-                                      f"shapes than this run's model ({str(e).split('. ')[0]}): "
-                                      f"the vocabulary or the model config differs") from None
+                raise CheckpointError(
+                    f"step {step} in {manager.directory} holds arrays of other "
+                    f"shapes than this run's model ({str(e).split('. ')[0]}): "
+                    f"the vocabulary or the model config differs"
+                ) from None
             readable, reason = False, describe_damage(e)
         if not agree(readable):  # a collective: every process must come here for every step
             damaged.append((step, reason))
@@ -341,13 +377,14 @@ def restore_latest(manager, out_dir: str, abstract_for, log=print, move_damaged=
             report_damage(manager, out_dir, damaged, step, log, move_damaged)
         return Restored(step, meta, items)
     listed = "; ".join(f"step {s}: {why}" for s, why in damaged)
-    raise CheckpointError(f"every checkpoint in {manager.directory} is damaged ({listed}): "
-                          f"start again without --init_from=resume in another --out_dir")
+    raise CheckpointError(
+        f"every checkpoint in {manager.directory} is damaged ({listed}): "
+        f"start again without --init_from=resume in another --out_dir"
+    )
 
 
 def no_checkpoint_message(out_dir: str) -> str:
-    return (f"no checkpoint in {checkpoint_dir(out_dir)}: train one first, or point --out_dir at "
-            f"a run that has one")
+    return f"no checkpoint in {checkpoint_dir(out_dir)}: train one first, or point --out_dir at a run that has one"
 
 
 def agree(ok: bool) -> bool:
@@ -375,7 +412,7 @@ def describe_damage(e: Exception) -> str:
         line = str(error).split("\n")[0]
         for marker in DAMAGE_MARKERS:
             if marker in line:
-                return re.sub(r"\s*\[source locations=.*?\]", "", line[line.index(marker):]).rstrip()
+                return re.sub(r"\s*\[source locations=.*?\]", "", line[line.index(marker) :]).rstrip()
     return f"{type(e).__name__}: {str(e).split(chr(10))[0].split('. ')[0].rstrip('.')}"
 
 
@@ -394,8 +431,10 @@ def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: 
             os.replace(os.path.join(str(manager.directory), str(step)), target)
     sync("report_damage")
     manager.reload()
-    log(f"warning: damaged checkpoint {names}: moved to {aside}; resuming from step "
-        f"{intact_step}, the newest intact one")
+    log(
+        f"warning: damaged checkpoint {names}: moved to {aside}; resuming from step "
+        f"{intact_step}, the newest intact one"
+    )
 
 
 def check_resumable(meta: dict, config: Config, tok) -> None:
@@ -407,7 +446,8 @@ def check_resumable(meta: dict, config: Config, tok) -> None:
             f"the checkpoint in {os.path.abspath(config.out_dir)} was trained on a vocabulary of "
             f"{tokenizer_from_description(saved).summary()}, but "
             f"{dataset_dir(config)}/meta.json describes {tok.summary()}: resume with the dataset "
-            f"it was trained on, or train this one from the start in another --out_dir")
+            f"it was trained on, or train this one from the start in another --out_dir"
+        )
 
 
 def check_steps_left(step: int, config: Config) -> None:
@@ -417,13 +457,17 @@ def check_steps_left(step: int, config: Config) -> None:
         raise CheckpointError(
             f"the newest intact checkpoint in {os.path.abspath(config.out_dir)} is at step {step} and "
             f"max_iters is {config.max_iters}: nothing left to train. Raise --max_iters (and --lr_decay_iters) "
-            f"to train on, or evaluate it with --eval_only=True")
+            f"to train on, or evaluate it with --eval_only=True"
+        )
 
 
 def checkpoint_meta(setup, tok) -> dict:
     """Stored with every checkpoint: enough to sample from it without the dataset."""
-    return {"config": dataclasses.asdict(setup.config), "vocab_size": setup.model_config.vocab_size,
-            "tokenizer": tok.describe() if tok else None}
+    return {
+        "config": dataclasses.asdict(setup.config),
+        "vocab_size": setup.model_config.vocab_size,
+        "tokenizer": tok.describe() if tok else None,
+    }
 
 
 def saved_config(meta: dict) -> dict:
@@ -439,8 +483,11 @@ def check_model(saved_values: dict, config: Config) -> None:
     ours["vocab_size"] = config.vocab_size or saved["vocab_size"]  # 0: the dataset's, checked with its tokenizer
     differ = [f"{k}: checkpoint {saved[k]!r}, config {ours[k]!r}" for k in ROLES["model"] if saved[k] != ours[k]]
     if differ:
-        raise CheckpointError("the checkpoint's model differs from the config (" + "; ".join(differ)
-                              + "): leave these keys out, and a resumed run takes them from its checkpoint")
+        raise CheckpointError(
+            "the checkpoint's model differs from the config ("
+            + "; ".join(differ)
+            + "): leave these keys out, and a resumed run takes them from its checkpoint"
+        )
 
 
 def with_checkpoint_keys(values: dict) -> dict:
@@ -457,8 +504,9 @@ def newest_saved_config(out_dir: str) -> dict | None:
     Read as the plain JSON file Orbax's JsonSave writes: this runs before JAX starts (a multi-process
     run may not touch JAX before jax.distributed.initialize)."""
     directory = checkpoint_dir(out_dir)
-    steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True) \
-        if os.path.isdir(directory) else []
+    steps = (
+        sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True) if os.path.isdir(directory) else []
+    )
     for step in steps:
         try:
             with open(os.path.join(directory, str(step), "meta", "metadata"), encoding="utf-8") as f:
@@ -476,18 +524,22 @@ def load_pretrained(setup, directory: str) -> dict:
     try:
         model = hf.read_config(directory)
         # vocab_size=0 in the config means "the dataset's": the model's own is compared
-        hf.check_config(dataclasses.replace(setup.config, vocab_size=setup.model_config.vocab_size),
-                        model, directory)
-        as_stored = dataclasses.replace(setup.model_config, vocab_size=model.keys["vocab_size"],
-                                        pad_vocab_to_multiple=1, block_size=model.max_context)
+        hf.check_config(dataclasses.replace(setup.config, vocab_size=setup.model_config.vocab_size), model, directory)
+        as_stored = dataclasses.replace(
+            setup.model_config,
+            vocab_size=model.keys["vocab_size"],
+            pad_vocab_to_multiple=1,
+            block_size=model.max_context,
+        )
         weights = hf.Weights(directory, as_stored)
     except (OSError, hf.HFError) as e:
         raise CheckpointError(f"init_from={setup.config.init_from}: {e}") from None
 
     def load(path, abstract):
         path = tuple(k.key for k in path)
-        return jax.make_array_from_callback(abstract.shape, abstract.sharding,
-                                            lambda index: weights.read(path, abstract.shape, index))
+        return jax.make_array_from_callback(
+            abstract.shape, abstract.sharding, lambda index: weights.read(path, abstract.shape, index)
+        )
 
     return jax.tree_util.tree_map_with_path(load, setup.abstract_params)
 

@@ -26,8 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: data/
 from data.writer import PrepareError, run_prepare_script  # noqa: E402
 
 SPECIALS = ("<|im_start|>", "<|im_end|>")
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 SYSTEM = "Be exact."
 LETTERS = string.ascii_lowercase
 
@@ -45,8 +47,13 @@ def byte_tokenizer() -> Tokenizer:
 def write_tokenizer(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     byte_tokenizer().save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
-              "chat_template": CHATML, "model_max_length": 1024}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+        "chat_template": CHATML,
+        "model_max_length": 1024,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
 
 
@@ -92,8 +99,10 @@ def make(out_dir, n_conversations=6000, val_conversations=200, seed=0) -> None:
     write_tokenizer(out / "tokenizer")
     write_jsonl(out / "val.jsonl", val)
     write_jsonl(out / "train.jsonl", train)
-    print(f"{len(train):,} train and {len(val):,} held-out conversations, and a {byte_tokenizer().get_vocab_size()}"
-          f"-token tokenizer with a ChatML template -> {out_dir}")
+    print(
+        f"{len(train):,} train and {len(val):,} held-out conversations, and a {byte_tokenizer().get_vocab_size()}"
+        f"-token tokenizer with a ChatML template -> {out_dir}"
+    )
 
 
 def main(argv=None):

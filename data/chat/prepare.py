@@ -44,8 +44,14 @@ from data import chat_template  # noqa: E402
 from data import corpus  # noqa: E402
 from data.corpus import InputError  # noqa: E402
 from data.tokenizer import command_path, gpt2_tokenizer, hf_tokenizer  # noqa: E402
-from data.writer import (DatasetWriter, PrepareError, check_out_dir, format_prepare_command,  # noqa: E402
-                         run_prepare_script, token_dtype)
+from data.writer import (
+    DatasetWriter,
+    PrepareError,
+    check_out_dir,
+    format_prepare_command,  # noqa: E402
+    run_prepare_script,
+    token_dtype,
+)
 
 FORMATS = (".jsonl", ".jsonl.gz", ".parquet")
 SHAPES = "{messages}, {prompt, completion} or {instruction, output}"
@@ -66,6 +72,7 @@ def load_tokenizer(option):
 
 # ---- rows to conversations
 
+
 def conversation(row) -> list:
     """The messages of one row, in any of the three shapes; ValueError says what is wrong."""
     if not isinstance(row, dict):
@@ -84,8 +91,10 @@ def conversation(row) -> list:
         instruction, extra, output = row["instruction"], row.get("input") or "", row["output"]
         if not all(isinstance(v, str) for v in (instruction, extra, output)):
             raise ValueError("instruction, input and output must be strings")
-        messages = [{"role": "user", "content": instruction + (f"\n\n{extra}" if extra else "")},
-                    {"role": "assistant", "content": output}]
+        messages = [
+            {"role": "user", "content": instruction + (f"\n\n{extra}" if extra else "")},
+            {"role": "assistant", "content": output},
+        ]
     else:
         raise ValueError(f"the row has none of {SHAPES} (its keys: {', '.join(map(str, row)) or 'none'})")
     if not isinstance(messages, list) or not messages:
@@ -105,8 +114,11 @@ def read_rows(path):
     if name.endswith(".parquet"):
         try:
             pf = pq.ParquetFile(path)
-            columns = [c for c in ("messages", "prompt", "completion", "instruction", "input", "output")
-                       if c in pf.schema_arrow.names]
+            columns = [
+                c
+                for c in ("messages", "prompt", "completion", "instruction", "input", "output")
+                if c in pf.schema_arrow.names
+            ]
             n = 0
             for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=columns):
                 for row in batch.to_pylist():
@@ -139,8 +151,10 @@ def find_files(option) -> list:
         return [path]
     if not path.is_dir():
         raise InputError(f"{option} does not exist")
-    files = sorted((p for p in path.rglob("*") if p.name.endswith(FORMATS) and p.is_file()),
-                   key=lambda p: p.relative_to(path).as_posix())
+    files = sorted(
+        (p for p in path.rglob("*") if p.name.endswith(FORMATS) and p.is_file()),
+        key=lambda p: p.relative_to(path).as_posix(),
+    )
     if not files:
         raise InputError(f"no {', '.join(FORMATS)} files under {option}")
     return files
@@ -153,6 +167,7 @@ def in_val(seed, path, position, val_fraction) -> bool:
 
 
 # ---- writing
+
 
 class Split:
     """One split's writers and counts."""
@@ -171,12 +186,14 @@ class Split:
         self.starts.write([self.n_tokens])
         self.tokens.write(ids)
         self.mask.write(mask)
-        self.conversations, self.n_tokens, self.learned = self.conversations + 1, self.n_tokens + len(ids), \
-            self.learned + sum(mask)
+        self.conversations, self.n_tokens, self.learned = (
+            self.conversations + 1,
+            self.n_tokens + len(ids),
+            self.learned + sum(mask),
+        )
 
     def summary(self, name, capacity) -> str:
-        line = (f"{name}: {self.conversations:,} conversations, {self.n_tokens:,} tokens "
-                f"({self.learned:,} to learn)")
+        line = f"{name}: {self.conversations:,} conversations, {self.n_tokens:,} tokens ({self.learned:,} to learn)"
         if self.dropped:
             line += f"; dropped {self.dropped:,} longer than block_size + 1 = {capacity} tokens"
         if self.truncated:
@@ -184,20 +201,34 @@ class Split:
         return line
 
 
-def prepare(inputs, out_dir, tokenizer="gpt2", val_inputs=None, val_fraction=0.02, block_size=1024,
-            overlong="drop", seed=1337, source=None, rerun=None, log=print) -> dict:
+def prepare(
+    inputs,
+    out_dir,
+    tokenizer="gpt2",
+    val_inputs=None,
+    val_fraction=0.02,
+    block_size=1024,
+    overlong="drop",
+    seed=1337,
+    source=None,
+    rerun=None,
+    log=print,
+) -> dict:
     """Renders, tokenizes and masks the conversations of `inputs` (files) into out_dir; val from
     val_inputs (files) or else val_fraction of inputs. Returns the counts. Raises InputError."""
     tok = load_tokenizer(str(tokenizer))
     check_out_dir(out_dir)
     template = tok.chat_template or chat_template.DEFAULT_TEMPLATE
     if tok.chat_template is None:
-        log(f"note: {tok.summary()} has no chat template: using data/chat_template.py's default (USER: ... ASSISTANT: ...), "
-            f"which serve.py uses for it too")
+        log(
+            f"note: {tok.summary()} has no chat template: using data/chat_template.py's default (USER: ... ASSISTANT: ...), "
+            f"which serve.py uses for it too"
+        )
     capacity, truncate = block_size + 1, overlong == "truncate"
     hf = tok.kind == "huggingface"
-    extra = {f"{s}.{kind}.bin": dtype for s in ("train", "val") for kind, dtype in (("mask", "uint8"),
-                                                                                    ("starts", "uint64"))}
+    extra = {
+        f"{s}.{kind}.bin": dtype for s in ("train", "val") for kind, dtype in (("mask", "uint8"), ("starts", "uint64"))
+    }
     sources = [(path, None) for path in inputs] + [(path, "val") for path in val_inputs or ()]
     with DatasetWriter(out_dir, token_dtype(tok.vocab_size), extra) as ds:
         splits, seen, start = {"train": Split(ds, "train"), "val": Split(ds, "val")}, 0, time.time()
@@ -216,23 +247,38 @@ def prepare(inputs, out_dir, tokenizer="gpt2", val_inputs=None, val_fraction=0.0
             print(file=sys.stderr)
         for name, split in splits.items():
             if not split.conversations:
-                raise InputError(f"no conversation went to {name} (of {seen:,} read): "
-                                 + ("raise --val_fraction, or give --val_input" if name == "val" else
-                                    "give more conversations, or raise --block_size"))
-        meta = {"kind": tok.kind, "vocab_size": tok.vocab_size,
-                **({"chars": tok.chars} if tok.kind == "char" else {}),
-                **({"sha256": tok.sha256, "tokenizer": "tokenizer.json"} if hf else {}),
-                "chat": {"template": template, "block_size": block_size, "overlong": overlong,
-                         "conversations": {n: s.conversations for n, s in splits.items()},
-                         "tokens_to_learn": {n: s.learned for n, s in splits.items()},
-                         "dropped": {n: s.dropped for n, s in splits.items()},
-                         "truncated": {n: s.truncated for n, s in splits.items()}},
-                "source": source or ", ".join(map(str, inputs)), "prepare": rerun}
+                raise InputError(
+                    f"no conversation went to {name} (of {seen:,} read): "
+                    + (
+                        "raise --val_fraction, or give --val_input"
+                        if name == "val"
+                        else "give more conversations, or raise --block_size"
+                    )
+                )
+        meta = {
+            "kind": tok.kind,
+            "vocab_size": tok.vocab_size,
+            **({"chars": tok.chars} if tok.kind == "char" else {}),
+            **({"sha256": tok.sha256, "tokenizer": "tokenizer.json"} if hf else {}),
+            "chat": {
+                "template": template,
+                "block_size": block_size,
+                "overlong": overlong,
+                "conversations": {n: s.conversations for n, s in splits.items()},
+                "tokens_to_learn": {n: s.learned for n, s in splits.items()},
+                "dropped": {n: s.dropped for n, s in splits.items()},
+                "truncated": {n: s.truncated for n, s in splits.items()},
+            },
+            "source": source or ", ".join(map(str, inputs)),
+            "prepare": rerun,
+        }
         ds.commit(meta, files=tok.files if hf else ())
     for name, split in splits.items():
         log(split.summary(name, capacity))
-    return {name: {k: getattr(split, k) for k in ("conversations", "n_tokens", "learned", "dropped", "truncated")}
-            for name, split in splits.items()}
+    return {
+        name: {k: getattr(split, k) for k in ("conversations", "n_tokens", "learned", "dropped", "truncated")}
+        for name, split in splits.items()
+    }
 
 
 def hub_files(repo_id, folder):
@@ -251,13 +297,20 @@ def main(argv=None):
     parser.add_argument("--hub", help="a Hugging Face dataset of conversations, e.g. HuggingFaceTB/smol-smoltalk")
     parser.add_argument("--hub_folder", default="data", help="the folder of its .parquet files")
     parser.add_argument("--out_dir", required=True, help="where the dataset goes, e.g. data/mychat")
-    parser.add_argument("--tokenizer", default="gpt2",
-                        help="gpt2, or the folder of the model's Hugging Face tokenizer (its chat template too)")
+    parser.add_argument(
+        "--tokenizer",
+        default="gpt2",
+        help="gpt2, or the folder of the model's Hugging Face tokenizer (its chat template too)",
+    )
     parser.add_argument("--val_input", help="conversations for val (else --val_fraction of --input's)")
     parser.add_argument("--val_fraction", type=float, default=0.02)
     parser.add_argument("--block_size", type=int, default=1024, help="the block_size of the runs it is for")
-    parser.add_argument("--overlong", choices=("drop", "truncate"), default="drop",
-                        help="what becomes of a conversation longer than block_size + 1 tokens")
+    parser.add_argument(
+        "--overlong",
+        choices=("drop", "truncate"),
+        default="drop",
+        help="what becomes of a conversation longer than block_size + 1 tokens",
+    )
     parser.add_argument("--seed", type=int, default=1337, help="seeds the choice of val conversations")
     args = parser.parse_args(argv)
     if (args.input is None) == (args.hub is None):
@@ -265,12 +318,19 @@ def main(argv=None):
     if not 0 < args.val_fraction < 1 or args.block_size < 1:
         raise SystemExit("error: --val_fraction must be between 0 and 1 and --block_size >= 1")
     rerun = format_prepare_command(
-        __file__, input=Path(args.input) if args.input else None, hub=args.hub,
-        hub_folder=args.hub_folder if args.hub else None, out_dir=Path(args.out_dir),
+        __file__,
+        input=Path(args.input) if args.input else None,
+        hub=args.hub,
+        hub_folder=args.hub_folder if args.hub else None,
+        out_dir=Path(args.out_dir),
         # "./" so that a folder named gpt2 is not read as GPT-2
         tokenizer=os.path.join(".", command_path(args.tokenizer)) if args.tokenizer != "gpt2" else None,
-        val_input=Path(args.val_input) if args.val_input else None, val_fraction=args.val_fraction,
-        block_size=args.block_size, overlong=args.overlong, seed=args.seed)
+        val_input=Path(args.val_input) if args.val_input else None,
+        val_fraction=args.val_fraction,
+        block_size=args.block_size,
+        overlong=args.overlong,
+        seed=args.seed,
+    )
     t0 = time.time()
 
     def run():
@@ -280,8 +340,18 @@ def main(argv=None):
         else:
             train, source = find_files(args.input), args.input
             val = find_files(args.val_input) if args.val_input else None
-        return prepare(train, args.out_dir, args.tokenizer, val or None, args.val_fraction, args.block_size,
-                       args.overlong, args.seed, source, rerun)
+        return prepare(
+            train,
+            args.out_dir,
+            args.tokenizer,
+            val or None,
+            args.val_fraction,
+            args.block_size,
+            args.overlong,
+            args.seed,
+            source,
+            rerun,
+        )
 
     run_prepare_script(run, args.out_dir)
     print(f"done in {time.time() - t0:.1f}s -> {args.out_dir}")

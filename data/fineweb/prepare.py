@@ -59,9 +59,14 @@ def main(argv=None):
         raise SystemExit(f"error: --max_shards must be at least 1, got {args.max_shards}")
     out_dir = args.out_dir or DATA / f"fineweb_edu_{args.sample.lower()}"
     text_prepare.prepare_shards(
-        __file__, args, out_dir,
+        __file__,
+        args,
+        out_dir,
         lambda: shards(args.sample, args.max_shards, args.input_dir, args.cache_dir, args.offline),
-        sample=args.sample, max_shards=args.max_shards, input_dir=Path(args.input_dir) if args.input_dir else None)
+        sample=args.sample,
+        max_shards=args.max_shards,
+        input_dir=Path(args.input_dir) if args.input_dir else None,
+    )
 
 
 if __name__ == "__main__":

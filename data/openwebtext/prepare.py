@@ -39,8 +39,7 @@ FOLDER = "plain_text/train"
 DATA = Path(__file__).resolve().parents[1]  # data/: train.py's --dataset=NAME reads data/NAME
 
 
-def shards(revision=REVISION, folder=FOLDER, max_shards=None, input_dir=None, cache_dir=None,
-           local_files_only=False):
+def shards(revision=REVISION, folder=FOLDER, max_shards=None, input_dir=None, cache_dir=None, local_files_only=False):
     """(root, files, source): the shards to tokenize, the folder their names are relative to,
     and where they came from (for meta.json)."""
     if input_dir is not None:
@@ -65,11 +64,15 @@ def main(argv=None):
         raise SystemExit(f"error: --max_shards must be at least 1, got {args.max_shards}")
     out_dir = args.out_dir or DATA / "openwebtext"
     text_prepare.prepare_shards(
-        __file__, args, out_dir,
+        __file__,
+        args,
+        out_dir,
         lambda: shards(args.revision, args.folder, args.max_shards, args.input_dir, args.cache_dir, args.offline),
-        max_shards=args.max_shards, input_dir=Path(args.input_dir) if args.input_dir else None,
+        max_shards=args.max_shards,
+        input_dir=Path(args.input_dir) if args.input_dir else None,
         revision=None if args.revision == REVISION else args.revision,
-        folder=None if args.folder == FOLDER else args.folder)
+        folder=None if args.folder == FOLDER else args.folder,
+    )
 
 
 if __name__ == "__main__":

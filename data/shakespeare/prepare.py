@@ -27,8 +27,12 @@ def prepare(text, out_dir, val_fraction=0.1, source=None, command=None):
     if command:  # how to make it again, for "rerun ..." hints
         meta["prepare"] = command
     write_dataset(out_dir, ids[:n_train], ids[n_train:], meta)
-    return {"chars": len(text), "vocab_size": GPT2_VOCAB_SIZE,
-            "train_tokens": n_train, "val_tokens": len(ids) - n_train}
+    return {
+        "chars": len(text),
+        "vocab_size": GPT2_VOCAB_SIZE,
+        "train_tokens": n_train,
+        "val_tokens": len(ids) - n_train,
+    }
 
 
 def main(argv=None):
@@ -37,6 +41,7 @@ def main(argv=None):
     parser.add_argument("--out_dir", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args(argv)
     t0 = time.time()
+
     def run():
         text, source, command = text_to_prepare(__file__, args.input, args.out_dir)
         return prepare(text, args.out_dir, source=source, command=command)

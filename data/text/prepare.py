@@ -60,8 +60,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: data/
 from data import corpus  # noqa: E402
 from data.corpus import BadFile, InputError  # noqa: E402,F401  (InputError: the errors a user can fix)
 from data.tokenizer import command_path, gpt2_tokenizer, hf_tokenizer  # noqa: E402
-from data.writer import (GPT2_ROW_TOKENS, DatasetWriter, PrepareError, TokenWriter, check_out_dir,  # noqa: E402
-                         format_prepare_command, run_prepare_script, token_dtype, val_fraction_for)
+from data.writer import (
+    GPT2_ROW_TOKENS,
+    DatasetWriter,
+    PrepareError,
+    TokenWriter,
+    check_out_dir,  # noqa: E402
+    format_prepare_command,
+    run_prepare_script,
+    token_dtype,
+    val_fraction_for,
+)
 
 PIECE_BYTES = (1 << 20, 64 << 20)  # input per piece, at least and at most: 1/64 of the corpus in between
 COPY_TOKENS = 1 << 20  # tokens in memory at a time while parts are joined
@@ -81,9 +90,11 @@ def load_tokenizer_option(option):
     except PrepareError as e:
         raise InputError(f"--tokenizer {option}: {e}") from None
     if tok.eot_token is None:
-        raise InputError(f"--tokenizer {option} has no end-of-sequence token to separate documents: "
-                         "give one in its generation_config.json or config.json (eos_token_id) or "
-                         "tokenizer_config.json (eos_token)")
+        raise InputError(
+            f"--tokenizer {option} has no end-of-sequence token to separate documents: "
+            "give one in its generation_config.json or config.json (eos_token_id) or "
+            "tokenizer_config.json (eos_token)"
+        )
     return tok
 
 
@@ -214,8 +225,9 @@ def _tokenize_segments(pid, segments, left_out):
                 for docs, done in corpus.read_segment(seg, _job["text_key"]):
                     for position, text in docs:
                         h = val_hash(_job["seed"], seg.name, position)
-                        parts.add("val" if h < _job["threshold"] else "train", encode_document(text), h,
-                                  seg.name, position)
+                        parts.add(
+                            "val" if h < _job["threshold"] else "train", encode_document(text), h, seg.name, position
+                        )
                     tell(done - read, parts.flush())
                     read = done
             except BadFile as e:
@@ -236,6 +248,7 @@ def _write_json(path, obj):
 
 
 # ---- the work folder of part files
+
 
 def work_dir(out_dir) -> Path:
     out = Path(out_dir).resolve()
@@ -259,8 +272,10 @@ def finished_pieces(work: Path, settings: dict, rerun: str, ids) -> dict:
         except ValueError:
             earlier = {}  # cut short while being written: nothing was made under it yet
         if earlier and earlier.get("settings") != settings:
-            raise InputError(f"{work} holds the finished pieces of another preparation, with other settings: "
-                             f"finish it with `{earlier.get('prepare')}`, or delete {work} to start afresh")
+            raise InputError(
+                f"{work} holds the finished pieces of another preparation, with other settings: "
+                f"finish it with `{earlier.get('prepare')}`, or delete {work} to start afresh"
+            )
     work.mkdir(parents=True, exist_ok=True)
     _write_json(manifest, {"settings": settings, "prepare": rerun})
     wanted, done = set(ids), {}
@@ -293,9 +308,11 @@ class Progress:
         elapsed = max(now - self.start, 1e-9)
         frac = (self.already + done) / max(self.total, 1)
         eta = (self.total - self.already - done) / (done / elapsed) if done > 0 else 0.0
-        sys.stderr.write(f"\r[{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% {(self.already + done) / 1e6:,.1f}/"
-                         f"{self.total / 1e6:,.1f} MB, {done / 1e6 / elapsed:.2f} MB/s, {tokens / 1e6 / elapsed:.2f}M "
-                         f"tokens/s, {_mmss(elapsed)} elapsed, ETA {_mmss(eta)} ")
+        sys.stderr.write(
+            f"\r[{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% {(self.already + done) / 1e6:,.1f}/"
+            f"{self.total / 1e6:,.1f} MB, {done / 1e6 / elapsed:.2f} MB/s, {tokens / 1e6 / elapsed:.2f}M "
+            f"tokens/s, {_mmss(elapsed)} elapsed, ETA {_mmss(eta)} "
+        )
         sys.stderr.flush()
         self.drawn = True
 
@@ -340,6 +357,7 @@ def _tokenize_task(task):
 
 # ---- joining the parts into one dataset
 
+
 def copy_tokens(path, writer, dtype, skip=None):
     """Appends the ids in path to writer, a bounded chunk at a time, leaving out the range
     skip = (offset, length) if given."""
@@ -365,12 +383,14 @@ def join_parts(ds, work, ids, records, dtype):
     n_val = sum(records[pid]["val_documents"] for pid in ids)
     moved, leaves = None, None  # (piece id, [hash, name, position, offset, length]), and the split it leaves
     if n_val == 0:
-        moved = min(((pid, records[pid]["lowest_train"]) for pid in ids if records[pid]["lowest_train"]),
-                    key=lambda m: m[1])
+        moved = min(
+            ((pid, records[pid]["lowest_train"]) for pid in ids if records[pid]["lowest_train"]), key=lambda m: m[1]
+        )
         leaves, n_val = "train", 1
     elif n_val == n_docs:
-        moved = max(((pid, records[pid]["highest_val"]) for pid in ids if records[pid]["highest_val"]),
-                    key=lambda m: m[1])
+        moved = max(
+            ((pid, records[pid]["highest_val"]) for pid in ids if records[pid]["highest_val"]), key=lambda m: m[1]
+        )
         leaves, n_val = "val", n_val - 1
     for pid in ids:
         for split, writer in (("train", ds.train), ("val", ds.val)):
@@ -378,14 +398,26 @@ def join_parts(ds, work, ids, records, dtype):
             copy_tokens(work / f"{pid}.{split}.bin", writer, dtype, skip)
     if moved:  # the split it joins is empty otherwise: the document is all of it
         pid, (_, _, _, offset, length) = moved
-        (ds.val if leaves == "train" else ds.train).write(read_tokens(work / f"{pid}.{leaves}.bin", dtype,
-                                                                      offset, length))
+        (ds.val if leaves == "train" else ds.train).write(
+            read_tokens(work / f"{pid}.{leaves}.bin", dtype, offset, length)
+        )
     return n_docs, n_val
 
 
-def prepare(input_dir, out_dir, val_fraction=0.0005, num_proc=1, text_key="text", seed=1337,
-            tokenizer="gpt2", skip_bad_files=False, files=None, source=None, rerun=None,
-            piece_bytes=None):
+def prepare(
+    input_dir,
+    out_dir,
+    val_fraction=0.0005,
+    num_proc=1,
+    text_key="text",
+    seed=1337,
+    tokenizer="gpt2",
+    skip_bad_files=False,
+    files=None,
+    source=None,
+    rerun=None,
+    piece_bytes=None,
+):
     """Tokenizes input_dir (or the given files under it) into out_dir. Returns a summary dict.
     Raises InputError. source and rerun go to meta.json (the prepare scripts that download
     say where from, and their own command).
@@ -403,14 +435,24 @@ def prepare(input_dir, out_dir, val_fraction=0.0005, num_proc=1, text_key="text"
     pieces, bad = corpus.plan_pieces(files, input_dir, text_key, piece_bytes, skip_bad_files)
     hf = _tok.kind == "huggingface"
     rerun = rerun or format_prepare_command(
-        __file__, input_dir=Path(input_dir), out_dir=Path(out_dir),
+        __file__,
+        input_dir=Path(input_dir),
+        out_dir=Path(out_dir),
         # "./" so that a folder named gpt2 is not read as GPT-2
         tokenizer=os.path.join(".", command_path(_tok.dir)) if hf else None,
-        val_fraction=val_fraction, text_key=text_key, seed=seed, skip_bad_files=skip_bad_files or None)
+        val_fraction=val_fraction,
+        text_key=text_key,
+        seed=seed,
+        skip_bad_files=skip_bad_files or None,
+    )
     # What the parts depend on: a piece made with other settings is another piece.
-    settings = {"tokenizer": [_tok.kind, _tok.vocab_size, _tok.sha256 if hf else None, _tok.eot_token,
-                              _tok.bos_token], "dtype": dtype, "seed": seed, "val_fraction": val_fraction,
-                "text_key": text_key}
+    settings = {
+        "tokenizer": [_tok.kind, _tok.vocab_size, _tok.sha256 if hf else None, _tok.eot_token, _tok.bos_token],
+        "dtype": dtype,
+        "seed": seed,
+        "val_fraction": val_fraction,
+        "text_key": text_key,
+    }
     ids = [piece_id(settings, p) for p in pieces]
     work = work_dir(out_dir)
     records = finished_pieces(work, settings, rerun, ids)
@@ -421,8 +463,14 @@ def prepare(input_dir, out_dir, val_fraction=0.0005, num_proc=1, text_key="text"
     size = {pid: sum(seg.size for seg in p) for pid, p in zip(ids, pieces)}
     counters = (multiprocessing.Value("q", 0), multiprocessing.Value("q", 0))
     progress = Progress(sum(size.values()), sum(size[pid] for pid in records), counters)
-    job = {"work": str(work), "dtype": dtype, "seed": seed, "threshold": int(val_fraction * 2**64),
-           "text_key": text_key, "skip_bad": skip_bad_files}
+    job = {
+        "work": str(work),
+        "dtype": dtype,
+        "seed": seed,
+        "threshold": int(val_fraction * 2**64),
+        "text_key": text_key,
+        "skip_bad": skip_bad_files,
+    }
     try:
         for pid, record in run_pieces(todo, max(1, num_proc), job, progress, counters):
             records[pid] = record
@@ -431,8 +479,10 @@ def prepare(input_dir, out_dir, val_fraction=0.0005, num_proc=1, text_key="text"
             progress.draw(force=True)
     except KeyboardInterrupt:
         progress.end()
-        print(f"kept the {len(records)} of {len(pieces)} pieces done in {work}: the same command goes on "
-              "from there", file=sys.stderr)
+        print(
+            f"kept the {len(records)} of {len(pieces)} pieces done in {work}: the same command goes on from there",
+            file=sys.stderr,
+        )
         raise
     finally:
         progress.end()
@@ -442,34 +492,56 @@ def prepare(input_dir, out_dir, val_fraction=0.0005, num_proc=1, text_key="text"
     skipped = bad + [why for pid in ids for why in records[pid]["left_out"]]
     n_docs = sum(records[pid]["documents"] for pid in ids)
     if n_docs < 2:
-        raise InputError(f"found {n_docs} document{'s' * (n_docs != 1)} under {input_dir}: "
-                         "need at least 2 for train and val")
+        raise InputError(
+            f"found {n_docs} document{'s' * (n_docs != 1)} under {input_dir}: need at least 2 for train and val"
+        )
     meta = {"kind": _tok.kind, "vocab_size": _tok.vocab_size}
     if hf:  # its files are copied in with the tokens; the sha256 says they still match
         meta.update(sha256=_tok.sha256, tokenizer="tokenizer.json")
     with DatasetWriter(out_dir, dtype) as ds:
         n_docs, n_val = join_parts(ds, work, ids, records, dtype)
-        meta.update(source=str(source or input_dir), documents={"train": n_docs - n_val, "val": n_val},
-                    prepare=rerun, **({"skipped": skipped} if skipped else {}))
+        meta.update(
+            source=str(source or input_dir),
+            documents={"train": n_docs - n_val, "val": n_val},
+            prepare=rerun,
+            **({"skipped": skipped} if skipped else {}),
+        )
         ds.commit(meta, files=_tok.files if hf else ())
     shutil.rmtree(work, ignore_errors=True)
-    return {"files": len(files), "documents": n_docs, "val_documents": n_val, "train_tokens": ds.train.count,
-            "val_tokens": ds.val.count, "pieces": len(pieces), "resumed": len(pieces) - len(todo),
-            "skipped": skipped}
+    return {
+        "files": len(files),
+        "documents": n_docs,
+        "val_documents": n_val,
+        "train_tokens": ds.train.count,
+        "val_tokens": ds.val.count,
+        "pieces": len(pieces),
+        "resumed": len(pieces) - len(todo),
+        "skipped": skipped,
+    }
 
 
 def add_common_options(parser, out_dir_required=True):
     """The options every script that ends in prepare() shares."""
-    parser.add_argument("--out_dir", required=out_dir_required,
-                        help="where train.bin, val.bin, meta.json go, e.g. data/mytext")
-    parser.add_argument("--tokenizer", default="gpt2",
-                        help="gpt2, or a Hugging Face tokenizer folder (tokenizer.json, ...); ./gpt2 names a folder")
+    parser.add_argument(
+        "--out_dir", required=out_dir_required, help="where train.bin, val.bin, meta.json go, e.g. data/mytext"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default="gpt2",
+        help="gpt2, or a Hugging Face tokenizer folder (tokenizer.json, ...); ./gpt2 names a folder",
+    )
     parser.add_argument("--val_fraction", type=float, default=0.0005)
     parser.add_argument("--num_proc", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--text_key", default="text", help="the text field of each .jsonl record / .parquet column")
     parser.add_argument("--seed", type=int, default=1337, help="seeds the choice of val documents")
-    parser.add_argument("--skip_bad_files", nargs="?", const=True, default=False, type=_true_or_false,
-                        help="leave out (and list) the pieces of files that cannot be read, instead of stopping")
+    parser.add_argument(
+        "--skip_bad_files",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_true_or_false,
+        help="leave out (and list) the pieces of files that cannot be read, instead of stopping",
+    )
 
 
 def _true_or_false(value):
@@ -488,8 +560,10 @@ def print_summary(s, out_dir, t0):
     print(f"train: {s['train_tokens']:,} tokens, val: {s['val_tokens']:,} tokens -> {out_dir}")
     if s["val_tokens"] < GPT2_ROW_TOKENS:  # a run evaluates on rows of block_size + 1 val tokens
         fraction = val_fraction_for(GPT2_ROW_TOKENS, s["train_tokens"] + s["val_tokens"])
-        print(f"note: val holds only {s['val_tokens']:,} tokens and training needs block_size + 1 of them "
-              f"({GPT2_ROW_TOKENS:,} at GPT-2's 1024): for more, run again with --val_fraction={fraction:g}")
+        print(
+            f"note: val holds only {s['val_tokens']:,} tokens and training needs block_size + 1 of them "
+            f"({GPT2_ROW_TOKENS:,} at GPT-2's 1024): for more, run again with --val_fraction={fraction:g}"
+        )
     for why in s["skipped"]:
         print(f"skipped: {why}")
     print(f"done in {time.time() - t0:.1f}s")
@@ -500,17 +574,33 @@ def prepare_shards(script, args, out_dir, find_shards, **script_options):
     command (its own options, then the common ones), then prepare() on the shards that
     find_shards() returns as (root, files, source), and the summary."""
     rerun = format_prepare_command(
-        script, **script_options, out_dir=Path(out_dir),
+        script,
+        **script_options,
+        out_dir=Path(out_dir),
         # "./" so that a folder named gpt2 is not read as GPT-2
         tokenizer=None if args.tokenizer == "gpt2" else os.path.join(".", command_path(args.tokenizer)),
-        val_fraction=args.val_fraction, text_key=args.text_key, seed=args.seed,
-        skip_bad_files=args.skip_bad_files or None)
+        val_fraction=args.val_fraction,
+        text_key=args.text_key,
+        seed=args.seed,
+        skip_bad_files=args.skip_bad_files or None,
+    )
     t0 = time.time()
 
     def run():
         root, files, source = find_shards()
-        return prepare(root, out_dir, args.val_fraction, max(1, args.num_proc), args.text_key, args.seed,
-                       args.tokenizer, args.skip_bad_files, files=files, source=source, rerun=rerun)
+        return prepare(
+            root,
+            out_dir,
+            args.val_fraction,
+            max(1, args.num_proc),
+            args.text_key,
+            args.seed,
+            args.tokenizer,
+            args.skip_bad_files,
+            files=files,
+            source=source,
+            rerun=rerun,
+        )
 
     print_summary(run_prepare_script(run, out_dir), out_dir, t0)
 
@@ -522,9 +612,19 @@ def main(argv=None):
     args = parser.parse_args(argv)
     check_common_options(args)
     t0 = time.time()
-    s = run_prepare_script(lambda: prepare(args.input_dir, args.out_dir, args.val_fraction, max(1, args.num_proc),
-                                           args.text_key, args.seed, args.tokenizer, args.skip_bad_files),
-                           args.out_dir)
+    s = run_prepare_script(
+        lambda: prepare(
+            args.input_dir,
+            args.out_dir,
+            args.val_fraction,
+            max(1, args.num_proc),
+            args.text_key,
+            args.seed,
+            args.tokenizer,
+            args.skip_bad_files,
+        ),
+        args.out_dir,
+    )
     print_summary(s, args.out_dir, t0)
 
 
