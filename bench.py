@@ -696,7 +696,9 @@ def measure(argv: list[str]) -> dict:
             with open(options.json, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            raise configurator.ConfigError(f"--json={options.json}: could not append the record ({e.strerror})")
+            raise configurator.ConfigError(
+                f"--json={options.json}: could not append the record ({e.strerror})"
+            ) from None
         print(f"  appended to {options.json}")
     return record
 

@@ -151,7 +151,7 @@ def fusion_bytes(computations: dict, fused: str, operand_types: list, result_typ
     body = computations[fused]
     types = {name: t for name, t, *_ in body}
     users = collections.defaultdict(list)
-    for name, t, opcode, operands, rest in body:
+    for name, t, opcode, operands, _rest in body:
         for i, operand in enumerate(operands):
             users[operand].append((name, t, opcode, i, operands))
     read, updates = 0, {}
