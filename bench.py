@@ -154,7 +154,7 @@ class TrainBench:
     def __init__(self, config, devices):
         self.config, self.devices = config, devices
         self.vocab_size = bench_vocab_size(config)
-        self.mesh = train.make_mesh(config, devices)
+        self.mesh = sharding.mesh_from_config(config, devices)
         self.setup = train.make_setup(config, self.mesh, self.vocab_size, dataset.config_document_start(config))
         self.peak, self.peak_source = hardware.peak_flops(devices)  # before anything else runs on a CPU
         self.batch = random_batch(self.setup, self.vocab_size)
@@ -405,7 +405,7 @@ def format_train(r: dict) -> str:
 def bench_decode(config, options: Options, devices) -> dict:
     new_tokens = decode_tokens(options, config.block_size)  # before any work: a bad flag fails at once
     vocab_size = bench_vocab_size(config)
-    mesh = train.make_mesh(config, devices)
+    mesh = sharding.mesh_from_config(config, devices)
     setup = train.make_setup(config, mesh, vocab_size)
     bandwidth, bandwidth_source = hardware.peak_bandwidth(devices)
     peak, peak_source = hardware.peak_flops(devices)  # for the prefill's MFU

@@ -191,7 +191,7 @@ def compile_step(config: configurator.Config, target: Target, vocab_size: int) -
             f"the topology has {n_slices} slices: set dcn_stage x dcn_data x dcn_expert x dcn_fsdp x "
             f"dcn_tensor to {n_slices} (e.g. --dcn_data={n_slices})"
         )
-    mesh = train.make_mesh(config, target.devices)
+    mesh = sharding.mesh_from_config(config, target.devices)
     setup = train.make_setup(config, mesh, vocab_size, dataset.config_document_start(config))
     estimate = estimate_memory(setup)
     start = time.perf_counter()
@@ -343,7 +343,7 @@ def xla_flops_per_step(setup: train.Setup) -> float | None:
     one_device = {f"{kind}_{axis}": 1 for kind in ("mesh", "dcn") for axis in sharding.MESH_AXES}
     config = dataclasses.replace(setup.config, scan_layers=False, **one_device)
     try:
-        mesh = train.make_mesh(config, jax.devices("cpu")[:1])
+        mesh = sharding.mesh_from_config(config, jax.devices("cpu")[:1])
     except RuntimeError:  # JAX_PLATFORMS without cpu
         return None
     one_device_setup = train.make_setup(config, mesh, setup.model_config.vocab_size, setup.document_start)
@@ -514,7 +514,7 @@ def report(r: Result) -> str:
         lines.append(f"collectives per device per step (results, loops counted): {moved or 'none'}")
         lines += communication.table(
             r.collectives,
-            communication.expected(r.setup),
+            communication.expected(r.setup, train.shards_kept_apart(r.setup)),
             r.target.devices[0],
             r.flops / r.target.peak_flops if r.target.peak_flops else None,
         )

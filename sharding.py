@@ -123,6 +123,23 @@ def make_mesh(
     return jax.sharding.Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
+def mesh_from_config(config, devices=None) -> jax.sharding.Mesh:
+    """make_mesh with the sizes a run's config names: mesh_<axis> and dcn_<axis> (configurator.Config)."""
+    return make_mesh(
+        config.mesh_data,
+        config.mesh_fsdp,
+        config.mesh_tensor,
+        devices,
+        dcn=(config.dcn_data, config.dcn_fsdp, config.dcn_tensor),
+        expert=config.mesh_expert,
+        dcn_expert=config.dcn_expert,
+        stage=config.mesh_stage,
+        dcn_stage=config.dcn_stage,
+        context=config.mesh_context,
+        dcn_context=config.dcn_context,
+    )
+
+
 def initialize_distributed(coordinator_address: str = "", num_processes: int = 1, process_id: int = 0) -> None:
     """Join the other processes of a multi-host run (JAX's runtime does the communication).
 

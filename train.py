@@ -45,22 +45,6 @@ class TrainingError(RuntimeError):
 # ----------------------------------------------------------------------------- state
 
 
-def make_mesh(config: Config, devices=None) -> jax.sharding.Mesh:
-    return sharding.make_mesh(
-        config.mesh_data,
-        config.mesh_fsdp,
-        config.mesh_tensor,
-        devices,
-        dcn=(config.dcn_data, config.dcn_fsdp, config.dcn_tensor),
-        expert=config.mesh_expert,
-        dcn_expert=config.dcn_expert,
-        stage=config.mesh_stage,
-        dcn_stage=config.dcn_stage,
-        context=config.mesh_context,
-        dcn_context=config.dcn_context,
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """Everything that describes the computation but holds no arrays."""
@@ -514,7 +498,7 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     tasks = scoring.load_tasks(config.eval_tasks, config.eval_tasks_limit)  # read now: a bad file fails early
     if tasks and tok is None:
         raise scoring.EvalError("eval_tasks need the dataset's tokenizer, and this dataset has no meta.json")
-    mesh = make_mesh(config, devices)
+    mesh = sharding.mesh_from_config(config, devices)
     setup = make_setup(config, mesh, vocab_size, dataset.document_start(tok))
     train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
     if config.compiled_train_step:  # built by compile_aot.py; refused unless made for this run

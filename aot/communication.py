@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 import sharding
-import train
 from devices import hardware
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -23,14 +22,16 @@ def device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def expected(setup) -> dict:
+def expected(setup, kept_apart: tuple[str, ...]) -> dict:
     """{kind: bytes per device per step} that the scaling book's account of train.py's step (a
-    train.Setup) predicts, counted as compile_aot.collectives counts the compiled program:
+    train.Setup) predicts, counted as compile_aot.collectives counts the compiled program.
+    kept_apart: the mesh axes whose gradients the step sums on each device over its micro-steps and
+    reduces once (train.shards_kept_apart).
       data    one all-reduce of the gradients (the device's share of them), after the micro-steps
       fsdp    each micro-step gathers the parameters forward and again backward (the embedding
               table once: the lookup and the tied output layer share it) and reduce-scatters
-              the gradients (result: the device's shard); with fsdp_reduce_once the step gathers
-              them once and reduce-scatters once
+              the gradients (result: the device's shard); with fsdp in kept_apart
+              (fsdp_reduce_once) the step gathers them once and reduce-scatters once
       tensor  per layer two all-reduces of the activations forward and two backward, plus one
               each for the vocabulary-split lookup and the output layer's input gradient
       expert  per sparse layer two all-to-alls of the routed tokens forward and two backward
@@ -50,7 +51,7 @@ def expected(setup) -> dict:
         bytes_of["all-reduce"] = shard
     if mesh["fsdp"] * mesh["context"] > 1:  # parameters are split over both (sharding.RULES)
         gathered = shard * mesh["fsdp"] * mesh["context"]  # the device's (tensor-split) share of every parameter
-        if "fsdp" in train.shards_kept_apart(setup):  # fsdp_reduce_once (context is 1 with it)
+        if "fsdp" in kept_apart:  # fsdp_reduce_once (context is 1 with it)
             bytes_of["all-gather"], bytes_of["reduce-scatter"] = gathered, shard
         else:
             bytes_of["all-gather"] = A * (2 * gathered - (table if c.tie_embeddings else 0))

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 
 import configurator
 import sharding
-import train
 from devices import hardware
 from devices.hardware import GiB
 from devices.memory import size
@@ -136,7 +135,7 @@ def serving_setup(
     config: configurator.Config, devices, vocab_size: int, context: int, kv_cache_dtype: str
 ) -> loader.ModelSetup:
     """The model on the training mesh keys' mesh, with the engine's context as its block size."""
-    mesh = train.make_mesh(config, devices)
+    mesh = sharding.mesh_from_config(config, devices)
     config = dataclasses.replace(
         config, block_size=context or config.block_size, batch_size=sharding.batch_shards(mesh)
     )

@@ -48,7 +48,7 @@ def batches(config, vocab_size: int, steps: int, seed: int = 0) -> np.ndarray:
 
 def losses(config, steps: int) -> list[float]:
     vocab_size = config.vocab_size or 65
-    mesh = train.make_mesh(config, jax.devices())
+    mesh = sharding.mesh_from_config(config, jax.devices())
     setup = train.make_setup(config, mesh, vocab_size, DOCUMENT_START)
     print(f"  {config.attention!r} runs {setup.model_config.attention!r} on {jax.devices()[0].device_kind}", flush=True)
     step, state, out = train.jit_train_step(setup), train.init_state(setup), []

@@ -28,6 +28,7 @@ from test_train import (
 
 import plot
 import sample
+import sharding
 import train
 from inference import loader
 from weights import checkpoint
@@ -95,7 +96,7 @@ def test_reusing_an_out_dir_with_overwrite_starts_a_new_run(copy_of_run8, capsys
 
 def test_reusing_an_out_dir_a_save_orbax_skips_is_an_error_not_a_message(copy_of_run8):
     root, config, _ = copy_of_run8
-    setup = train.make_setup(config, train.make_mesh(config, ONE_DEVICE), 65)
+    setup = train.make_setup(config, sharding.mesh_from_config(config, ONE_DEVICE), 65)
     state = train.init_state(setup)  # step 0, behind the directory's step 8
     manager = checkpoint.checkpoint_manager(config)
     with pytest.raises(CheckpointError, match="the checkpoint of step 0 was not saved: .* already holds step 8"):

@@ -97,7 +97,7 @@ def test_loaded_step_gives_the_losses_of_the_jitted_step(compiled, monkeypatch):
 def test_step_saved_and_loaded_in_process_on_two_of_the_devices(result, tmp_path):
     compiled_step.save(result.compiled, result.lowered, result.setup, str(tmp_path / "two.bin"))
     config = result.setup.config
-    setup = train.make_setup(config, train.make_mesh(config, jax.devices()[:2]), 64)
+    setup = train.make_setup(config, sharding.mesh_from_config(config, jax.devices()[:2]), 64)
     loaded = compiled_step.load(str(tmp_path / "two.bin"), setup, lambda: train.lower(setup))
     assert isinstance(loaded, jax.stages.Compiled)  # not compiled again
     x = jax.device_put(np.arange(2 * 8 * 16).reshape(2, 8, 16) % 64, setup.micro_batch_sharding)
@@ -164,7 +164,7 @@ ENTRY %main (p: f32[]) -> f32[] {
 def test_data_parallel_holds_all_parameters_on_each_device(compiled):
     root, config, _, _ = compiled
     config = dataclasses.replace(config, mesh_data=8, mesh_fsdp=1)
-    setup = train.make_setup(config, train.make_mesh(config), 64)
+    setup = train.make_setup(config, sharding.mesh_from_config(config), 64)
     assert compile_aot.estimate_memory(setup)["parameters"] == count_params(setup.model_config) * 4
 
 
@@ -186,7 +186,7 @@ def test_context_splits_the_estimated_activations_and_is_suggested_for_one_row_p
 
     def setup(context, batch_size=8):
         c = dataclasses.replace(config, mesh_fsdp=2, mesh_context=context, batch_size=batch_size)
-        return train.make_setup(c, train.make_mesh(c, jax.devices()[: 2 * context]), 64)
+        return train.make_setup(c, sharding.mesh_from_config(c, jax.devices()[: 2 * context]), 64)
 
     assert (
         compile_aot.estimate_memory(setup(1))["activations"] == 4 * compile_aot.estimate_memory(setup(4))["activations"]
@@ -236,7 +236,7 @@ def test_a_different_run_is_refused_naming_the_field(compiled, change, message):
     root, config, path, _ = compiled
     config = dataclasses.replace(config, **change)
     with pytest.raises(compile_aot.AotError, match=message):
-        setup = train.make_setup(config, train.make_mesh(config), 64)
+        setup = train.make_setup(config, sharding.mesh_from_config(config), 64)
         compiled_step.load(path, setup, lambda: train.lower(setup))
 
 
@@ -246,7 +246,7 @@ def test_another_jax_version_is_refused(compiled, tmp_path):
         magic, header, payload = f.readline(), json.loads(f.readline()), f.read()
     header["jax"] = "0.4.1"
     (tmp_path / "old.bin").write_bytes(magic + json.dumps(header).encode() + b"\n" + payload)
-    setup = train.make_setup(config, train.make_mesh(config), 64)
+    setup = train.make_setup(config, sharding.mesh_from_config(config), 64)
     with pytest.raises(compile_aot.AotError, match=f"jax compiled 0.4.1, given {jax.__version__}"):
         compiled_step.load(str(tmp_path / "old.bin"), setup, lambda: train.lower(setup))
 
@@ -256,7 +256,7 @@ def test_changed_code_is_refused(compiled, monkeypatch):
     original = train.training_loss
     monkeypatch.setattr(train, "training_loss", lambda *args: jax.tree.map(lambda a: 2 * a, original(*args)))
     with pytest.raises(compile_aot.AotError, match="the program differs"):
-        setup = train.make_setup(config, train.make_mesh(config), 64)
+        setup = train.make_setup(config, sharding.mesh_from_config(config), 64)
         compiled_step.load(path, setup, lambda: train.lower(setup))
 
 
@@ -282,7 +282,7 @@ def test_keys_left_out_of_the_fingerprint_do_not_change_the_program(compiled):
             else value + "x"
         )
     other = dataclasses.replace(config, **changed)
-    mesh = train.make_mesh(config)
+    mesh = sharding.mesh_from_config(config)
     fingerprints = [
         compiled_step.program_fingerprint(train.lower(train.make_setup(c, mesh, 64))) for c in (config, other)
     ]
@@ -426,7 +426,7 @@ def test_a_damaged_or_truncated_step_file_says_rebuild_it(compiled, tmp_path, ho
     root, config, path, _ = compiled
     bad = tmp_path / "bad.bin"
     bad.write_bytes(spoiled(open(path, "rb").read(), how))
-    setup = train.make_setup(config, train.make_mesh(config), 64)
+    setup = train.make_setup(config, sharding.mesh_from_config(config), 64)
     with pytest.raises(compile_aot.AotError) as excinfo:
         compiled_step.load(str(bad), setup, lambda: train.lower(setup))
     message = str(excinfo.value)

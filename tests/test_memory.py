@@ -11,6 +11,7 @@ from test_hf import random_hf_gpt2, write_hf_gpt2
 from test_train import make_dataset, small_config
 
 import configurator
+import sharding
 import train
 from devices import memory
 
@@ -19,7 +20,7 @@ BIG_BATCH = dict(block_size=128, batch_size=16, max_iters=1, eval_iters=1, eval_
 
 
 def step_need(config) -> int:
-    setup = train.make_setup(config, train.make_mesh(config), 65)
+    setup = train.make_setup(config, sharding.mesh_from_config(config), 65)
     return memory.needed([train.lower(setup).compile()], "cpu")
 
 
@@ -63,11 +64,11 @@ def test_a_step_over_the_limit_is_refused_before_it_runs_and_accumulation_fits(t
 # Run in a fresh process, so that nothing else in it allocates: the step's need, and how far one step
 # (the first after compiling) raises the process's peak resident memory.
 MEASURE_ONE_STEP = """
-import json, jax, bench, configurator, train
+import json, jax, bench, configurator, sharding, train
 from devices import memory
 config = configurator.Config(n_layer=1, n_embd=128, n_head=4, block_size=256, batch_size=8, vocab_size=8192,
                              mesh_data=1, attention="einsum")
-setup = train.make_setup(config, train.make_mesh(config, jax.devices()[:1]), 8192)
+setup = train.make_setup(config, sharding.mesh_from_config(config, jax.devices()[:1]), 8192)
 step = train.jit_train_step(setup).lower(setup.abstract_state, bench.random_batch(setup, 8192)).compile()
 state, batch = train.init_state(setup), bench.random_batch(setup, 8192)
 status = lambda field: int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024

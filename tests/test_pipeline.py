@@ -143,7 +143,7 @@ def test_a_pipeline_that_does_not_fit_is_one_clear_error(tmp_path, keys, message
     config = config_for(tmp_path, "bad", **keys)
     n = math.prod(getattr(config, f"mesh_{axis}") for axis in sharding.MESH_AXES)
     with pytest.raises(sharding.MeshError, match=message):
-        train.make_setup(config, train.make_mesh(config, jax.devices()[:n]), 64)
+        train.make_setup(config, sharding.mesh_from_config(config, jax.devices()[:n]), 64)
 
 
 def test_pipeline_with_dense_first_layers_is_refused():
@@ -159,7 +159,7 @@ def test_offloaded_state_lives_on_the_host_and_trains_like_one_device(one_device
     root, reference = one_device
     config = config_for(root, f"offload-{offload}", mesh_fsdp=8, offload=offload)
     np.testing.assert_allclose(losses(config), reference, rtol=0, atol=1e-5)
-    setup = train.make_setup(config, train.make_mesh(config), 64)
+    setup = train.make_setup(config, sharding.mesh_from_config(config), 64)
     state = train.init_state(setup)
     state, _ = train.jit_train_step(setup)(state, tuple(np.zeros((2, 1, 8, 16), np.int32)))
     kinds = {name: {a.sharding.memory_kind for a in jax.tree.leaves(state[name])} for name in ("params", "opt_state")}
@@ -204,5 +204,5 @@ def test_document_masking_pipelined_and_sharded_trains_on_each_document_as_if_al
         pipeline_microbatches=4,
         document_masking=True,
     )
-    got, expected = masked_step_and_alone(config, train.make_mesh(config))
+    got, expected = masked_step_and_alone(config, sharding.mesh_from_config(config))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -427,7 +427,7 @@ def test_moe_experts_are_split_and_a_checkpoint_moves_to_another_expert_layout(t
         mesh_fsdp=2,
         out_dir=str(root / "out-moe-moved"),
     )
-    setup = train.make_setup(config, train.make_mesh(config, jax.devices()), 64)
+    setup = train.make_setup(config, sharding.mesh_from_config(config, jax.devices()), 64)
     fc = setup.state_shardings["params"]["blocks"]["mlp"]["fc_kernel"]  # (L, E, D, F)
     assert fc.spec[1] == "expert" and fc.shard_shape((2, 4, 64, 256)) == (2, 1, 32, 256)
     train.train(config, jax.devices())
