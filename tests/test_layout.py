@@ -4,6 +4,8 @@ point one way, and the files that say they stand alone really do.
 
 - Only the design card's files (model, sharding, configurator, train, sample, compile_aot) and
   commands (files with a `__main__` block) at the top level.
+- No folder imports a top-level command: what two commands share lives in a folder (or in
+  model.py, sharding.py, configurator.py), never in one of them.
 - No import cycles among the modules, top level and folders alike, counting imports hidden
   inside functions (an import moved into a function to dodge a cycle is still a cycle).
 - configurator.py, sharding.py, and model.py with its layers/ folder work copied alone into an
@@ -160,16 +162,46 @@ def test_no_import_cycles_among_the_modules():
     )
 
 
+def is_command(path: pathlib.Path) -> bool:
+    return 'if __name__ == "__main__":' in path.read_text()
+
+
+def top_level_commands(modules: dict[str, pathlib.Path], root: pathlib.Path = REPO) -> set[str]:
+    return {name for name, path in modules.items() if path.parent == root and is_command(path)}
+
+
+def folder_imports_of_commands(root: pathlib.Path = REPO) -> list[str]:
+    """'a.b imports c' for each module in a folder that imports a top-level command (anywhere in it)."""
+    modules = repo_modules(root)
+    graph, commands = import_graph(modules), top_level_commands(modules, root)
+    return sorted(f"{name} imports {command}" for name in modules if "." in name for command in graph[name] & commands)
+
+
+def test_the_command_check_finds_a_folder_importing_a_command(tmp_path):
+    (tmp_path / "cmd.py").write_text('import lib\nif __name__ == "__main__":\n    pass\n')
+    (tmp_path / "lib.py").write_text("")  # a top-level module that is no command: fine to import
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "part.py").write_text("import lib\ndef f():\n    from cmd import x\n")
+    (tmp_path / "pkg" / "other.py").write_text("from pkg import part\n")
+    assert folder_imports_of_commands(tmp_path) == ["pkg.part imports cmd"]
+
+
+def test_no_folder_imports_a_top_level_command():
+    """A folder holds the parts the commands compose; a part that imported a command (train.py,
+    serve.py, ...) would pull in a whole program, and what it wanted belongs in a folder."""
+    assert {"train", "serve", "compile_aot"} <= top_level_commands(repo_modules())
+    wrong = folder_imports_of_commands()
+    assert wrong == [], f"folders import commands: {'; '.join(wrong)} (move what they share into a folder)"
+
+
 def test_the_top_level_holds_the_design_card_and_commands_only():
     """A module that is neither a design-card file nor a command belongs in the folder of its
     concern (layers/, data/, weights/, training/, inference/, evals/, serving/, devices/, aot/)."""
     strays = [
         path.name
         for name, path in repo_modules().items()
-        if "." not in name
-        and path.parent == REPO
-        and name not in DESIGN_CARD
-        and 'if __name__ == "__main__":' not in path.read_text()
+        if "." not in name and path.parent == REPO and name not in DESIGN_CARD and not is_command(path)
     ]
     assert strays == [], f"not commands, yet at the top level: {strays}"
 
@@ -259,6 +291,7 @@ def test_sharding_works_copied_alone_into_an_empty_folder(tmp_path):
         tmp_path,
         ["sharding.py"],
         f"""
+        import types
         import jax, jax.numpy as jnp
         import sharding
         from jax.sharding import NamedSharding
@@ -271,6 +304,10 @@ def test_sharding_works_copied_alone_into_an_empty_folder(tmp_path):
         # a token batch
         tokens = jax.device_put(jnp.zeros((8, 4), jnp.int32), sharding.batch_sharding(mesh))
         assert {{s.data.shape for s in tokens.addressable_shards}} == {{(2, 4)}}
+        # a run's mesh from anything with the config's mesh_/dcn_ fields: configurator is not needed
+        sizes = {{f"mesh_{{axis}}": 1 for axis in sharding.MESH_AXES}} | {{"mesh_fsdp": 4, "mesh_tensor": 2}}
+        run = types.SimpleNamespace(**sizes, **{{f"dcn_{{axis}}": 1 for axis in sharding.MESH_AXES}})
+        assert dict(sharding.mesh_from_config(run).shape) == dict(mesh.shape, data=1, fsdp=4), mesh.shape
         print("{MARKER}")
         """,
         {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
