@@ -1,14 +1,17 @@
-"""The commands of the README and of docs/*.md work as written (issue 42), checked without running
-them: every ```bash block is read, and each `python SCRIPT ...` (or `python -m MODULE ...`) in it
-must name files that exist and flags that its script takes; no two training examples may write
-into one out_dir (each would stop with "out_dir ... holds checkpoints of an earlier run" after the
-quickstart)."""
+"""The README and docs/*.md say what is true (issues 42 and 63), checked without running anything:
+every ```bash block and every inline `python ...` is read, and each `python SCRIPT ...` (or
+`python -m MODULE ...`) must name files that exist and flags that its script takes; no two training
+examples may write into one out_dir (each would stop with "out_dir ... holds checkpoints of an
+earlier run" after the quickstart). The README's tables of commands and folders list exactly the
+top level's files and folders, every relative link resolves, and no page names a commit of this
+repository (history belongs in bench/NOTES.md)."""
 
 import ast
 import dataclasses
 import importlib.util
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,12 @@ CONFIG_KEYS = {f.name for f in dataclasses.fields(Config)}
 
 def bash_blocks(text: str) -> list[str]:
     return re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def inline_commands(text: str) -> list[str]:
+    """Each `python ...` written inline, outside the fenced blocks (the README's table of numbers)."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.findall(r"`((?:\S*/)?python3? [^`\n]+)`", prose)
 
 
 def commands(block: str) -> list[list[str]]:
@@ -118,9 +127,11 @@ PAGES = {
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 }
 RUNS_BY_PAGE = {
-    page: [run for block in bash_blocks(text) for run in python_scripts(block)] for page, text in PAGES.items()
+    page: [run for block in bash_blocks(text) + inline_commands(text) for run in python_scripts(block)]
+    for page, text in PAGES.items()
 }
 RUNS = [run for runs in RUNS_BY_PAGE.values() for run in runs]
+EXAMPLES = [run for text in PAGES.values() for block in bash_blocks(text) for run in python_scripts(block)]
 IDS = [f"{page}: {' '.join([s, *a])}"[:90] for page, runs in RUNS_BY_PAGE.items() for s, a in runs]
 
 
@@ -150,7 +161,7 @@ def test_every_command_names_files_that_exist_and_flags_its_script_takes(script,
     if script.startswith(("/", "..")):  # a checkout elsewhere (nanoGPT's model.py)
         return
     assert (ROOT / script).is_file(), f"{script} does not exist"
-    keys = own_options(script) | (CONFIG_KEYS if takes_config(script) else set())
+    keys = own_options(script) | (CONFIG_KEYS if takes_config(script) else set()) | {"help"}
     if script == "evals/lm_eval_nanomax.py":
         keys |= harness_options()
     for arg in args:
@@ -167,7 +178,7 @@ def test_every_command_names_files_that_exist_and_flags_its_script_takes(script,
 def test_no_two_training_examples_share_an_out_dir():
     """A resumed run continues an earlier example's out_dir; the same command twice is one run."""
     out_dirs, seen, resumed = {}, set(), []
-    for script, args in RUNS:
+    for script, args in EXAMPLES:
         if script != "train.py" or tuple(args) in seen:
             continue
         seen.add(tuple(args))
@@ -185,3 +196,54 @@ def test_no_two_training_examples_share_an_out_dir():
             out_dirs[out_dir] = command
     for out_dir, command in resumed:
         assert out_dir in out_dirs, f"{command!r} resumes {out_dir}, which no example above trains"
+
+
+def table_first_column(text: str, heading: str) -> set[str]:
+    """The code names in the first column of the table under a `## heading` of the README."""
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([^`]+)` \|", section, flags=re.M))
+
+
+def git(*args: str, stdin: str = "") -> str | None:
+    """A git command's output in this checkout, or None where there is no git repository."""
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def test_the_readme_lists_exactly_the_top_levels_files_and_folders():
+    readme = PAGES["README.md"]
+    assert table_first_column(readme, "Commands") == {p.name for p in ROOT.glob("*.py")}
+    tracked = git("ls-files")
+    if tracked is None:
+        pytest.skip("not a git checkout: which folders are the repository's own is unknown")
+    folders = {path.split("/")[0] + "/" for path in tracked.splitlines() if "/" in path and not path.startswith(".")}
+    assert table_first_column(readme, "Where things live") == folders
+
+
+def test_every_relative_link_resolves():
+    broken = [
+        f"{page}: {target}"
+        for page, text in PAGES.items()
+        for target in re.findall(r"\]\(([^)#\s]+)\)", text)
+        if "://" not in target and not ((ROOT / page).parent / target).exists()
+    ]
+    assert broken == []
+
+
+def test_no_page_names_a_commit_of_this_repository():
+    words = {word for text in PAGES.values() for word in re.findall(r"\b[0-9a-f]{7,40}\b", text)}
+    candidates = sorted(word for word in words if re.search("[a-f]", word) and re.search("[0-9]", word))
+    answer = git("cat-file", "--batch-check", stdin="\n".join(candidates) + "\n")
+    if answer is None:
+        pytest.skip("not a git checkout: commits cannot be told from other hex words")
+    commits = [word for word, line in zip(candidates, answer.splitlines()) if line.split()[1:2] == ["commit"]]
+    assert commits == [], f"commit hashes in README.md or docs/ (their history belongs in bench/NOTES.md): {commits}"
+
+
+def test_the_readme_stays_short():
+    assert len(PAGES["README.md"].splitlines()) <= 220, (
+        "README.md is a guide: details go to docs/, history to bench/NOTES.md"
+    )
