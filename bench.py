@@ -43,6 +43,7 @@ import numpy as np
 import configurator
 import sharding
 import train
+from common import model_setup
 from data import dataset
 from devices import hardware, memory
 from inference import generate, loader
@@ -411,7 +412,7 @@ def bench_decode(config, options: Options, devices) -> dict:
     peak, peak_source = hardware.peak_flops(devices)  # for the prefill's MFU
     params = train.init_state(setup)["params"]
     # Decoding's setup: the same model with its cache in kv_cache_dtype, the weights as sample.py holds them.
-    setup = loader.model_setup(config, mesh, vocab_size, options.kv_cache_dtype)
+    setup = model_setup.model_setup(config, mesh, vocab_size, options.kv_cache_dtype)
     params = loader.serving_weights(setup, params, options.weight_dtype)
     mc = setup.model_config
     # The fewest bytes a token step can read: every weight once, as held (the position table is a
@@ -638,7 +639,7 @@ def measure(argv: list[str]) -> dict:
         result = bench_train(config, options, devices)
     else:
         result = bench_decode(config, options, devices)
-    mc = loader.model_config(config, result["vocab_size"], devices[0].platform)
+    mc = model_setup.model_config(config, result["vocab_size"], devices[0].platform)
     record = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git": git_revision(),

@@ -24,6 +24,8 @@ from flax.core import spmd
 
 import configurator
 import sharding
+from common import progress
+from common.model_setup import model_setup
 from configurator import Config
 from data import dataset
 from data.tokenizer import same_vocabulary
@@ -61,7 +63,7 @@ class Setup:
     document_start: int | None = None  # the id each document starts with, where document_masking splits rows
 
     @property
-    def abstract_params(self):  # as inference.ModelSetup has them (checkpoint.load_pretrained)
+    def abstract_params(self):  # as common.model_setup.ModelSetup has them (checkpoint.load_pretrained)
         return self.abstract_state["params"]
 
     @property
@@ -80,7 +82,7 @@ class Setup:
 
 def make_setup(config: Config, mesh, vocab_size: int, document_start: int | None = None) -> Setup:
     """Shapes and shardings of the train state, derived without allocating it: the model's
-    (inference.model_setup), and the optimizer state's on top. document_start: the id each document of
+    (common/model_setup.py), and the optimizer state's on top. document_start: the id each document of
     the dataset starts with (dataset.document_start), which document_masking needs."""
     if config.document_masking and document_start is None:
         raise configurator.ConfigError(
@@ -88,7 +90,7 @@ def make_setup(config: Config, mesh, vocab_size: int, document_start: int | None
             "dataset has neither (a char-level tokenizer, or no meta.json to name one): prepare the data with "
             "a tokenizer that has them (GPT-2's, a Hugging Face one), or set document_masking=False"
         )
-    model = loader.model_setup(config, mesh, vocab_size)
+    model = model_setup(config, mesh, vocab_size)
     param_shardings, abstract_params = model.param_shardings, model.abstract_params
     optimizer = make_optimizer(config)
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
@@ -463,7 +465,7 @@ def estimate_losses(eval_step, params, splits: dict, setup: Setup, rows) -> dict
             total += eval_step(params, batch)
             if (i + 1) % 10 == 0 or i + 1 == config.eval_iters:
                 total = float(total)  # wait here now and then, so the progress line is honest
-                monitor.show_progress(f"eval {split}", i + 1, config.eval_iters, start)
+                progress.show_progress(f"eval {split}", i + 1, config.eval_iters, start)
         losses[split] = float(total) / config.eval_iters
     return losses
 

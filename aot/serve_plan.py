@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 import configurator
 import sharding
+from common.model_setup import ModelSetup, model_setup
 from devices import hardware
 from devices.hardware import GiB
 from devices.memory import size
@@ -34,7 +35,7 @@ from model import count_params, flops_per_token
 @dataclasses.dataclass
 class ServeResult:
     target_name: str
-    setup: loader.ModelSetup
+    setup: ModelSetup
     slots: int
     context: int
     weight_dtype: str
@@ -108,7 +109,7 @@ def abstract_outputs(compiled, lowered):
     )
 
 
-def serving_params(setup: loader.ModelSetup, weight_dtype: str):
+def serving_params(setup: ModelSetup, weight_dtype: str):
     """The weights as inference.serving_weights holds them, abstract: its shapes, and each parameter's
     sharding (an int8 weight's scales replicated along the input axes they don't have). Not compiled:
     on the target, converting float32 weights may not fit where serving does."""
@@ -133,13 +134,13 @@ def serving_params(setup: loader.ModelSetup, weight_dtype: str):
 
 def serving_setup(
     config: configurator.Config, devices, vocab_size: int, context: int, kv_cache_dtype: str
-) -> loader.ModelSetup:
+) -> ModelSetup:
     """The model on the training mesh keys' mesh, with the engine's context as its block size."""
     mesh = sharding.mesh_from_config(config, devices)
     config = dataclasses.replace(
         config, block_size=context or config.block_size, batch_size=sharding.batch_shards(mesh)
     )
-    return loader.model_setup(config, mesh, vocab_size, kv_cache_dtype)
+    return model_setup(config, mesh, vocab_size, kv_cache_dtype)
 
 
 def chip_numbers(target, chip: str, hbm_gib: float) -> tuple[str, int | None, float | None]:
@@ -180,7 +181,7 @@ def compile_serving(
             f"slots={slots} is not divisible by the mesh's batch axes "
             f"({sharding.batch_shards(mesh)}): use a multiple of it"
         )
-    attend = kv_cache.FILLED if engine.reads_filled_positions(decode_attention, mesh, c) else None  # as the engine's
+    reads = kv_cache.FILLED if engine.reads_filled_positions(decode_attention, mesh, c) else None  # as the engine's
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     one = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
     oom, step_memory, prefill_temporaries = "", {}, 0
@@ -190,7 +191,7 @@ def compile_serving(
         state = abstract_outputs(lowered.compile(), lowered)
         try:
             step = (
-                engine.decode_program(setup.graphdef, c.vocab_size, engine.DECODE_STEPS, attend)
+                engine.decode_program(setup.graphdef, c.vocab_size, engine.DECODE_STEPS, reads)
                 .lower(params, state, one(jnp.bool_, (slots,)))
                 .compile()
             )

@@ -30,6 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from common.model_setup import model_setup  # noqa: E402
 from data import dataset  # noqa: E402
 from inference import generate  # noqa: E402
 from inference import loader  # noqa: E402
@@ -131,7 +132,7 @@ def main(argv):
 
     setup, params, step, _ = loader.load_checkpoint(args.out_dir)
     int8_kv = loader.load_checkpoint(args.out_dir, kv_cache_dtype="int8")[0]
-    in_dtype = lambda s, dtype, kv="auto": loader.model_setup(
+    in_dtype = lambda s, dtype, kv="auto": model_setup(
         dataclasses.replace(s.config, dtype=dtype), s.mesh, s.model_config.vocab_size, kv
     )
     if args.dtype:

@@ -34,6 +34,7 @@ from jax.experimental import topologies  # noqa: E402
 
 import configurator  # noqa: E402
 import sharding  # noqa: E402
+from common.model_setup import model_setup  # noqa: E402
 from inference import generate, loader  # noqa: E402
 from weights import hf  # noqa: E402
 
@@ -49,7 +50,7 @@ def compile_for_v5e(batch: int, flags: list[str]):
     )
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[:1]  # one chip
     mesh = sharding.make_mesh(1, 1, 1, devices=devices)
-    setup = loader.model_setup(config, mesh, 50257, serving.get("kv_cache_dtype", "auto"))
+    setup = model_setup(config, mesh, 50257, serving.get("kv_cache_dtype", "auto"))
     one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     params = jax.eval_shape(
         lambda p: loader.serving_weights(setup, p, serving.get("weight_dtype", "auto")), setup.abstract_params

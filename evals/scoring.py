@@ -38,7 +38,7 @@ from flax import nnx
 
 import configurator
 import sharding
-from training import monitor
+from common import progress
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 TASKS = configurator.EVAL_TASKS  # choice: {"context", "choices", "label"} per line
@@ -315,7 +315,7 @@ def score_rows(setup, params, rows: Rows, batch_rows: int = 32, label: str = "",
             counts.append(np.asarray(count)[: len(chunk)])
             greedy.append(np.asarray(argmax)[: len(chunk)])
             if label:
-                monitor.show_progress(label, min(first + B, len(rows.tokens)), len(rows.tokens), started)
+                progress.show_progress(label, min(first + B, len(rows.tokens)), len(rows.tokens), started)
     return np.concatenate(sums).astype(np.float64), np.concatenate(counts), np.concatenate(greedy)
 
 

@@ -1,5 +1,5 @@
-"""Watching a training run: the log (stdout and TensorBoard), step timing, progress lines,
-the profiler window, preemption signals and hang diagnostics. train.py's loop uses these;
+"""Watching a training run: the log (stdout and TensorBoard), step timing, the profiler
+window, preemption signals and hang diagnostics. train.py's loop uses these;
 none of them changes what is computed.
 """
 
@@ -15,6 +15,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import configurator
+from common.progress import format_seconds
 from configurator import Config
 from model import describe_params, flops_per_token
 
@@ -64,21 +65,6 @@ class Logger:
         if self.writer:
             self.writer.close()
             self.text_writer.close()
-
-
-def format_seconds(seconds: float) -> str:
-    minutes, seconds = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
-
-
-def show_progress(label: str, done: int, total: int, start: float) -> None:
-    """A progress line on stderr, only for passes long enough (> 5 s) to need one."""
-    elapsed = time.perf_counter() - start
-    if elapsed > 5 and jax.process_index() == 0:
-        eta = elapsed / done * (total - done)
-        end = "\n" if done == total else ""
-        print(f"\r{label} {done}/{total} | ETA {format_seconds(eta)}", end=end, file=sys.stderr, flush=True)
 
 
 class Preemption:
