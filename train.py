@@ -28,7 +28,7 @@ from common import progress
 from common.model_setup import model_setup
 from configurator import Config
 from data import dataset
-from data.tokenizer import same_vocabulary
+from data.tokenizer import same_vocabulary, tokenizer_from_description, vocabulary_identity
 from devices import hardware, memory
 from evals import scoring
 from inference import generate, loader
@@ -399,8 +399,9 @@ def start_state(setup: Setup, tok, log) -> tuple:
         )  # a Hugging Face model: fine-tune it
         return manager, init_state(setup, pretrained), None
 
-    def abstract_for(meta):
-        checkpoint.check_resumable(meta, config, tok)
+    def abstract_for(meta):  # checked from the checkpoint's meta, before its arrays are read
+        checkpoint.check_model(checkpoint.saved_config(meta), config)
+        check_checkpoint_tokenizer(meta, config, tok)
         check_optimizer_state(setup, meta["config"])
         return {k: setup.abstract_state[k] for k in ("params", "opt_state")}
 
@@ -416,6 +417,18 @@ def start_state(setup: Setup, tok, log) -> tuple:
         log(f"resuming step {restored.step} with changes from the checkpoint's run: {', '.join(changes)}")
     step = checkpoint.step_array(restored.step, setup.state_shardings["step"])
     return manager, {**restored.items, "step": step}, restored.meta
+
+
+def check_checkpoint_tokenizer(meta: dict, config: Config, tok) -> None:
+    """The dataset's tokenizer is the vocabulary the checkpoint was trained on."""
+    saved = meta.get("tokenizer")  # absent in checkpoints older than the check
+    if saved and tok and vocabulary_identity(saved) != vocabulary_identity(tok.describe()):
+        raise CheckpointError(
+            f"the checkpoint in {os.path.abspath(config.out_dir)} was trained on a vocabulary of "
+            f"{tokenizer_from_description(saved).summary()}, but "
+            f"{dataset.dataset_dir(config)}/meta.json describes {tok.summary()}: resume with the dataset "
+            f"it was trained on, or train this one from the start in another --out_dir"
+        )
 
 
 def check_optimizer_state(setup: Setup, saved: dict) -> None:

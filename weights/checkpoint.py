@@ -34,8 +34,6 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from configurator import ROLES, Config, resume_values
-from data.dataset import dataset_dir
-from data.tokenizer import tokenizer_from_description, vocabulary_identity
 from weights import hf
 
 
@@ -435,19 +433,6 @@ def report_damage(manager, out_dir, damaged: list, intact_step: int, log, move: 
         f"warning: damaged checkpoint {names}: moved to {aside}; resuming from step "
         f"{intact_step}, the newest intact one"
     )
-
-
-def check_resumable(meta: dict, config: Config, tok) -> None:
-    """The checkpoint's model and vocabulary are this run's (read from its meta, before its arrays)."""
-    check_model(saved_config(meta), config)
-    saved = meta.get("tokenizer")  # absent in checkpoints older than the check
-    if saved and tok and vocabulary_identity(saved) != vocabulary_identity(tok.describe()):
-        raise CheckpointError(
-            f"the checkpoint in {os.path.abspath(config.out_dir)} was trained on a vocabulary of "
-            f"{tokenizer_from_description(saved).summary()}, but "
-            f"{dataset_dir(config)}/meta.json describes {tok.summary()}: resume with the dataset "
-            f"it was trained on, or train this one from the start in another --out_dir"
-        )
 
 
 def check_steps_left(step: int, config: Config) -> None:
