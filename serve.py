@@ -13,8 +13,8 @@ GET / is the chat page (serving/web/: HTML, CSS and JavaScript, no build step). 
 
 Routes: POST /v1/completions and POST /v1/chat/completions (with "stream": true, Server-Sent
 Events ending in `data: [DONE]`; completions' echo with logprobs scores the prompt's tokens too),
-GET /v1/models, GET /health (503 until the engine's programs are compiled, then 200 with the
-engine's numbers), and vLLM's GET /tokenizer_info, POST /tokenize and POST /detokenize, so that
+GET /v1/models, GET /health (200 with the engine's numbers once its programs are compiled; 503 while
+compiling or stopping, and once the engine has failed, with why: serve.py then exits 1), and vLLM's GET /tokenizer_info, POST /tokenize and POST /detokenize, so that
 lm-evaluation-harness's local-completions model runs against the server with nothing else.
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 request, 404 for another model's name, 413 for a body over --max_body_bytes (8 MiB; said before
@@ -53,6 +53,9 @@ from serving import app, auth, workers
 
 MAX_SOCKET_PATH = 107  # bytes: Linux's sun_path holds 108, with the closing NUL
 AUTO_HTTP_WORKERS = 4  # on a TPU v5e's host: concurrency 64 made 31.4k output tok/s with 0, 38.1k with 2, 39.0k with 4
+# Once the engine has failed, /health answers 503 with why for this long (a load balancer's probe sees the
+# reason, not a refused connection), then serve.py exits 1 for its supervisor to restart it.
+EXIT_AFTER_FAILURE_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +156,7 @@ class Server:
         self.created = int(time.time())
         self.engine: engine.Engine | None = None
         self.memory: dict | None = None  # the start-up memory check's numbers (memory.check)
-        self.failure: str | None = None  # why the engine could not start
+        self.failure: str | None = None  # why the engine could not start, or stopped
         self.token_scorer = None  # echo with logprobs: made on first use
         self.after_tokens = None  # the engine's after_tokens (serving/workers.py's, with HTTP workers)
         self.stopping = False
@@ -165,12 +168,19 @@ class Server:
 
     def start_engine(self, on_failure=None) -> None:
         """Compile the engine's programs (in a thread: /health answers 503 meanwhile) and check that they
-        fit the devices; if they cannot, keep the reason in self.failure and call on_failure."""
+        fit the devices; if they cannot, keep the reason in self.failure and call on_failure. If the
+        engine's loop fails later, the same, on_failure EXIT_AFTER_FAILURE_S later."""
+        on_failure = on_failure or (lambda: None)
 
         def fail(error):
             self.failure = str(error)
-            if on_failure is not None:
-                on_failure()
+            on_failure()
+
+        def engine_failed(failure: str):  # in the engine's thread, which has ended every request
+            self.failure = failure
+            exit_later = threading.Timer(EXIT_AFTER_FAILURE_S, on_failure)
+            exit_later.daemon = True
+            exit_later.start()
 
         try:  # XLA:TPU refuses, while compiling, programs that cannot fit: the same one line as the check's
             with memory.refusing_out_of_memory(
@@ -188,6 +198,7 @@ class Server:
                     decode_steps=self.cfg.decode_steps,
                     decode_attention=self.cfg.decode_attention,
                     after_tokens=self.after_tokens,
+                    on_failure=engine_failed,
                 )
         except (configurator.ConfigError, engine.EngineError) as error:
             return fail(error)
@@ -216,7 +227,16 @@ class Server:
             "serving", need, devices, self.cfg.memory_limit_gib, memory.serving_remedies(self.cfg, len(jax.devices()))
         )
 
+    def failed(self) -> str | None:
+        """Why the engine is gone, once it is: it could not start, its loop failed, or its thread is gone."""
+        e = self.engine
+        if self.failure or e is None or self.stopping:
+            return self.failure
+        return e.failure or (None if e.thread.is_alive() else "the engine's thread is gone")
+
     def ready(self) -> engine.Engine:
+        if failure := self.failed():
+            raise app.engine_failed(failure)
         if self.stopping or self.engine is None:
             raise app.unavailable(self.stopping)
         return self.engine
@@ -240,20 +260,25 @@ class Server:
         return await asyncio.to_thread(self.prompt_logprobs, ids)
 
     def health_now(self) -> tuple:
-        """(status, body) of GET /health: 503 while compiling or stopping, else 200 and the engine's numbers."""
+        """(status, body) of GET /health (app.health_reply): 503 while compiling, stopping or once the
+        engine has failed, else 200 and the engine's numbers."""
         e = self.engine
+        if failure := self.failed():
+            return app.health_reply("failed", failure)
         if e is None or self.stopping:
-            return 503, {"status": "stopping" if self.stopping else "loading"}
-        return 200, {
-            "status": "ok",
-            "model": self.name,
-            "context": self.context,
-            "weight_bytes": e.weight_bytes,
-            "kv_bytes_per_token": e.kv_bytes_per_token,
-            "memory_bandwidth": e.memory_bandwidth,
-            "memory": self.memory,
-            **e.stats(),
-        }
+            return app.health_reply("stopping" if self.stopping else "loading")
+        return app.health_reply(
+            "ok",
+            numbers={
+                "model": self.name,
+                "context": self.context,
+                "weight_bytes": e.weight_bytes,
+                "kv_bytes_per_token": e.kv_bytes_per_token,
+                "memory_bandwidth": e.memory_bandwidth,
+                "memory": self.memory,
+                **e.stats(),
+            },
+        )
 
     def prompt_logprobs(self, ids: list) -> list:
         """The prompt as engine.Tokens, as echo with logprobs reports them (lm-evaluation-harness's

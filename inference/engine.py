@@ -161,13 +161,15 @@ class Engine:
         decode_steps: int = DECODE_STEPS,
         decode_attention: str = "auto",
         after_tokens: Callable | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ):
         """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary).
         decode_steps: tokens per slot per decode program (more: less host work per token; a request
         that ends or arrives waits for the call in flight). decode_attention: one of DECODE_ATTENTION
         (reads_filled_positions). after_tokens: called in the loop's thread after each round of
         on_token and on_finish calls (a decode program's tokens, the admitted requests' first ones,
-        the aborts at a stop): where the callbacks only collect, the time to send them on."""
+        the aborts at a stop): where the callbacks only collect, the time to send them on. on_failure:
+        called once, from the loop's thread, with self.failure when the loop stops on an error."""
         self.config, self.mesh, self.graphdef = setup.model_config, setup.mesh, setup.graphdef
         if slots % sharding.batch_shards(self.mesh):  # the slots are the cache's rows, split like a batch
             raise EngineError(
@@ -179,6 +181,7 @@ class Engine:
         self.vocab = generate.drawable_ids(setup, vocab)
         self.slots, self.max_queue, self.log, self.decode_steps = slots, max_queue, log, decode_steps
         self.after_tokens = after_tokens or (lambda: None)
+        self.on_failure = on_failure or (lambda failure: None)
         self.context = self.config.block_size
         self.buckets = prompt_buckets(self.context)
         self.row_buckets = row_buckets(slots, sharding.batch_shards(self.mesh))
@@ -322,13 +325,16 @@ class Engine:
             self._serve()
         except Exception as e:  # noqa: BLE001 - a failed device step must not leave requests waiting forever
             self.log(f"engine: stopped by {type(e).__name__}: {e}")
+            # One line (XLA's messages run to many): serve.py exits with it, and /health says it.
+            first_line = next(iter(str(e).splitlines()), "")
             with self.wake:
-                self.accepting, self.failure = False, f"the engine stopped ({type(e).__name__}: {e})"
+                self.accepting, self.failure = False, f"the engine stopped ({type(e).__name__}: {first_line})"
                 ended, self.running = [*self.queue, *filter(None, self.running)], [None] * self.slots
                 self.queue.clear()
             for request in ended:
                 self._finish(request, "abort")
             self.after_tokens()
+            self.on_failure(self.failure)
 
     def _serve(self):
         # A decode program is dispatched before the previous one's tokens are handed out, so the device

@@ -77,6 +77,20 @@ def unavailable(stopping: bool) -> APIError:
     )
 
 
+def engine_failed(failure: str) -> APIError:
+    return APIError(503, f"{failure}; serve.py is exiting", code="engine_failed")
+
+
+def health_reply(state: str, failure: str | None = None, numbers: dict | None = None) -> tuple[int, dict]:
+    """(status, body) of GET /health in each of the server's states: "ok" is 200, live and ready, with
+    the engine's numbers; "loading" (compiling) and "stopping" are 503, live but not ready; "failed"
+    is 503 and not live (the engine is gone and serve.py exits), the failure in OpenAI's error shape."""
+    if state == "ok":
+        return 200, {"status": state, "live": True, "ready": True, **numbers}
+    error = engine_failed(failure) if state == "failed" else unavailable(stopping=state == "stopping")
+    return 503, {"status": state, "live": state != "failed", "ready": False, **error.body()}
+
+
 # ----------------------------------------------------------------------------- request bodies
 
 

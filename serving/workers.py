@@ -250,7 +250,7 @@ class RemoteServer:
 
     async def health(self) -> tuple:
         if self.state != "ready":
-            return 503, {"status": self.state}
+            return app.health_reply(self.state)
         return await self._call("health")
 
     async def score_prompt(self, ids: list) -> list:

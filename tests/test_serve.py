@@ -60,11 +60,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags) -> tuple:
-    """(url, process) of serve.py with these flags on a free port, once /health says 200."""
+def start_server(*flags, script: str | None = None) -> tuple:
+    """(url, process) of serve.py with these flags on a free port, once /health says 200 (`script`: Python
+    that runs serve.main in serve.py's place)."""
     port = free_port()
+    command = [os.path.join(ROOT, "serve.py")] if script is None else ["-c", script]
     process = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "serve.py"), *flags, f"--port={port}"],
+        [sys.executable, *command, *flags, f"--port={port}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -122,6 +124,51 @@ def slow_server(tmp_path_factory, request):
     tokenizer.char_tokenizer(CHARS).save_files(directory)
     url, process = start_server(
         f"--init_from={directory}", "--slots=1", "--log_interval=0", f"--http_workers={request.param}"
+    )
+    yield url, process
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+POISON = 666  # the seed of a request whose decode program fails in FAULTY_SERVE
+
+# serve.py with the failures a device can have, raised where the device raises them (XLA's runtime error; no
+# request makes a correct engine's step fail, and a flag to fake one would be serving code for tests only):
+# a decode program running a request seeded POISON fails, and so does scoring a prompt (echo with logprobs).
+FAULTY_SERVE = f"""
+import sys
+import jax
+import serve
+from evals import scoring
+from inference import engine
+
+def fail(what):
+    raise jax.errors.JaxRuntimeError(f"INTERNAL: {{what}} failed on the device\\nthe rest of XLA's message")
+
+compile_programs = engine.Engine._compile
+
+def compile_then_poison(self):
+    compile_programs(self)
+    def poisoned(program):
+        def run(params, state, active):
+            if any(r is not None and r.seed == {POISON} for r in self.running):
+                fail("the decode program")
+            return program(params, state, active)
+        return run
+    self.step_programs = {{key: poisoned(program) for key, program in self.step_programs.items()}}
+
+engine.Engine._compile = compile_then_poison
+scoring.make_token_scorer = lambda *args: lambda *args: fail("scoring")
+serve.main(sys.argv[1:])
+"""
+
+
+@pytest.fixture(params=[0, 2], ids=["in-process", "http-workers"])
+def faulty_server(run, request):
+    """A server of FAULTY_SERVE's on the trained run, in-process and with two HTTP workers."""
+    url, process = start_server(
+        f"--out_dir={run}", "--slots=2", "--log_interval=0", f"--http_workers={request.param}", script=FAULTY_SERVE
     )
     yield url, process
     if process.poll() is None:
@@ -679,6 +726,35 @@ def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(slow_server):
     assert len("".join(c["choices"][0]["text"] for c in chunks)) == generated
     assert process.wait(timeout=60) == 0
     assert "request" in process.stdout.read()  # the per-request log line
+
+
+def test_a_failed_engine_makes_health_503_with_why_and_the_server_exit_1_with_one_line(faulty_server):
+    """The engine's decode program fails: the request in flight ends, /health is 503 with the failure in
+    OpenAI's shape (not live, not ready) while requests get 503, then serve.py exits 1 with one line."""
+    url, process = faulty_server
+    failure = "the engine stopped (JaxRuntimeError: INTERNAL: the decode program failed on the device)"
+    with httpx2.Client(base_url=url, timeout=60) as http:
+        healthy = http.get("/health").json()
+        assert (healthy["status"], healthy["live"], healthy["ready"]) == ("ok", True, True)
+        cut = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 20, "seed": POISON}).json()
+        assert cut["choices"][0]["finish_reason"] == "abort"
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json() == {
+            "status": "failed",
+            "live": False,
+            "ready": False,
+            "error": {
+                "message": f"{failure}; serve.py is exiting",
+                "type": "service_unavailable",
+                "param": None,
+                "code": "engine_failed",
+            },
+        }
+        refused = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_failed"
+    assert process.wait(timeout=60) == 1
+    output = process.stdout.read()
+    assert output.strip().splitlines()[-1] == f"error: {failure}" and "Traceback" not in output, output
 
 
 def http_workers(pid: int) -> list[int]:
