@@ -28,10 +28,10 @@ from common import progress
 from common.model_setup import model_setup
 from configurator import Config
 from data import dataset
-from data.tokenizer import same_vocabulary, tokenizer_from_description, vocabulary_identity
+from data.tokenizer import model_tokenizer, same_vocabulary, tokenizer_from_description, vocabulary_identity
 from devices import hardware, memory
 from evals import scoring
-from inference import generate, loader
+from inference import generate
 from layers import attention
 from model import GPT, GPTConfig, flops_per_token
 from training import compiled_step, monitor
@@ -544,7 +544,8 @@ def check_pretrained_tokenizer(config: Config, tok) -> None:
     if config.init_from in ("scratch", "resume") or tok is None:
         return
     directory = hf.resolve(config.init_from)
-    theirs = loader.model_tokenizer(directory, hf.read_config(directory))
+    pretrained = hf.read_config(directory)
+    theirs = model_tokenizer(directory, pretrained.model_type, pretrained.keys["vocab_size"])
     if theirs is not None and not same_vocabulary(tok, theirs):
         raise dataset.DataError(
             f"init_from={config.init_from} reads ids with {theirs.summary()}, but {dataset.dataset_dir(config)}"

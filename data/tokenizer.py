@@ -457,6 +457,17 @@ def hf_tokenizer(directory) -> Tokenizer:
     return HFTokenizer(directory)
 
 
+def model_tokenizer(directory, model_type: str, vocab_size: int) -> Tokenizer | None:
+    """A Hugging Face model's tokenizer (the model's config.json says its type and vocabulary size):
+    its tokenizer.json, or GPT-2's for a GPT-2 of GPT-2's vocabulary from before tokenizer.json; None
+    if neither."""
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        return hf_tokenizer(directory)
+    if model_type == "gpt2" and vocab_size == GPT2_VOCAB_SIZE:
+        return gpt2_tokenizer()
+    return None
+
+
 def tokenizer_from_description(description: dict, search_dirs=()) -> Tokenizer:
     """The inverse of Tokenizer.describe(); ValueError if the description is not one.
 

@@ -17,7 +17,7 @@ import sharding
 from common.model_setup import ModelSetup, model_setup
 from configurator import ROLES, Config
 from data import dataset
-from data.tokenizer import GPT2_VOCAB_SIZE, gpt2_tokenizer, hf_tokenizer, load_tokenizer, tokenizer_from_description
+from data.tokenizer import load_tokenizer, model_tokenizer, tokenizer_from_description
 from layers.kv_cache import init_cache
 from layers.quantization import Int8Weight
 from model import GPTConfig, cast_for_inference
@@ -92,7 +92,7 @@ def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "floa
     values = hf.fill_model_keys({"init_from": name}, model, directory, default_block_size=model.max_context)
     config = Config(**values, batch_size=sharding.batch_shards(mesh), quantization=quantization, dtype=dtype)
     setup = model_setup(config, mesh, model.keys["vocab_size"], kv_cache_dtype)
-    tok = model_tokenizer(directory, model)
+    tok = model_tokenizer(directory, model.model_type, model.keys["vocab_size"])
     if tok is None:
         raise hf.HFError(
             f"{directory} has no tokenizer.json: nanomax needs the model's tokenizer to turn "
@@ -108,16 +108,6 @@ def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "floa
             f"exported from with --out_dir=RUN"
         )
     return setup, checkpoint.load_pretrained(setup, directory), tok
-
-
-def model_tokenizer(directory: str, model: hf.HFModel):
-    """A Hugging Face model's tokenizer: its tokenizer.json, or GPT-2's for a GPT-2 of GPT-2's
-    vocabulary from before tokenizer.json; None if neither."""
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        return hf_tokenizer(directory)
-    if model.model_type == "gpt2" and model.keys["vocab_size"] == GPT2_VOCAB_SIZE:
-        return gpt2_tokenizer()
-    return None
 
 
 def default_dtype(dtype: str) -> str:
