@@ -23,7 +23,7 @@ import uuid
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -349,6 +349,12 @@ class Generation:
         return len(self.request.tokens)
 
 
+async def until_disconnected(receive) -> None:
+    """Returns once the client has hung up: with the body read, the next message of the request's is that."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 def log_requests(generations: list) -> None:
     for g in generations:
         r = g.request
@@ -443,7 +449,7 @@ async def complete(request: Request, chat_mode: bool):
     reply = Reply(server, chat_mode, generations, prompts, sampling, echo, prompt_tokens)
     if sampling.stream:
         return StreamingResponse(reply.events(), media_type="text/event-stream")
-    return await reply.whole()
+    return await reply.whole(request.receive)
 
 
 # vLLM's tokenizer routes, which lm-evaluation-harness's local-completions uses to tokenize on the
@@ -688,7 +694,9 @@ class Reply:
             "text_offset": list(offsets),
         }
 
-    async def whole(self):
+    async def whole(self, receive):
+        """The reply once every choice has ended; nothing if the client hangs up first (`receive`, the
+        request's, says so): its generations are cancelled then, as a stream's are."""
         texts, tokens = [""] * len(self.generations), [[] for _ in self.generations]
         offsets = [self.echoed_offsets(i) for i in range(len(self.generations))]
 
@@ -698,9 +706,16 @@ class Reply:
                 tokens[i] += piece_tokens
                 offsets[i] += [len(self.prefix(i)) + start for start in starts]
 
+        collecting = asyncio.gather(*(collect(i, g) for i, g in enumerate(self.generations)))
+        hung_up = asyncio.ensure_future(until_disconnected(receive))
         try:
-            await asyncio.gather(*(collect(i, g) for i, g in enumerate(self.generations)))
+            await asyncio.wait((collecting, hung_up), return_when=asyncio.FIRST_COMPLETED)
+            if not collecting.done():
+                collecting.cancel()
+                return Response(status_code=499)  # nobody reads it ("client closed request", as nginx logs it)
+            collecting.result()  # its error, if any
         finally:
+            hung_up.cancel()
             for g in self.generations:
                 g.cancel()
         log_requests(self.generations)

@@ -707,6 +707,33 @@ def test_programs_xla_cannot_compile_end_the_server_with_one_line(run, monkeypat
     ), server.failure
 
 
+def wait_until_idle(url: str) -> dict:
+    """/health's body once no slot is busy and nothing is queued (within 30 s)."""
+    deadline = time.time() + 30
+    while (health := httpx2.get(url + "/health", timeout=10).json())["busy"] or health["queued"]:
+        assert time.time() < deadline, health
+        time.sleep(0.05)
+    return health
+
+
+def test_a_whole_reply_whose_client_hangs_up_stops_being_generated(slow_server):
+    """Three impatient clients (a 1 s read timeout) of non-streamed requests for 250 tokens on one slot: once
+    they leave, the slot is free and the queue empty long before 750 tokens, and every request is aborted."""
+    url = slow_server[0]
+    before = wait_until_idle(url)
+    body = {"prompt": "ab", "max_tokens": 250, "temperature": 0}
+
+    def abandon(_):
+        with pytest.raises(httpx2.ReadTimeout):
+            httpx2.post(url + "/v1/completions", json=body, timeout=httpx2.Timeout(60, read=1))
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        list(pool.map(abandon, range(3)))
+    after = wait_until_idle(url)
+    generated = after["tokens"] - before["tokens"]
+    assert after["aborted"] - before["aborted"] == 3 and generated < body["max_tokens"], (generated, after)
+
+
 def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(slow_server):
     """SIGTERM after a stream's first tokens: the stream ends early with finish_reason 'abort', its
     text is every token generated so far (one character each), and the server exits 0."""
