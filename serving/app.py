@@ -198,11 +198,13 @@ class TextStream:
     on once it decodes to whole characters. A decode program's tokens are added together: two
     decodes for all of them (the event loop's largest cost per token was decoding, one token at a
     time). offsets=True also keeps where each token's text starts (for log-probabilities; one more
-    decode per token)."""
+    decode per token). Once stopped, `counted` is the number of ids up to and including those of the
+    stop string (usage counts them; the ids after it were made before the engine heard of the stop)."""
 
     def __init__(self, tok, stop: list, offsets: bool = False):
         self.tok, self.stop, self.ids, self.sent, self.stopped = tok, stop, [], 0, False
-        self.text, self.offsets = "", offsets
+        self.text, self.offsets, self.counted = "", offsets, 0
+        self.last_decode = (0, 0, 0, "")  # the last _decode_new's window start, first new id, text position, text
         self.starts = []  # with offsets: where each decoded id's text starts in text (ids of an unfinished character wait)
         self.window_start = self.window_read = 0  # ids[window_start:window_read]: decoded into text already
 
@@ -222,7 +224,8 @@ class TextStream:
         # text ends at the one completed first (then the earliest), however the tokens were grouped.
         found = [(start + len(s), start) for s in self.stop if (start := self.text.find(s, self.sent)) >= 0]
         if found:
-            self.text, self.stopped = self.text[: min(found)[1]], True
+            stop_end, stop_start = min(found)
+            self.text, self.stopped, self.counted = self.text[:stop_start], True, self._ids_through(stop_end)
         if found or finished:
             return self._release(len(self.text))
         safe = len(self.text)
@@ -256,8 +259,20 @@ class TextStream:
                 else len(self.text)
                 for k in range(self.window_read, end)
             ]
+        self.last_decode = (self.window_start, self.window_read, len(self.text) - len(before), after)
         self.text += after[len(before) :]
         self.window_start, self.window_read = self.window_read, end
+
+    def _ids_through(self, end: int) -> int:
+        """How many ids the text needs to reach position `end`, in the text the last decode added: the
+        first count whose decode matches that decode's up to there (a token that ends inside a
+        character does not complete it)."""
+        window_start, first_new, at, text = self.last_decode
+        need = end - at
+        for k in range(first_new + 1, self.window_read + 1):
+            if len(decoded := self.tok.decode(self.ids[window_start:k])) >= need and decoded[:need] == text[:need]:
+                return k
+        return self.window_read
 
     def _release(self, end: int) -> str:
         piece = self.text[self.sent : end] if end > self.sent else ""
@@ -324,8 +339,8 @@ class Generation:
                 piece += self.text.finish()
                 self.finish_reason = "stop" if self.text.stopped else finish[1]
                 starts = self._starts(len(tokens))
-                if self.text.stopped:  # the stop string's own tokens start past the text kept
-                    kept = sum(start < len(self.text.text) for start in starts)
+                if self.text.stopped:  # up to the stop string's last token (the text ends before the stop)
+                    kept = self.text.counted - (len(self.text.ids) - len(tokens))
                     tokens, starts = tokens[:kept], starts[:kept]
                 if piece or tokens:
                     yield piece, tokens, starts
@@ -346,7 +361,9 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.request.tokens)
+        """The tokens of the reply's text and of the stop string that ended it, if one did; not those the
+        engine made after it (what usage counts, and the request log)."""
+        return self.text.counted if self.text.stopped else len(self.request.tokens)
 
 
 async def until_disconnected(receive) -> None:
@@ -355,17 +372,19 @@ async def until_disconnected(receive) -> None:
         pass
 
 
-def log_requests(generations: list) -> None:
-    for g in generations:
-        r = g.request
+def log_requests(reply_id: str, generations: list) -> None:
+    """A line per choice, by the reply's id (its client sees it), with the tokens usage counts."""
+    for i, g in enumerate(generations):
+        r, completion = g.request, g.completion_tokens
         ttft = (r.first_token_at - r.submitted_at) * 1e3 if r.first_token_at else float("nan")
         decode_s = (r.finished_at or time.perf_counter()) - (r.first_token_at or r.submitted_at)
         # The decode rate counts the tokens after the first (that one is prefill's): none for one token.
-        rate = f", {(len(r.tokens) - 1) / decode_s:,.1f} tok/s" if len(r.tokens) > 1 and decode_s > 0 else ""
+        rate = f", {(completion - 1) / decode_s:,.1f} tok/s" if completion > 1 and decode_s > 0 else ""
+        choice = f" choice {i}" if len(generations) > 1 else ""
         # One write with its newline: HTTP worker processes share the log, and unbuffered (PYTHONUNBUFFERED)
         # print() writes the line and its end apart, so that lines from two workers ran together.
         print(
-            f"request {r.id}: {len(r.prompt)} prompt + {len(r.tokens)} completion tokens, "
+            f"request {reply_id}{choice}: {len(r.prompt)} prompt + {completion} completion tokens, "
             f"ttft {ttft:.0f} ms{rate}, {g.finish_reason}\n",
             end="",
             flush=True,
@@ -718,7 +737,7 @@ class Reply:
             hung_up.cancel()
             for g in self.generations:
                 g.cancel()
-        log_requests(self.generations)
+        log_requests(self.id, self.generations)
         choices = [
             self.choice(i, self.prefix(i) + t, g.finish_reason, self.echoed(i) + tokens[i], offsets[i])
             for i, (g, t) in enumerate(zip(self.generations, texts))
@@ -779,7 +798,7 @@ class Reply:
             if self.sampling.include_usage:
                 yield chunk(choices=[], usage=self.usage())
             yield "data: [DONE]\n\n"
-            log_requests(self.generations)
+            log_requests(self.id, self.generations)
         finally:  # also when the client went away: the engine frees the slots after its decode program in flight
             for g in self.generations:
                 g.cancel()

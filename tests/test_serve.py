@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -62,7 +63,7 @@ def free_port() -> int:
 
 def start_server(*flags, script: str | None = None) -> tuple:
     """(url, process) of serve.py with these flags on a free port, once /health says 200 (`script`: Python
-    that runs serve.main in serve.py's place)."""
+    that runs serve.main in serve.py's place). A thread reads its output as it comes (output_of, logged)."""
     port = free_port()
     command = [os.path.join(ROOT, "serve.py")] if script is None else ["-c", script]
     process = subprocess.Popen(
@@ -71,6 +72,9 @@ def start_server(*flags, script: str | None = None) -> tuple:
         stderr=subprocess.STDOUT,
         text=True,
     )
+    process.lines = []
+    process.reader = threading.Thread(target=lambda: process.lines.extend(process.stdout), daemon=True)
+    process.reader.start()
     url = f"http://127.0.0.1:{port}"
     deadline, status = time.time() + 180, None
     while time.time() < deadline and process.poll() is None:
@@ -82,21 +86,67 @@ def start_server(*flags, script: str | None = None) -> tuple:
         except OSError:
             pass
         time.sleep(0.3)
-    assert status == 200, process.stdout.read() if process.poll() is not None else "no 200 from /health"
+    assert status == 200, output_of(process) if process.poll() is not None else "no 200 from /health"
     return url, process
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "http-workers"])
-def server(run, request):
-    """The server on the trained run: HTTP on the engine's process, or in two worker processes
-    (--http_workers, serving/workers.py) that exchange requests and tokens with it over pipes."""
-    url, process = start_server(
-        f"--out_dir={run}", "--slots=4", "--max_queue=16", "--log_interval=0", f"--http_workers={request.param}"
-    )
-    yield url, process
+def output_of(process) -> str:
+    """Everything a server of start_server's wrote, once it has exited."""
+    process.wait(timeout=60)
+    process.reader.join(timeout=10)
+    return "".join(process.lines)
+
+
+def logged(process, words: str) -> str:
+    """The first line of a running server's output with these words in it (within 10 s)."""
+    deadline = time.time() + 10
+    while not (found := [line for line in process.lines if words in line]):
+        assert time.time() < deadline, f"no line with {words!r} in {''.join(process.lines)}"
+        time.sleep(0.05)
+    return found[0]
+
+
+def stopped(process) -> None:
     if process.poll() is None:
         process.kill()
     process.wait()
+
+
+KEY = "s3cret"  # the servers' API key
+AUTHORIZED = {"Authorization": f"Bearer {KEY}"}
+
+
+def run_server(run, http_workers: int):
+    url, process = start_server(
+        f"--out_dir={run}",
+        "--slots=4",
+        "--max_queue=16",
+        "--log_interval=0",
+        f"--api_key={KEY}",
+        f"--http_workers={http_workers}",
+    )
+    yield url, process
+    stopped(process)
+
+
+@pytest.fixture(scope="module")
+def server(run):
+    """The server on the trained run, the HTTP side on the engine's process."""
+    yield from run_server(run, 0)
+
+
+@pytest.fixture(scope="module")
+def worker_server(run):
+    """The same with the HTTP side in two worker processes (--http_workers, serving/workers.py) that
+    exchange requests and tokens with the engine's over pipes."""
+    yield from run_server(run, 2)
+
+
+@pytest.fixture(params=["in-process", "http-workers"])
+def either_server(request):
+    """For the tests of what the workers change (what crosses the pipes: tokens, log-probabilities, scores,
+    refusals, cancels; the API key and the body limit, which the workers apply): server, then worker_server."""
+    return request.getfixturevalue("server" if request.param == "in-process" else "worker_server")
 
 
 @pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "http-workers"])
@@ -126,9 +176,7 @@ def slow_server(tmp_path_factory, request):
         f"--init_from={directory}", "--slots=1", "--log_interval=0", f"--http_workers={request.param}"
     )
     yield url, process
-    if process.poll() is None:
-        process.kill()
-    process.wait()
+    stopped(process)
 
 
 POISON = 666  # the seed of a request whose decode program fails in FAULTY_SERVE
@@ -171,14 +219,16 @@ def faulty_server(run, request):
         f"--out_dir={run}", "--slots=2", "--log_interval=0", f"--http_workers={request.param}", script=FAULTY_SERVE
     )
     yield url, process
-    if process.poll() is None:
-        process.kill()
-    process.wait()
+    stopped(process)
+
+
+def openai_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server[0])
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +239,9 @@ def loaded(run):
 def post(url, body, raw: bytes | None = None):
     """(status, JSON body) of a POST, errors included."""
     request = urllib.request.Request(
-        url, data=raw if raw is not None else json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        url,
+        data=raw if raw is not None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **AUTHORIZED},
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -204,7 +256,7 @@ def stream_lines(url, body):
     request = urllib.request.Request(
         url + "/v1/completions",
         data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **AUTHORIZED},
     )
     return urllib.request.urlopen(request, timeout=60)
 
@@ -288,23 +340,40 @@ def test_stop_strings_end_the_text_before_them(client):
         )
 
 
-def test_logprobs_end_with_the_text_before_a_stop_string(client):
-    """The tokens of the stop string itself are not the reply's: the logprobs' tokens join to its
-    text, and each one's text_offset is where its text sits in the reply's (streamed too)."""
-    full = client.completions.create(model="out", prompt="abc", max_tokens=20, temperature=0, logprobs=1)
-    tokens = full.choices[0].logprobs.tokens
-    stop = "".join(tokens[3:5])  # two whole tokens: a stop string that spans tokens
-    cut = full.choices[0].text[: full.choices[0].text.find(stop)]
-    for stream in (False, True):
-        reply = client.completions.create(
-            model="out", prompt="abc", max_tokens=20, temperature=0, stop=[stop], stream=stream, logprobs=1
-        )
-        chunks = list(reply) if stream else [reply]
-        assert "".join(c.choices[0].text for c in chunks) == cut
-        logprobs = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
-        tokens = [t for lp in logprobs for t in lp.tokens]
-        offsets = [o for lp in logprobs for o in lp.text_offset]
-        assert "".join(tokens) == cut and [cut[o : o + len(t)] for t, o in zip(tokens, offsets)] == tokens
+def test_usage_counts_the_tokens_of_the_text_and_of_the_stop_string_not_past_it(either_server):
+    """The tokens of the reply's text and of the stop string that ended it, none that the engine made after
+    it in the same decode program: in usage (whole, and the stream's last chunk), in the request log and in
+    the logprobs (text_offset runs on past the text through the stop's). One character per token here."""
+    url, process = either_server
+    client = openai_client(url)
+    asked = dict(model="out", prompt="abc", max_tokens=20, temperature=0, logprobs=1)
+    full = client.completions.create(**asked).choices[0]
+    stop = full.text[3:5]  # two tokens, as the first decode program's tokens arrive (its 8 and 4 more)
+    cut = full.text[: full.text.find(stop)]
+    counted = len(cut) + len(stop)
+    whole = client.completions.create(**asked, stop=stop)
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (cut, "stop")
+    assert whole.usage.completion_tokens == counted
+    assert whole.choices[0].logprobs.tokens == full.logprobs.tokens[:counted]
+    assert whole.choices[0].logprobs.text_offset == list(range(counted))
+    assert re.search(
+        rf"request {whole.id}: \d+ prompt \+ {counted} completion tokens, .*, stop$", logged(process, whole.id)
+    )
+    stream = list(client.completions.create(**asked, stop=stop, stream=True, stream_options={"include_usage": True}))
+    assert (
+        "".join(c.choices[0].text for c in stream if c.choices) == cut and stream[-1].usage.completion_tokens == counted
+    )
+    streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == full.logprobs.tokens[:counted]
+    assert f"{counted} completion tokens" in logged(process, stream[0].id)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="out", messages=messages, max_tokens=20, temperature=0)
+    stop = chat.choices[0].message.content[2:4]
+    counted = chat.choices[0].message.content.find(stop) + len(stop)
+    stopped_chat = client.chat.completions.create(
+        model="out", messages=messages, max_tokens=20, temperature=0, stop=stop, logprobs=True
+    )
+    assert stopped_chat.usage.completion_tokens == len(stopped_chat.choices[0].logprobs.content) == counted
 
 
 def test_chat_renders_the_template_and_streams_the_role_first(client, server, loaded):
@@ -352,12 +421,12 @@ def test_logprobs_are_the_models_own(client, loaded):
     )  # greedy: the chosen token is the most likely
 
 
-def test_echo_with_logprobs_scores_the_prompt_and_tokenizer_routes_match(client, server, loaded):
+def test_echo_with_logprobs_scores_the_prompt_and_tokenizer_routes_match(either_server, loaded):
     """echo + logprobs (what lm-evaluation-harness's local-completions asks): every prompt token after
     the first with the model's log-probability of it and the k most likely, then the new tokens; and
     vLLM's /tokenize, /detokenize and /tokenizer_info give serve.py's own ids."""
     setup, params, _, tok = loaded
-    url = server[0]
+    url, client = either_server[0], openai_client(either_server[0])
     health = lambda: json.loads(urllib.request.urlopen(url + "/health").read())
     assert health()["compiles_while_serving"] == 0  # the requests so far all ran on the start-up programs
     ids = generate.encode_prompt(tok, "hello world")
@@ -377,7 +446,7 @@ def test_echo_with_logprobs_scores_the_prompt_and_tokenizer_routes_match(client,
     assert lp.text_offset == list(range(len(ids) + 1)) and reply.choices[0].text.startswith("hello world")
     assert post(url + "/tokenize", {"prompt": "hello", "add_special_tokens": False})[1]["tokens"] == tok.encode("hello")
     assert post(url + "/detokenize", {"tokens": tok.encode("hello")})[1] == {"prompt": "hello"}
-    info = json.loads(urllib.request.urlopen(url + "/tokenizer_info", timeout=10).read())
+    info = httpx2.get(url + "/tokenizer_info", headers=AUTHORIZED, timeout=10).json()
     assert info["model_max_length"] == 32 and info["eos_token"] is None  # a character vocabulary has none
     assert post(url + "/tokenize", {"prompt": 3})[0] == 400
 
@@ -396,8 +465,6 @@ def test_echo_with_logprobs_scores_the_prompt_and_tokenizer_routes_match(client,
         ({"prompt": "ab", "top-k": 3}, 400, "top-k", "unknown parameter"),
         ({"prompt": "ab", "model": "gpt-4"}, 404, "model", "does not exist"),
         ({"prompt": "☃"}, 400, "prompt", "can't be encoded"),
-        # 2 prompts x 16 = 32 generations at once; 4 slots + max_queue 16 hold 20: none of them runs
-        ({"prompt": ["ab", "ba"], "n": 16, "max_tokens": 2}, 429, None, "max_queue"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, param, words):
@@ -405,6 +472,30 @@ def test_bad_requests_get_openai_errors(server, body, status, param, words):
     assert got == status
     assert set(reply["error"]) == {"message", "type", "param", "code"}
     assert reply["error"]["param"] == param and words in reply["error"]["message"]
+
+
+def test_a_request_the_queue_cannot_hold_is_429_and_none_of_it_runs(either_server):
+    """2 prompts x 16 = 32 generations at once; 4 slots + max_queue 16 hold 20: a 429, and the 20 taken are
+    cancelled."""
+    url = either_server[0]
+    before = wait_until_idle(url)
+    got, reply = post(url + "/v1/completions", {"prompt": ["ab", "ba"], "n": 16, "max_tokens": 20})
+    assert got == 429 and reply["error"]["code"] == "queue_full" and "max_queue" in reply["error"]["message"]
+    assert wait_until_idle(url)["tokens"] - before["tokens"] < 20 * 20
+
+
+def test_the_api_key_guards_v1_and_the_tokenizer_routes_not_health_or_the_page(either_server):
+    url = either_server[0]
+    for key in (None, "wrong"):
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize")):
+            refused = httpx2.request(method, url + path, json={"prompt": "ab"}, headers=headers, timeout=10)
+            assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+    assert httpx2.get(url + "/health").status_code == httpx2.get(url + "/").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in openai_client(url).models.list().data] == ["out"]
 
 
 def response_of(connection: socket.socket) -> tuple[int, dict]:
@@ -418,12 +509,13 @@ def response_of(connection: socket.socket) -> tuple[int, dict]:
     return int(head.split()[1]), json.loads(body)
 
 
-def test_bodies_over_the_limit_get_413_before_they_are_read(server, client):
+def test_bodies_over_the_limit_get_413_before_they_are_read(either_server):
     """--max_body_bytes (8 MiB by default): a Content-Length past it is refused before a byte of the
     body is sent, on every route and the chat page's files; a chunked body as soon as the bytes read pass
     it; the openai client, sending all of its body, gets the 413 in OpenAI's shape; a body of exactly
     the limit is served; the server stays healthy."""
-    url, limit = server[0], serve.ServeConfig.max_body_bytes
+    url, limit = either_server[0], serve.ServeConfig.max_body_bytes
+    client = openai_client(url)
     host, port = url.removeprefix("http://").split(":")
     for method, path in (
         ("POST", "/v1/completions"),
@@ -445,7 +537,9 @@ def test_bodies_over_the_limit_get_413_before_they_are_read(server, client):
             }
         }
     with socket.create_connection((host, int(port)), timeout=30) as connection:  # chunked: no length said
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        # with the key: else the 401 would come before any of the body was read
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        connection.sendall(head.encode() + b"Transfer-Encoding: chunked\r\n\r\n")
         sent, piece = 0, b"7" * 65536
         while sent < 8 * limit and not select.select([connection], [], [], 0)[0]:  # until an answer comes
             connection.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
@@ -459,14 +553,14 @@ def test_bodies_over_the_limit_get_413_before_they_are_read(server, client):
     body["user"] = "u" * (limit - len(json.dumps(body)))  # "user" is accepted and ignored: the body is exactly limit
     at_limit = json.dumps(body).encode()
     assert len(at_limit) == limit
-    with httpx2.Client(timeout=60) as http:
+    with httpx2.Client(timeout=60, headers=AUTHORIZED) as http:
         assert http.post(url + "/v1/completions", content=at_limit).json()["usage"]["completion_tokens"] == 2
         assert http.post(url + "/v1/completions", content=at_limit[:-2] + b'u"}').status_code == 413  # limit + 1
         assert http.get(url + "/health").status_code == 200
 
 
-def test_models_and_a_disconnect_mid_stream_frees_its_slot(server, client):
-    url = server[0]
+def test_models_and_a_disconnect_mid_stream_frees_its_slot(either_server):
+    url, client = either_server[0], openai_client(either_server[0])
     assert [m.id for m in client.models.list().data] == ["out"]
     health = lambda: json.loads(urllib.request.urlopen(url + "/health").read())
     aborted, compiles = health()["aborted"], health()["compiles_while_serving"]
@@ -752,7 +846,7 @@ def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(slow_server):
     assert 3 <= generated < max_tokens, generated
     assert len("".join(c["choices"][0]["text"] for c in chunks)) == generated
     assert process.wait(timeout=60) == 0
-    assert "request" in process.stdout.read()  # the per-request log line
+    assert "request" in output_of(process)  # the per-request log line
 
 
 def test_a_failed_engine_makes_health_503_with_why_and_the_server_exit_1_with_one_line(faulty_server):
@@ -780,7 +874,7 @@ def test_a_failed_engine_makes_health_503_with_why_and_the_server_exit_1_with_on
         refused = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_failed"
     assert process.wait(timeout=60) == 1
-    output = process.stdout.read()
+    output = output_of(process)
     assert output.strip().splitlines()[-1] == f"error: {failure}" and "Traceback" not in output, output
 
 
@@ -808,9 +902,8 @@ def test_an_http_worker_that_dies_stops_the_server_with_one_line(run):
         os.kill(killed, signal.SIGKILL)
         assert process.wait(timeout=60) == 1
     finally:
-        if process.poll() is None:
-            process.kill()
-    output = process.stdout.read()
+        stopped(process)
+    output = output_of(process)
     assert re.search(r"error: the HTTP worker http-\d exited \(code -9\); the server stopped", output), output
     assert "Traceback" not in output
     assert not os.path.exists(f"/proc/{other}")
@@ -891,6 +984,18 @@ def test_a_stop_string_completed_by_tokens_that_end_inside_a_character_still_sto
     assert tok.decode(ids) == "Hello \ufffd"  # the last token ends inside a character
     stream = app.TextStream(tok, [" "])
     assert "".join(stream.add([i]) for i in ids) + stream.finish() == "Hello" and stream.stopped
+
+
+def test_a_stop_string_counts_the_tokens_through_its_last_character_however_they_are_grouped():
+    """GPT-2 writes '“' as two byte tokens: a stop string ending in it counts both, and not the tokens after."""
+    tok = tokenizer.gpt2_tokenizer()
+    ids = tok.encode("Hello “quoted” world")
+    through_stop = next(k for k in range(len(ids)) if tok.decode(ids[:k]).startswith("Hello “"))
+    assert tok.decode(ids[: through_stop - 1]).endswith("\ufffd")  # the character's first token alone
+    one_at_a_time, together = app.TextStream(tok, ["o “"]), app.TextStream(tok, ["o “"])
+    assert "".join(one_at_a_time.add([i]) for i in ids) + one_at_a_time.finish() == "Hell"
+    assert together.add(ids) + together.finish() == "Hell"
+    assert one_at_a_time.counted == together.counted == through_stop
 
 
 class ByteTokens:
