@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NamedTuple
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,49 @@ def make_dataset(root, name="toy", vocab_size=65, n_train=20_000, n_val=2_000, s
     )
     (out / "meta.json").write_text(json.dumps({**kind, "vocab_size": vocab_size}))
     return str(root)
+
+
+class KeptGradients(NamedTuple):
+    inner: optax.OptState
+    gradients: optax.Params  # the last step's, as the optimizer received them
+
+
+def make_setup_keeping_gradients(*args, **kwargs) -> train.Setup:
+    """train.make_setup's, with an optimizer that keeps each step's gradients in its state (state["opt_state"]
+    .gradients, sharded like the parameters): two ways of computing a step are compared by these, by the
+    losses, and by assert_near_in_learning_rates; not by each parameter after AdamW, which divides a
+    gradient by its root mean square, so that one within rounding of 0 moves its parameter by up to a
+    whole learning rate either way."""
+
+    def keeping_gradients(config):
+        tx = optimizer.make_optimizer(config)
+
+        def update(grads, state, params=None):
+            updates, inner = tx.update(grads, state.inner, params)
+            return updates, KeptGradients(inner, grads)
+
+        return optax.GradientTransformation(
+            lambda p: KeptGradients(tx.init(p), jax.tree.map(jnp.zeros_like, p)), update
+        )
+
+    with mock.patch.object(train, "make_optimizer", keeping_gradients):
+        return train.make_setup(*args, **kwargs)
+
+
+def assert_gradients_close(got, expected, rtol: float) -> None:
+    """Each gradient within rtol of its array's largest (a relative tolerance that an element near 0 can meet)."""
+    for (path, b), a in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=rtol * float(np.abs(b).max()), err_msg=jax.tree_util.keystr(path))
+
+
+def assert_near_in_learning_rates(got_params, expected_params, learning_rate: float, share=1e-2) -> None:
+    """The parameters' differences, in root mean square over all of them, within `share` of one learning rate:
+    a few parameters flipped by AdamW pass, a step that differs (moving most parameters by ~1 learning rate
+    each) does not."""
+    pairs = zip(jax.tree.leaves(got_params), jax.tree.leaves(expected_params), strict=True)
+    differences = np.concatenate([np.ravel(np.asarray(a) - np.asarray(b)) for a, b in pairs])
+    rms = float(np.sqrt(np.mean(differences**2)))
+    assert rms <= share * learning_rate, f"parameters differ by {rms / learning_rate:.3g} learning rates (rms)"
 
 
 def small_config(tmp_path, **overrides) -> Config:
@@ -706,17 +751,17 @@ def test_a_micro_batch_without_targets_adds_nothing_under_gradient_accumulation(
     y[1] = -1  # the second micro-batch: all prompt
     results = []
     for n_micro, targets in ((2, y), (1, y[:1]), (1, np.full_like(y[:1], -1))):
-        setup = train.make_setup(
-            small_config(toy, gradient_accumulation_steps=n_micro), sharding.make_mesh(devices=ONE_DEVICE), 65
-        )
+        config = small_config(toy, gradient_accumulation_steps=n_micro)
+        setup = make_setup_keeping_gradients(config, sharding.make_mesh(devices=ONE_DEVICE), 65)
         with sharding.activate(setup.mesh):
             state, metrics = train.jit_train_step(setup)(train.init_state(setup), (x[:n_micro], targets))
-        results.append((jax.tree.map(np.asarray, state["params"]), jax.tree.map(np.asarray, metrics)))
-    (accumulated, m2), (alone, m1), (_, m0) = results
+        results.append((state["opt_state"].gradients, state["params"], jax.tree.map(np.asarray, metrics)))
+    (accumulated_grads, accumulated, m2), (alone_grads, alone, m1), (_, _, m0) = results
     assert m2["finite"] and m1["finite"] and m0["finite"]
     np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)
     np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), accumulated, alone)
+    assert_gradients_close(accumulated_grads, alone_grads, rtol=1e-6)
+    assert_near_in_learning_rates(accumulated, alone, optimizer.learning_rate(config, 0))
     assert m0["loss"] == 0 and m0["grad_norm"] == 0  # (weight decay still applies)
 
 
