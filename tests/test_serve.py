@@ -113,6 +113,7 @@ def stopped(process) -> None:
 
 
 KEY = "s3cret"  # the servers' API key
+BODY_LIMIT = 2**16  # their --max_body_bytes: the 413 test sends about this much
 AUTHORIZED = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -123,6 +124,7 @@ def run_server(run, http_workers: int):
         "--max_queue=16",
         "--log_interval=0",
         f"--api_key={KEY}",
+        f"--max_body_bytes={BODY_LIMIT}",
         f"--http_workers={http_workers}",
     )
     yield url, process
@@ -138,7 +140,7 @@ def server(run):
 @pytest.fixture(scope="module")
 def worker_server(run):
     """The same with the HTTP side in two worker processes (--http_workers, serving/workers.py) that
-    exchange requests and tokens with the engine's over pipes."""
+    exchange requests and tokens with the engine's over pipes. The file's last test stops it."""
     yield from run_server(run, 2)
 
 
@@ -510,11 +512,11 @@ def response_of(connection: socket.socket) -> tuple[int, dict]:
 
 
 def test_bodies_over_the_limit_get_413_before_they_are_read(either_server):
-    """--max_body_bytes (8 MiB by default): a Content-Length past it is refused before a byte of the
+    """--max_body_bytes (BODY_LIMIT here): a Content-Length past it is refused before a byte of the
     body is sent, on every route and the chat page's files; a chunked body as soon as the bytes read pass
     it; the openai client, sending all of its body, gets the 413 in OpenAI's shape; a body of exactly
     the limit is served; the server stays healthy."""
-    url, limit = either_server[0], serve.ServeConfig.max_body_bytes
+    url, limit = either_server[0], BODY_LIMIT
     client = openai_client(url)
     host, port = url.removeprefix("http://").split(":")
     for method, path in (
@@ -540,12 +542,12 @@ def test_bodies_over_the_limit_get_413_before_they_are_read(either_server):
         # with the key: else the 401 would come before any of the body was read
         head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
         connection.sendall(head.encode() + b"Transfer-Encoding: chunked\r\n\r\n")
-        sent, piece = 0, b"7" * 65536
-        while sent < 8 * limit and not select.select([connection], [], [], 0)[0]:  # until an answer comes
+        sent, piece = 0, b"7" * (limit // 16)
+        while sent < 64 * limit and not select.select([connection], [], [], 0.01)[0]:  # until an answer comes
             connection.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
             sent += len(piece)
         # The body never ended (no last, empty chunk was sent): the 413 came once the bytes read passed the limit.
-        assert response_of(connection)[0] == 413 and limit < sent < 8 * limit
+        assert response_of(connection)[0] == 413 and sent > limit
     with pytest.raises(openai.APIStatusError) as refused:
         client.completions.create(model="out", prompt="a" * limit, max_tokens=2)
     assert refused.value.status_code == 413 and refused.value.body["code"] == "request_too_large"
@@ -894,21 +896,6 @@ def http_workers(pid: int) -> list[int]:
     return found
 
 
-def test_an_http_worker_that_dies_stops_the_server_with_one_line(run):
-    """One of two workers killed: the server stops (the other worker too) with one line naming it, exit code 1."""
-    url, process = start_server(f"--out_dir={run}", "--slots=2", "--log_interval=0", "--http_workers=2")
-    try:
-        killed, other = http_workers(process.pid)
-        os.kill(killed, signal.SIGKILL)
-        assert process.wait(timeout=60) == 1
-    finally:
-        stopped(process)
-    output = output_of(process)
-    assert re.search(r"error: the HTTP worker http-\d exited \(code -9\); the server stopped", output), output
-    assert "Traceback" not in output
-    assert not os.path.exists(f"/proc/{other}")
-
-
 def test_a_bad_number_of_http_workers_is_one_line():
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "serve.py"), "--http_workers=-2"],
@@ -1019,3 +1006,19 @@ def test_text_stream_knows_where_each_token_starts_across_an_unfinished_characte
     assert "".join(stream.add([i]) for i in (0, 1, 3)) + stream.finish() == "xé" and stream.starts == [0, 1, 2]
     stream = app.TextStream(ByteTokens(), ["STOP"], offsets=True)  # together
     assert stream.add([0, 1, 3]) + stream.finish() == "xé" and stream.starts == [0, 1, 2]
+
+
+def test_an_http_worker_that_dies_stops_the_server_with_one_line(worker_server):
+    """One of two workers killed: the server stops (the other worker too) with one line naming it, exit code 1.
+    The last test of worker_server (it stops it)."""
+    process = worker_server[1]
+    try:
+        killed, other = http_workers(process.pid)
+        os.kill(killed, signal.SIGKILL)
+        assert process.wait(timeout=60) == 1
+    finally:
+        stopped(process)
+    output = output_of(process)
+    assert re.search(r"error: the HTTP worker http-\d exited \(code -9\); the server stopped", output), output
+    assert "Traceback" not in output
+    assert not os.path.exists(f"/proc/{other}")
