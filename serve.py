@@ -29,6 +29,7 @@ default 4 on a TPU or GPU, none on a CPU.
 """
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import signal
@@ -56,6 +57,7 @@ AUTO_HTTP_WORKERS = 4  # on a TPU v5e's host: concurrency 64 made 31.4k output t
 # Once the engine has failed, /health answers 503 with why for this long (a load balancer's probe sees the
 # reason, not a refused connection), then serve.py exits 1 for its supervisor to restart it.
 EXIT_AFTER_FAILURE_S = 5.0
+SCORING_THREADS = 4  # echo's prompt scoring runs the model on these, beside the engine's thread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +160,8 @@ class Server:
         self.memory: dict | None = None  # the start-up memory check's numbers (memory.check)
         self.failure: str | None = None  # why the engine could not start, or stopped
         self.token_scorer = None  # echo with logprobs: made on first use
+        self.scoring = concurrent.futures.ThreadPoolExecutor(SCORING_THREADS, "score")
+        self.scoring_lock, self.prompts_to_score = threading.Lock(), 0  # queued or being scored
         self.after_tokens = None  # the engine's after_tokens (serving/workers.py's, with HTTP workers)
         self.stopping = False
         print(
@@ -257,7 +261,33 @@ class Server:
         return self.health_now()
 
     async def score_prompt(self, ids: list) -> list:
-        return await asyncio.to_thread(self.prompt_logprobs, ids)
+        return await asyncio.wrap_future(self.score_later(ids))
+
+    def score_later(self, ids: list) -> concurrent.futures.Future:
+        """prompt_logprobs(ids) on the scoring threads: a future of the Tokens, or of an APIError (a failure
+        of the model's is a 500: the request's generations are then cancelled, with or without HTTP
+        workers); a 429 at once while max_queue prompts are queued or being scored."""
+        with self.scoring_lock:
+            if self.prompts_to_score >= self.cfg.max_queue:
+                raise app.APIError(
+                    429,
+                    f"{self.prompts_to_score} prompts are waiting to be scored already (max_queue); try again later",
+                    code="queue_full",
+                )
+            self.prompts_to_score += 1
+        return self.scoring.submit(self._score, ids)
+
+    def _score(self, ids: list) -> list:
+        try:
+            return self.prompt_logprobs(ids)
+        except app.APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one error for the request, in OpenAI's shape
+            first_line = next(iter(str(e).splitlines()), "")
+            raise app.APIError(500, f"scoring the prompt failed ({type(e).__name__}: {first_line})") from None
+        finally:
+            with self.scoring_lock:
+                self.prompts_to_score -= 1
 
     def health_now(self) -> tuple:
         """(status, body) of GET /health (app.health_reply): 503 while compiling, stopping or once the
@@ -284,7 +314,7 @@ class Server:
         """The prompt as engine.Tokens, as echo with logprobs reports them (lm-evaluation-harness's
         local-completions scores continuations this way): the first token has no log-probability,
         each later one its own and the engine.TOP_LOGPROBS most likely. The prompt is padded to its engine bucket,
-        so there is one program per bucket, compiled on first use. Called off the event loop."""
+        so there is one program per bucket, compiled on first use. Called on the scoring threads."""
         e = self.ready()
         if self.token_scorer is None:
             self.token_scorer = scoring.make_token_scorer(self.setup, engine.TOP_LOGPROBS)

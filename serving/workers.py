@@ -54,7 +54,6 @@ class EngineHost:
 
     def __init__(self, server):
         self.server, self.links = server, []
-        self.scoring = concurrent.futures.ThreadPoolExecutor(4, "score")  # echo's prompt scoring runs the model
         server.after_tokens = self.send_tokens
 
     def start_workers(self, count: int, sock) -> None:
@@ -77,7 +76,7 @@ class EngineHost:
                 )
                 process.start()
                 to_engine.close(), from_engine.close()  # the worker's ends
-                self.links.append(Link(s, process, from_worker, to_worker, self.scoring))
+                self.links.append(Link(s, process, from_worker, to_worker))
         finally:
             signal.signal(signal.SIGINT, interrupt)
         sock.close()
@@ -113,8 +112,8 @@ class Link:
     """One worker: a thread reading its messages, and a thread sending it what queues in `sends`
     (pickling and writing off the engine's thread; a slow worker never blocks the engine)."""
 
-    def __init__(self, server, process, inbox, outbox, scoring):
-        self.server, self.process, self.inbox, self.outbox, self.scoring = server, process, inbox, outbox, scoring
+    def __init__(self, server, process, inbox, outbox):
+        self.server, self.process, self.inbox, self.outbox = server, process, inbox, outbox
         self.requests = {}  # the worker's request id -> the engine.Request made for it
         self.pending, self.lock = [], threading.Lock()  # (request id, item) since the last flush
         self.sends = queue.SimpleQueue()
@@ -152,8 +151,8 @@ class Link:
                 self.server.cancel(request)
             elif kind == "health":
                 self.sends.put(("reply", args[0], self.server.health_now(), None))
-            elif kind == "score":  # runs the model: not on this thread, which the worker's requests wait on
-                self.scoring.submit(self._score, *args)
+            elif kind == "score":
+                self._score(*args)
             self.flush()  # a cancel may have finished a queued request
 
     def _submit(self, call: int, rid: int, fields: dict) -> None:
@@ -175,13 +174,19 @@ class Link:
         self.sends.put(("reply", call, request.id, None))
 
     def _score(self, call: int, ids: list) -> None:
+        """The reply once the scoring threads have scored the prompt (the model runs there, not on this
+        thread, which the worker's other calls wait on)."""
+
+        def reply(scored: concurrent.futures.Future):
+            try:
+                self.sends.put(("reply", call, [tuple(t) for t in scored.result()], None))
+            except app.APIError as e:
+                self.sends.put(("reply", call, None, error_fields(e)))
+
         try:
-            self.sends.put(("reply", call, [tuple(t) for t in self.server.prompt_logprobs(ids)], None))
-        except app.APIError as e:
+            self.server.score_later(ids).add_done_callback(reply)
+        except app.APIError as e:  # too many prompts to score already
             self.sends.put(("reply", call, None, error_fields(e)))
-        except Exception as e:  # noqa: BLE001 - the worker's request waits for an answer
-            failed = app.APIError(500, f"scoring the prompt failed ({type(e).__name__}: {e})")
-            self.sends.put(("reply", call, None, error_fields(failed)))
 
 
 # ----------------------------------------------------------------------------- in a worker process

@@ -151,12 +151,12 @@ def either_server(request):
     return request.getfixturevalue("server" if request.param == "in-process" else "worker_server")
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "http-workers"])
-def slow_server(tmp_path_factory, request):
-    """serve.py on a random model in the Llama layout, wide enough that every token takes a while
-    (67 MB of float32 weights read per step), with a 256-token context and the character vocabulary:
-    a greedy stream of 254 tokens lasts seconds, so a signal sent after its first tokens lands
-    mid-stream. Its last test stops it with SIGTERM."""
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory):
+    """A random model in the Llama layout, wide enough that every token takes a while (67 MB of float32
+    weights read per step), with a 256-token context and the character vocabulary: a greedy stream of
+    254 tokens lasts seconds, so a client that leaves or a signal sent after its first tokens does so
+    mid-stream."""
     directory = tmp_path_factory.mktemp("slow") / "model"
     shape = dict(n_layer=1, hidden=1024, heads=8, kv_heads=8, intermediate=4096, vocab_size=len(CHARS), tied=True)
     config = {
@@ -174,8 +174,14 @@ def slow_server(tmp_path_factory, request):
     }
     write_hf_llama(directory, random_hf_llama(**shape), config)
     tokenizer.char_tokenizer(CHARS).save_files(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "http-workers"])
+def slow_server(slow_model, request):
+    """serve.py on slow_model with one slot. Its last test stops it with SIGTERM."""
     url, process = start_server(
-        f"--init_from={directory}", "--slots=1", "--log_interval=0", f"--http_workers={request.param}"
+        f"--init_from={slow_model}", "--slots=1", "--log_interval=0", f"--http_workers={request.param}"
     )
     yield url, process
     stopped(process)
@@ -214,11 +220,16 @@ serve.main(sys.argv[1:])
 """
 
 
-@pytest.fixture(params=[0, 2], ids=["in-process", "http-workers"])
-def faulty_server(run, request):
-    """A server of FAULTY_SERVE's on the trained run, in-process and with two HTTP workers."""
+@pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "http-workers"])
+def faulty_server(slow_model, request):
+    """A server of FAULTY_SERVE's on slow_model with one slot, in-process and with two HTTP workers. Its last
+    test makes its engine fail."""
     url, process = start_server(
-        f"--out_dir={run}", "--slots=2", "--log_interval=0", f"--http_workers={request.param}", script=FAULTY_SERVE
+        f"--init_from={slow_model}",
+        "--slots=1",
+        "--log_interval=0",
+        f"--http_workers={request.param}",
+        script=FAULTY_SERVE,
     )
     yield url, process
     stopped(process)
@@ -849,6 +860,24 @@ def test_sigterm_ends_streams_with_their_text_so_far_and_exits_0(slow_server):
     assert len("".join(c["choices"][0]["text"] for c in chunks)) == generated
     assert process.wait(timeout=60) == 0
     assert "request" in output_of(process)  # the per-request log line
+
+
+def test_a_prompt_that_fails_to_score_is_one_error_and_its_generations_stop(faulty_server):
+    """Echo with logprobs whose scoring fails: one 500 in OpenAI's shape, the request's two generations (the
+    engine runs them while the prompt is scored) cancelled long before their 250 tokens; the server serves on."""
+    url = faulty_server[0]
+    before = wait_until_idle(url)
+    body = {"prompt": "ab", "max_tokens": 250, "n": 2, "echo": True, "logprobs": 1}
+    got, reply = post(url + "/v1/completions", body)
+    assert got == 500 and reply["error"] == {
+        "message": "scoring the prompt failed (JaxRuntimeError: INTERNAL: scoring failed on the device)",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
+    after = wait_until_idle(url)
+    assert after["aborted"] - before["aborted"] == 2 and after["tokens"] - before["tokens"] < 250, after
+    assert post(url + "/v1/completions", {"prompt": "ab", "max_tokens": 2})[1]["usage"]["completion_tokens"] == 2
 
 
 def test_a_failed_engine_makes_health_503_with_why_and_the_server_exit_1_with_one_line(faulty_server):
