@@ -14,7 +14,6 @@ when the queue is full, 503 while starting or stopping.
 import asyncio
 import collections
 import dataclasses
-import itertools
 import json
 import os
 import time
@@ -250,16 +249,16 @@ class TextStream:
             after = self.tok.decode(self.ids[self.window_start : end])
         if end == self.window_read:
             return
-        if (
-            self.offsets
-        ):  # the window's text starts len(before) before the end of text; each new id where the ids before it end
+        at = len(self.text) - len(before)  # where the window's text starts in text
+        if self.offsets:  # each new id where the text of the ids before it stops agreeing with the window's: an id
+            #               that starts inside a character (its last bytes) gets where that character starts
             self.starts += [
-                len(self.text) + len(self.tok.decode(self.ids[self.window_start : k])) - len(before)
+                at + len(os.path.commonprefix([self.tok.decode(self.ids[self.window_start : k]), after]))
                 if k > self.window_read
                 else len(self.text)
                 for k in range(self.window_read, end)
             ]
-        self.last_decode = (self.window_start, self.window_read, len(self.text) - len(before), after)
+        self.last_decode = (self.window_start, self.window_read, at, after)
         self.text += after[len(before) :]
         self.window_start, self.window_read = self.window_read, end
 
@@ -278,6 +277,16 @@ class TextStream:
         piece = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return piece
+
+
+def text_starts(tok, ids: list) -> list:
+    """Where each id's text starts in tok.decode(ids), as TextStream finds it for a reply's tokens; a few
+    ids at a time, so that each decode is of a few ids, not of all before them."""
+    stream = TextStream(tok, [], offsets=True)
+    for k in range(0, len(ids), 8):
+        stream.add(ids[k : k + 8])
+    stream.finish()
+    return stream.starts
 
 
 class Generation:
@@ -674,8 +683,7 @@ class Reply:
 
     def echoed_offsets(self, i: int) -> list:
         """Where each echoed prompt token's text starts in the choice's text (it begins with the prompt)."""
-        lengths = [len(self.server.tok.decode([t.id])) for t in self.echoed(i)]
-        return [0, *itertools.accumulate(lengths)][: len(lengths)]
+        return text_starts(self.server.tok, self.prompts[i // self.sampling.n]) if self.echoed(i) else []
 
     def choice(self, i: int, text: str, finish_reason, tokens=(), offsets=(), first=False, streaming=False) -> dict:
         logprobs = self.logprobs(tokens, offsets)

@@ -245,6 +245,32 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
+def gpt2_vocab_server(tmp_path_factory):
+    """serve.py (in-process) on a tiny random model with GPT-2's tokenizer, which writes a character
+    outside ASCII as 2 or 3 byte tokens."""
+    directory = tmp_path_factory.mktemp("gpt2-vocab") / "model"
+    shape = dict(n_layer=1, hidden=16, heads=2, kv_heads=2, intermediate=32, vocab_size=50257, tied=True)
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": 50257,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+    }
+    write_hf_llama(directory, random_hf_llama(**shape), config)
+    tokenizer.gpt2_tokenizer().save_files(directory)
+    url, process = start_server(f"--init_from={directory}", "--slots=1", "--log_interval=0", "--http_workers=0")
+    yield url
+    stopped(process)
+
+
+@pytest.fixture(scope="module")
 def loaded(run):
     return loader.load_checkpoint(run)
 
@@ -462,6 +488,15 @@ def test_echo_with_logprobs_scores_the_prompt_and_tokenizer_routes_match(either_
     info = httpx2.get(url + "/tokenizer_info", headers=AUTHORIZED, timeout=10).json()
     assert info["model_max_length"] == 32 and info["eos_token"] is None  # a character vocabulary has none
     assert post(url + "/tokenize", {"prompt": 3})[0] == 400
+
+
+def test_echoed_offsets_start_where_each_tokens_character_starts(gpt2_vocab_server):
+    """'ⓐb' is 4 GPT-2 tokens, ⓐ's 3 bytes and b: the echoed text_offsets are OpenAI's, each token at the
+    start of the character its first byte belongs to (0, 0, 0, 1), and the first new token's after them (2)."""
+    reply = openai_client(gpt2_vocab_server).completions.create(
+        model="model", prompt="ⓐb", max_tokens=1, temperature=0, echo=True, logprobs=0
+    )
+    assert reply.choices[0].text.startswith("ⓐb") and reply.choices[0].logprobs.text_offset == [0, 0, 0, 1, 2]
 
 
 @pytest.mark.parametrize(
@@ -1025,16 +1060,16 @@ class ByteTokens:
 
 def test_text_stream_knows_where_each_token_starts_across_an_unfinished_character():
     """The text of 'x', a lone lead byte, 'STOP' is 'x\\ufffd' + the stop string: the stop's token
-    starts at 2, past the text kept, though it was decoded together with the lead byte (so serve.py
-    leaves it out of logprobs); a completed character belongs to the token that began it."""
+    starts at 2, past the text kept, though it was decoded together with the lead byte; a token that
+    completes a character starts where that character does."""
     stream = app.TextStream(ByteTokens(), ["STOP"], offsets=True)
     for i in (0, 1, 2):
         stream.add([i])
     assert stream.stopped and stream.text == "x\ufffd" and stream.starts == [0, 1, 2]
     stream = app.TextStream(ByteTokens(), ["STOP"], offsets=True)
-    assert "".join(stream.add([i]) for i in (0, 1, 3)) + stream.finish() == "xé" and stream.starts == [0, 1, 2]
+    assert "".join(stream.add([i]) for i in (0, 1, 3)) + stream.finish() == "xé" and stream.starts == [0, 1, 1]
     stream = app.TextStream(ByteTokens(), ["STOP"], offsets=True)  # together
-    assert stream.add([0, 1, 3]) + stream.finish() == "xé" and stream.starts == [0, 1, 2]
+    assert stream.add([0, 1, 3]) + stream.finish() == "xé" and stream.starts == [0, 1, 1]
 
 
 def test_an_http_worker_that_dies_stops_the_server_with_one_line(worker_server):
