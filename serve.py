@@ -32,6 +32,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import os
+import re
 import signal
 import socket
 import stat
@@ -69,6 +70,8 @@ class ServeConfig:
     port: int = 8000
     uds: str = ""  # listen on this unix socket instead of host:port (behind a proxy on the same machine, or
     #                where no TCP port may be opened); '' = host:port
+    uds_mode: str = ""  # the unix socket's permissions, in octal ('660': its group may connect too; '666':
+    #                     anyone on this machine); '' = as the umask leaves a new file (022: only this user)
     slots: int = 8  # requests decoding at once: rows of one KV cache
     max_queue: int = 64  # requests waiting for a slot; past that, 429
     decode_steps: int = engine.DECODE_STEPS  # tokens per slot per decode program: fewer host round trips
@@ -109,6 +112,10 @@ class ServeConfig:
             raise configurator.ConfigError(
                 f"--uds={self.uds} is {len(os.fsencode(self.uds))} bytes long; a unix "
                 f"socket's path takes at most {MAX_SOCKET_PATH}: choose a shorter one"
+            )
+        if self.uds_mode and not re.fullmatch("[0-7]{3}", self.uds_mode):
+            raise configurator.ConfigError(
+                f"uds_mode must be 3 octal digits, as chmod takes them ('660'), got {self.uds_mode!r}"
             )
         if self.http_workers < -1:
             raise configurator.ConfigError(f"http_workers must be >= 0, or -1 (auto), got {self.http_workers}")
@@ -382,13 +389,17 @@ def check_socket_path(path: str) -> None:
 
 
 def listen(cfg: ServeConfig) -> socket.socket:
-    """The socket the HTTP workers share (uvicorn makes its own without them)."""
+    """The listening socket (uvicorn's or the HTTP workers'). A unix socket's mode is the umask's or
+    --uds_mode's (uvicorn would make its own 0666: anyone on the machine could connect)."""
     if cfg.uds:
         if os.path.lexists(cfg.uds):
             os.remove(cfg.uds)  # check_socket_path: a socket left by a server that stopped
         sock = socket.socket(socket.AF_UNIX)
         sock.bind(cfg.uds)
-        os.chmod(cfg.uds, 0o666)  # as uvicorn leaves its own: a proxy running as another user connects
+        if cfg.uds_mode:
+            os.chmod(cfg.uds, int(cfg.uds_mode, 8))
+        if warning := auth.socket_warning(cfg.uds, stat.S_IMODE(os.stat(cfg.uds).st_mode), cfg.api_key):
+            print(warning, flush=True)
     else:
         sock = socket.create_server((cfg.host, cfg.port), family=socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
     sock.listen(2048)
@@ -397,8 +408,10 @@ def listen(cfg: ServeConfig) -> socket.socket:
 
 def serve_in_process(server: Server, compile_engine) -> str | None:
     """uvicorn on this process's event loop until SIGTERM or Ctrl-C; why it could not listen, if not."""
-    cfg = server.cfg
-    where = {"uds": cfg.uds} if cfg.uds else {"host": cfg.host, "port": cfg.port}
+    try:
+        sock = listen(server.cfg)
+    except OSError as e:
+        return e.strerror
 
     def stop():  # the engine ends the open requests, so that their streams end and uvicorn can stop
         server.stopping = True
@@ -406,15 +419,11 @@ def serve_in_process(server: Server, compile_engine) -> str | None:
             server.engine.stop()
 
     uv = workers.StoppingUvicorn(
-        uvicorn.Config(app.make_app(server), **where, log_level="warning", timeout_graceful_shutdown=30), on_stop=stop
+        uvicorn.Config(app.make_app(server), log_level="warning", timeout_graceful_shutdown=30), on_stop=stop
     )
     compiling = compile_engine(on_failure=lambda: setattr(uv, "should_exit", True))
     try:
-        uv.run()
-    except (OSError, SystemExit) as e:  # the socket could not be made (uvicorn exits on a port in use)
-        if uv.started:
-            raise
-        return e.strerror if isinstance(e, OSError) else "in use, or not an address here"
+        uv.run(sockets=[sock])
     finally:
         compiling.join()  # exiting while XLA compiles aborts the process
     return None
@@ -434,7 +443,8 @@ def serve_with_workers(server: Server, compile_engine, count: int) -> str | None
     compiling = compile_engine(on_failure=stop.set, then=lambda: host.tell("ready"))
     while not stop.wait(0.5):
         if gone := host.exited():
-            server.failure = f"the HTTP worker {gone[0].name} exited (code {gone[0].exitcode}); the server stopped"
+            exited = f"the HTTP worker {gone[0].process.name} exited (code {gone[0].process.exitcode})"
+            server.failure = f"{gone[0].failure or exited}; the server stopped"
             break
     server.stopping = True
     host.tell("stopping")

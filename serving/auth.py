@@ -47,3 +47,15 @@ def exposure_warning(host: str, port: int, key: str) -> str | None:
         f"warning: serving on {host} without an API key: anyone who can reach port {port} can use the "
         f"model (set --api_key=KEY or NANOMAX_API_KEY)"
     )
+
+
+def socket_warning(path: str, mode: int, key: str) -> str | None:
+    """One line when users other than this one may connect to the unix socket (it is writable by its
+    group or by others) and there is no key; None otherwise."""
+    who = " and ".join(name for name, bit in (("its group", 0o020), ("every user here", 0o002)) if mode & bit)
+    if key or not who:
+        return None
+    return (
+        f"warning: the unix socket {path} (mode {mode:03o}) lets {who} use the model without an API key "
+        f"(set --api_key=KEY or NANOMAX_API_KEY, or a --uds_mode such as 600)"
+    )

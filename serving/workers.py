@@ -16,11 +16,11 @@ A request's text (detokenizing, stop strings) and its events are the worker's wo
 """
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import itertools
 import multiprocessing
-import queue
 import signal
 import threading
 import time
@@ -87,11 +87,11 @@ class EngineHost:
 
     def tell(self, state: str) -> None:
         for link in self.links:
-            link.sends.put(("state", state))
+            link.send(("state", state))
 
     def exited(self) -> list:
-        """The workers that have exited."""
-        return [link.process for link in self.links if not link.process.is_alive()]
+        """The links whose worker has exited (or been stopped: link.failure says why)."""
+        return [link for link in self.links if not link.process.is_alive()]
 
     def stop_workers(self, timeout: float = 35.0) -> None:
         """SIGTERM to each worker: uvicorn finishes its open responses (the engine's stop ends their
@@ -105,55 +105,86 @@ class EngineHost:
             if link.process.is_alive():
                 link.process.kill()
                 link.process.join()
-            link.sends.put(None)
+            link.close()
 
 
 class Link:
-    """One worker: a thread reading its messages, and a thread sending it what queues in `sends`
-    (pickling and writing off the engine's thread; a slow worker never blocks the engine)."""
+    """One worker: a thread reading its messages, and a thread writing it what waits to be sent (pickling
+    and writing off the engine's thread: a slow worker never blocks the engine). What waits is bounded:
+    the tokens since the writer last took them go as one message however many rounds they span, and the
+    replies are at most the worker's calls in flight (RemoteServer.MAX_CALLS) and two states."""
 
     def __init__(self, server, process, inbox, outbox):
         self.server, self.process, self.inbox, self.outbox = server, process, inbox, outbox
         self.requests = {}  # the worker's request id -> the engine.Request made for it
-        self.pending, self.lock = [], threading.Lock()  # (request id, item) since the last flush
-        self.sends = queue.SimpleQueue()
+        self.failure: str | None = None  # why this link stopped its worker, if it did
+        self.wake = threading.Condition()
+        self.tokens = []  # (request id, item), not taken by the writer yet
+        self.messages = collections.deque()  # replies and states, not taken by the writer yet
+        self.open = True
         threading.Thread(target=self._read, name=f"{process.name}-in", daemon=True).start()
         threading.Thread(target=self._write, name=f"{process.name}-out", daemon=True).start()
 
     def _put(self, item: tuple) -> None:
-        with self.lock:
-            self.pending.append(item)
+        with self.wake:
+            self.tokens.append(item)
 
     def flush(self) -> None:
-        with self.lock:
-            batch, self.pending = self.pending, []
-        if batch:
-            self.sends.put(("out", batch))
+        """Wake the writer for the tokens put since it last took them."""
+        with self.wake:
+            if self.tokens:
+                self.wake.notify()
+
+    def send(self, message: tuple) -> None:
+        with self.wake:
+            self.messages.append(message)
+            self.wake.notify()
+
+    def close(self) -> None:
+        with self.wake:
+            self.open = False
+            self.wake.notify()
 
     def _write(self):
-        while (message := self.sends.get()) is not None:
+        while True:
+            with self.wake:
+                while self.open and not self.tokens and not self.messages:
+                    self.wake.wait()
+                if not self.open:
+                    return
+                tokens, self.tokens = self.tokens, []
+                messages, self.messages = self.messages, collections.deque()
             try:
-                self.outbox.send(message)
+                if tokens:
+                    self.outbox.send(("out", tokens))
+                for message in messages:
+                    self.outbox.send(message)
             except OSError:  # the worker is gone
                 return
 
     def _read(self):
-        while True:
-            try:
-                kind, *args = self.inbox.recv()
-            except (EOFError, OSError):  # the worker exited: its requests stop
-                for request in list(self.requests.values()):
+        try:
+            while True:
+                try:
+                    kind, *args = self.inbox.recv()
+                except (EOFError, OSError):  # the worker exited
+                    return
+                if kind == "submit":
+                    self._submit(*args)
+                elif kind == "cancel" and (request := self.requests.get(args[0])) is not None:
                     self.server.cancel(request)
-                return
-            if kind == "submit":
-                self._submit(*args)
-            elif kind == "cancel" and (request := self.requests.get(args[0])) is not None:
+                elif kind == "health":
+                    self.send(("reply", args[0], self.server.health_now(), None))
+                elif kind == "score":
+                    self._score(*args)
+                self.flush()  # a cancel may have finished a queued request
+        except Exception as e:  # noqa: BLE001 - the worker's calls would wait forever: stop it, and the server
+            self.failure = f"the link to the HTTP worker {self.process.name} failed ({type(e).__name__}: {e})"
+            print(f"error: {self.failure}; stopping that worker", flush=True)
+            self.process.terminate()
+        finally:  # the worker's requests stop
+            for request in list(self.requests.values()):
                 self.server.cancel(request)
-            elif kind == "health":
-                self.sends.put(("reply", args[0], self.server.health_now(), None))
-            elif kind == "score":
-                self._score(*args)
-            self.flush()  # a cancel may have finished a queued request
 
     def _submit(self, call: int, rid: int, fields: dict) -> None:
         def token(t: engine.Token):
@@ -170,8 +201,8 @@ class Link:
         except (engine.EngineError, app.APIError) as e:
             self.requests.pop(rid, None)
             e = app.refusal(e) if isinstance(e, engine.EngineError) else e
-            return self.sends.put(("reply", call, None, error_fields(e)))
-        self.sends.put(("reply", call, request.id, None))
+            return self.send(("reply", call, None, error_fields(e)))
+        self.send(("reply", call, request.id, None))
 
     def _score(self, call: int, ids: list) -> None:
         """The reply once the scoring threads have scored the prompt (the model runs there, not on this
@@ -179,14 +210,14 @@ class Link:
 
         def reply(scored: concurrent.futures.Future):
             try:
-                self.sends.put(("reply", call, [tuple(t) for t in scored.result()], None))
+                self.send(("reply", call, [tuple(t) for t in scored.result()], None))
             except app.APIError as e:
-                self.sends.put(("reply", call, None, error_fields(e)))
+                self.send(("reply", call, None, error_fields(e)))
 
         try:
             self.server.score_later(ids).add_done_callback(reply)
         except app.APIError as e:  # too many prompts to score already
-            self.sends.put(("reply", call, None, error_fields(e)))
+            self.send(("reply", call, None, error_fields(e)))
 
 
 # ----------------------------------------------------------------------------- in a worker process
@@ -198,6 +229,8 @@ class RemoteServer:
     """In a worker: what serving/app.py's routes ask of the server, answered by the engine's process.
     The worker's engine.Requests are kept here, their tokens filled in as they arrive and their times
     (for the request log) from the engine's at the end."""
+
+    MAX_CALLS = 1024  # calls waiting for their reply (a submit's, /health's, a score's); past that, 503
 
     def __init__(self, cfg, tok, name, context, created, to_engine, from_engine):
         self.cfg, self.tok, self.name, self.context, self.created = cfg, tok, name, context, created
@@ -223,6 +256,10 @@ class RemoteServer:
             raise app.unavailable(self.stopping)
 
     async def _call(self, kind: str, *args):
+        if len(self.calls) >= self.MAX_CALLS:  # the engine's process is behind: their replies would pile up there
+            raise app.APIError(
+                503, f"this HTTP worker has {len(self.calls)} calls waiting for the engine already; try again later"
+            )
         call = next(self.counter)
         self.calls[call] = future = self.loop.create_future()
         try:

@@ -47,3 +47,12 @@ def test_a_warning_only_for_a_server_open_to_the_network_without_a_key():
     assert "\n" not in warning
     assert auth.exposure_warning("0.0.0.0", 8000, "s3cret") is None
     assert all(auth.exposure_warning(host, 8000, "") is None for host in ("127.0.0.1", "localhost", "::1"))
+
+
+def test_a_warning_only_for_a_unix_socket_others_may_connect_to_without_a_key():
+    assert auth.socket_warning("/run/s.sock", 0o600, "") is None
+    assert auth.socket_warning("/run/s.sock", 0o755, "") is None  # connecting takes write permission
+    assert auth.socket_warning("/run/s.sock", 0o666, "s3cret") is None
+    group = auth.socket_warning("/run/s.sock", 0o660, "")
+    assert group.startswith("warning: the unix socket /run/s.sock (mode 660) lets its group use the model")
+    assert "every user here" in auth.socket_warning("/run/s.sock", 0o606, "") and "\n" not in group

@@ -1,13 +1,16 @@
 """serve.py over inference/engine.py: the real server (uvicorn on 127.0.0.1, a free port) on a tiny model
 trained here, talked to with the openai client and with raw HTTP."""
 
+import asyncio
 import concurrent.futures
 import json
+import multiprocessing
 import os
 import re
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -32,7 +35,7 @@ import train
 from data import chat_template, tokenizer
 from inference import engine, generate, loader
 from layers import kv_cache
-from serving import app
+from serving import app, workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:!?., \n"  # the default chat template's too
@@ -624,35 +627,41 @@ def test_models_and_a_disconnect_mid_stream_frees_its_slot(either_server):
     assert health()["compiles_while_serving"] == compiles  # no program compiled for these requests
 
 
+def start_uds_server(path: str, *flags) -> tuple:
+    """(process, an httpx client over the socket) of serve.py on the unix socket `path` with these flags,
+    started with umask 027, once /health says 200."""
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "serve.py"), *flags, "--log_interval=0", f"--uds={path}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        umask=0o027,
+    )
+    http = httpx2.Client(transport=httpx2.HTTPTransport(uds=path), timeout=60)
+    deadline, status = time.time() + 180, None
+    while status != 200 and time.time() < deadline and process.poll() is None:
+        try:
+            status = http.get("http://localhost/health").status_code
+        except httpx2.TransportError:  # the socket is not there yet
+            time.sleep(0.3)
+    if status != 200:
+        http.close()
+        stopped(process)
+    assert status == 200, process.stdout.read()
+    return process, http
+
+
 def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run, loaded, tmp_path_factory):
-    """--uds=PATH: uvicorn listens on the socket (no TCP port); the openai client over a unix-socket
+    """--uds=PATH: uvicorn listens on the socket (no TCP port), made with the umask's mode (027: this user's and
+    its group's to read, this user's alone to connect to; no warning); the openai client over a unix-socket
     transport gets generate.py's greedy tokens, bench_serve.py --uds measures it (also from two client
     processes), a second server on the same path is refused in one line, and SIGTERM ends it with the
     socket file removed."""
     setup, params, _, tok = loaded
     path = str(tmp_path_factory.mktemp("uds") / "serve.sock")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.join(ROOT, "serve.py"),
-            f"--out_dir={run}",
-            "--slots=2",
-            "--log_interval=0",
-            f"--uds={path}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    http = httpx2.Client(transport=httpx2.HTTPTransport(uds=path), timeout=60)
+    process, http = start_uds_server(path, f"--out_dir={run}", "--slots=2")
     try:
-        deadline, status = time.time() + 180, None
-        while status != 200 and time.time() < deadline and process.poll() is None:
-            try:
-                status = http.get("http://localhost/health").status_code
-            except httpx2.TransportError:  # the socket is not there yet
-                time.sleep(0.3)
-        assert status == 200, process.stdout.read() if process.poll() is not None else "no 200 from /health"
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o750
         client = openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http, max_retries=0)
         expected = generate.generate(
             setup, params, [generate.encode_prompt(tok, "hello world")], 12, temperature=0
@@ -697,11 +706,32 @@ def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run
         )
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-        assert f"serving on unix socket {path}" in process.stdout.read() and not os.path.exists(path)
+        output = process.stdout.read()
+        assert f"serving on unix socket {path}" in output and "warning" not in output and not os.path.exists(path)
     finally:
         http.close()
-        if process.poll() is None:
-            process.kill()
+        stopped(process)
+
+
+def test_a_unix_socket_others_may_use_without_a_key_is_warned_of_and_workers_serve_on_it(run, tmp_path):
+    """--uds_mode=666 with HTTP workers: the socket has that mode, start-up warns (no API key), the workers
+    answer on it, and SIGTERM ends the server with the socket removed."""
+    path = str(tmp_path / "serve.sock")
+    process, http = start_uds_server(path, f"--out_dir={run}", "--slots=2", "--http_workers=2", "--uds_mode=666")
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o666
+        reply = http.post("http://localhost/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+        assert reply.json()["usage"]["completion_tokens"] == 2
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert (
+            f"warning: the unix socket {path} (mode 666) lets its group and every user here use the model without "
+            f"an API key" in process.stdout.read()
+        )
+        assert not os.path.exists(path)
+    finally:
+        http.close()
+        stopped(process)
 
 
 @pytest.mark.parametrize(
@@ -958,6 +988,67 @@ def http_workers(pid: int) -> list[int]:
         if parent == pid and spawned:
             found.append(int(entry))
     return found
+
+
+class StandInWorker:
+    """A worker process's stand-in for a Link: its name, and whether it was stopped."""
+
+    name, terminated = "http-0", False
+
+    def terminate(self):
+        self.terminated = True
+
+
+class StandInServer:
+    def __init__(self):
+        self.cancelled = []
+
+    def cancel(self, request):
+        self.cancelled.append(request)
+
+
+def test_a_link_that_fails_reading_its_worker_says_why_and_stops_that_worker(capsys):
+    """Any error in the thread that reads a worker's messages (here: a message it can't take apart) is one
+    line, the worker is stopped (serve.py then stops, as for a worker that died: link.failure is its
+    line) and its requests are cancelled; the worker's calls would otherwise wait forever."""
+    inbox, to_engine = multiprocessing.Pipe(duplex=False)
+    from_engine, outbox = multiprocessing.Pipe(duplex=False)
+    worker, server = StandInWorker(), StandInServer()
+    link = workers.Link(server, worker, inbox, outbox)
+    link.requests[7] = request = engine.Request([1, 2], 4)
+    to_engine.send(("submit", 0))  # no request id, no fields
+    deadline = time.time() + 10
+    while not worker.terminated:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    failure = (
+        "the link to the HTTP worker http-0 failed (TypeError: Link._submit() missing 2 required positional "
+        "arguments: 'rid' and 'fields')"
+    )
+    assert link.failure == failure and capsys.readouterr().out == f"error: {failure}; stopping that worker\n"
+    assert server.cancelled == [request]
+    link.close()
+
+
+def test_a_worker_with_too_many_calls_waiting_for_the_engine_refuses_more_with_503():
+    """RemoteServer's calls in flight are bounded (so are the replies waiting in the engine's process)."""
+    to_engine, from_worker = multiprocessing.Pipe()
+    remote = workers.RemoteServer(None, None, "out", 32, 0, to_engine, to_engine)
+    remote.state, remote.MAX_CALLS = "ready", 2
+
+    async def three_health_calls():
+        remote.attach(asyncio.get_running_loop())
+        waiting = [asyncio.ensure_future(remote.health()) for _ in range(2)]
+        await asyncio.sleep(0.05)  # both sent, neither answered (nobody reads from_worker)
+        with pytest.raises(app.APIError) as refused:
+            await asyncio.wait_for(remote.health(), 5)
+        for call in waiting:
+            call.cancel()
+        return refused.value
+
+    refused = asyncio.run(three_health_calls())
+    assert refused.status == 503 and "has 2 calls waiting for the engine already" in refused.message
+    assert [from_worker.recv()[0] for _ in range(2)] == ["health", "health"]
 
 
 def test_a_bad_number_of_http_workers_is_one_line():
