@@ -365,9 +365,9 @@ class Engine:
             # the previous decode's tokens (they come first on the device) and the first tokens while
             # this decode runs.
             start = time.perf_counter()
-            admissions = self._admit(admitted)
+            admissions = self._dispatch_admit(admitted)
             admitting = time.perf_counter()
-            decoding = self._decode(in_flight[0] if in_flight else [])
+            decoding = self._dispatch_decode(in_flight[0] if in_flight else [])
             dispatched = time.perf_counter()
             if in_flight is not None:
                 self._hand_out(*in_flight, dispatched)
@@ -379,7 +379,7 @@ class Engine:
             self.seconds["admit"] += (admitting - start) + (time.perf_counter() - handed_out)
             in_flight = None if decoding is None else (*decoding, dispatched - admitting)
 
-    def _admit(self, slots: list) -> list:
+    def _dispatch_admit(self, slots: list) -> list:
         """Dispatch the programs that admit the requests just put in these slots, each prompt bucket's
         in groups of up to 8; returns [(the group's slots, its first tokens on the device)]."""
         by_bucket = collections.defaultdict(list)
@@ -413,7 +413,7 @@ class Engine:
                 dispatched.append((group, drawn))
         return dispatched
 
-    def _decode(self, in_flight: list):
+    def _dispatch_decode(self, in_flight: list):
         """Dispatch a decode of the running slots that need more tokens than the decode in flight (its
         running requests: in_flight) will give them and are not cancelled (a token handed out frees a
         cancelled one's slot); returns (those requests by slot, the tokens on the device), or None when
