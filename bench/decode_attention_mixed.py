@@ -22,7 +22,7 @@ from flax import nnx  # noqa: E402
 
 import model  # noqa: E402
 from inference import generate  # noqa: E402
-from layers.kv_cache import FILLED, init_cache  # noqa: E402
+from layers.kv_cache import FILLED, Prefix, init_cache  # noqa: E402
 
 STEPS = 30
 # (rows, cache positions, most rows' length, the longer rows' length): one row in 64 is long
@@ -30,12 +30,12 @@ SHAPES = ((64, 1024, 100, 900), (256, 512, 100, 450), (64, 256, 80, 80), (256, 2
 SMALL_SHAPES, SMALL_MODEL = ((8, 256, 20, 200),), dict(n_layer=2, n_head=2, n_embd=128)
 
 
-def step_ms(config, lengths: list[int], attend) -> float:
+def step_ms(config, lengths: list[int], reads) -> float:
     graphdef, params = nnx.split(model.GPT(config, jax.random.key(0)))
     params = model.cast_for_inference(nnx.to_pure_dict(params), jnp.bfloat16)
     B, S = len(lengths), config.block_size
     cache, start_B, token_Bx1 = init_cache(config, B, S), jnp.array(lengths, jnp.int32), jnp.zeros((B, 1), jnp.int32)
-    step = jax.jit(lambda p, c: nnx.merge(graphdef, p).decode(token_Bx1, c, start_B, attend=attend), donate_argnums=1)
+    step = jax.jit(lambda p, c: nnx.merge(graphdef, p).decode(token_Bx1, c, start_B, reads=reads), donate_argnums=1)
     logits, cache = step(params, cache)  # compiles
     jax.block_until_ready(cache)
     start = time.perf_counter()
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
         )
         for name, lengths in cases.items():
             bucket = next(b for b in generate.attend_buckets(S) if b >= max(lengths))
-            xla, kernel = step_ms(config, lengths, bucket), step_ms(config, lengths, FILLED)
+            xla, kernel = step_ms(config, lengths, Prefix(bucket)), step_ms(config, lengths, FILLED)
             print(
                 f"rows {B}, cache {S}, {name} (longest {max(lengths)}, mean {np.mean(lengths):.0f}): "
                 f"XLA over {bucket} positions {xla:.3f} ms, the kernel {kernel:.3f} ms",

@@ -9,7 +9,7 @@ batching), in the shape of MaxText's engine (JetStream):
              computes too (the shapes never change) and its tokens are dropped, as are a request's
              tokens past its end (a stop token, max_tokens). On one TPU chip each step's attention
              reads each block of 8 slots' filled positions (layers/decode_attention.py's kernel;
-             reads_filled_positions); elsewhere the cache's first `attend` positions, the smallest
+             reads_filled_positions); elsewhere the cache's first positions (kv_cache.Prefix), the smallest
              of generate.attend_buckets that holds every running slot's positions up to the last
              step's. A step runs the first quarter of the slots when every busy one is there
              (requests take the lowest free slot), else all of them
@@ -186,7 +186,8 @@ class Engine:
         self.buckets = prompt_buckets(self.context)
         self.row_buckets = row_buckets(slots, sharding.batch_shards(self.mesh))
         self.reads_filled = reads_filled_positions(decode_attention, self.mesh, self.config)
-        self.attend_buckets = [kv_cache.FILLED] if self.reads_filled else generate.attend_buckets(self.context)
+        prefixes = [kv_cache.Prefix(n) for n in generate.attend_buckets(self.context)]
+        self.cache_reads = [kv_cache.FILLED] if self.reads_filled else prefixes  # one decode program each
         self.params = generate.weights_in_compute_dtype(setup.graphdef, params)
         self.ids = itertools.count(1)
         self.queue: collections.deque = collections.deque()
@@ -229,14 +230,14 @@ class Engine:
             # the kernel, each block of slots' filled positions) and per number of slots it runs (the
             # busy ones, which take the lowest free slots)
             self.step_programs = {
-                (attend, rows): decode_program(graphdef, self.vocab, self.decode_steps, attend, rows)
+                (reads, rows): decode_program(graphdef, self.vocab, self.decode_steps, reads, rows)
                 .lower(params, state, active)
                 .compile()
-                for attend in self.attend_buckets
+                for reads in self.cache_reads
                 for rows in self.row_buckets
             }
             # the largest, for memory checks
-            self.step_program = self.step_programs[self.attend_buckets[-1], self.slots]
+            self.step_program = self.step_programs[self.cache_reads[-1], self.slots]
             self.admit_programs = {}  # (prompt bucket, rows): the program
             for P in self.buckets:
                 for R in admit_rows(P, self.slots):
@@ -435,15 +436,15 @@ class Engine:
         # the cached positions before their last one, in the smallest bucket that holds them (the
         # kernel reads each block of slots' filled positions).
         if self.reads_filled:
-            attend = kv_cache.FILLED
+            reads = kv_cache.FILLED
         else:
             newest = max(len(r.prompt) + tokens_then(r) - 1 for r in running if r is not None)
             last = min(newest + self.decode_steps - 1, self.context - 1)
-            attend = next(b for b in self.attend_buckets if b >= last)
+            reads = next(r for r in self.cache_reads if r.positions >= last)
         busy = max(slot for slot, r in enumerate(running) if r is not None) + 1
         rows = next(r for r in self.row_buckets if r >= busy)
         active = np.array([r is not None for r in running])
-        self.state, drawn = self.step_programs[attend, rows](self.params, self.state, active)
+        self.state, drawn = self.step_programs[reads, rows](self.params, self.state, active)
         return running, drawn
 
     def _hand_out(self, running: list, drawn: dict, dispatch_s: float, waiting_from: float) -> None:
@@ -508,12 +509,13 @@ def empty_state_program(config, slots: int, length: int):
     return jax.jit(functools.partial(_empty_state, config, slots, length))
 
 
-def decode_program(graphdef, vocab: int, steps: int = 1, attend: int | str | None = None, rows: int | None = None):
+def decode_program(graphdef, vocab: int, steps: int = 1, reads=None, rows: int | None = None):
     """(params, state, active_B) -> (state, drawn (steps, rows, ...)): `steps` decode steps of the
-    first `rows` slots (default all: every active slot must be one of them), reading the cache's
-    first `attend` positions (default all: every active slot's last position must be <= attend; or
-    kv_cache.FILLED: each block of slots' filled positions, through the kernel); donates the state."""
-    return jax.jit(functools.partial(_decode, graphdef, vocab, steps, attend=attend, rows=rows), donate_argnums=1)
+    first `rows` slots (default all: every active slot must be one of them), reading the cache as
+    `reads` says (kv_cache.Prefix(n): its first n positions, default all, so every active slot's last
+    position must be <= n; kv_cache.FILLED: each block of slots' filled positions, through the kernel);
+    donates the state."""
+    return jax.jit(functools.partial(_decode, graphdef, vocab, steps, reads=reads, rows=rows), donate_argnums=1)
 
 
 def admit_program(graphdef, vocab: int):
@@ -625,15 +627,13 @@ def _admit(
     ), drawn
 
 
-def _decode(
-    graphdef, vocab: int, steps: int, params, state, active_B, attend: int | str | None = None, rows: int | None = None
-):
+def _decode(graphdef, vocab: int, steps: int, params, state, active_B, reads=None, rows: int | None = None):
     """`steps` times: feed each of the first `rows` slots' newest token, sample the next. An active
     slot stops moving at the cache's last position (its request ends there: what it computes after
     is dropped), and slots not in use keep their place (their positions, stale, stay inside the
     cache); the slots past `rows` are not touched."""
     gpt = nnx.merge(graphdef, params)
-    last, B = state["cache"].length - 1, active_B.shape[0]
+    last, B = state["cache"].capacity - 1, active_B.shape[0]
     R = rows or B
     first = lambda x_B: x_B[:R]
     padded = lambda x_R: jnp.pad(x_R, (0, B - R))  # back to every slot's: the rows past R do not move
@@ -641,7 +641,7 @@ def _decode(
     def step(state, _):
         # a free slot reads nothing (its last request's position would have the kernel read that far)
         position_R = jnp.where(first(active_B), jnp.minimum(first(state["position"]), last), 0)
-        logits_RxV, cache = gpt.decode(first(state["token"])[:, None], state["cache"], position_R, attend=attend)
+        logits_RxV, cache = gpt.decode(first(state["token"])[:, None], state["cache"], position_R, reads=reads)
         drawn = _draw(
             logits_RxV[:, :vocab],
             *map(first, (state["seed"], state["index"], state["temperature"], state["top_k"], state["top_p"])),

@@ -29,6 +29,7 @@ from flax import nnx
 
 import model
 import sharding
+from layers.kv_cache import Prefix
 
 # ----------------------------------------------------------------------------- one token
 
@@ -150,12 +151,12 @@ def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, vo
     gpt = nnx.merge(graphdef, weights_in_compute_dtype(graphdef, params))
     rows_B = jnp.arange(state["tokens"].shape[0])
 
-    def one_token(state, attend=None):
+    def one_token(state, reads=None):
         position_B = state["length"] - 1  # each row's newest token: sampled, not yet run
         if kv_cache:
             at_position_BxS = jnp.arange(state["tokens"].shape[1]) == position_B[:, None]  # a select, not a gather
             newest_Bx1 = jnp.sum(jnp.where(at_position_BxS, state["tokens"], 0), axis=1, keepdims=True)
-            logits_BxV, cache = gpt.decode(newest_Bx1, state["cache"], position_B, attend=attend)
+            logits_BxV, cache = gpt.decode(newest_Bx1, state["cache"], position_B, reads=reads)
             state = {**state, "cache": cache}
         else:  # the whole (B, length) buffer again; causality hides what lies past each row
             logits_BxV = gpt(state["tokens"])[rows_B, position_B]
@@ -167,10 +168,10 @@ def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, vo
     running = lambda state: ~jnp.all(state["done"])
     if not kv_cache:
         return jax.lax.while_loop(running, one_token, state)
-    for attend in attend_buckets(state["cache"].length):
-        # a step at position p reads the cached positions before p: the bucket holds them while p <= attend
-        fits = lambda state, attend=attend: running(state) & (jnp.max(state["length"] - 1) <= attend)
-        state = jax.lax.while_loop(fits, functools.partial(one_token, attend=attend), state)
+    for bucket in attend_buckets(state["cache"].capacity):
+        # a step at position p reads the cached positions before p: the bucket holds them while p <= bucket
+        fits = lambda state, bucket=bucket: running(state) & (jnp.max(state["length"] - 1) <= bucket)
+        state = jax.lax.while_loop(fits, functools.partial(one_token, reads=Prefix(bucket)), state)
     return state
 
 

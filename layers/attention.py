@@ -14,6 +14,8 @@ import numpy as np
 from flax.core import spmd
 from jax.ad_checkpoint import checkpoint_name
 
+from layers.blocks import constrain, sequence_axis, splits
+
 try:  # JAX's TPU kernels; a JAX that lacks them (or moved them) leaves 'splash' unavailable, nothing else
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 except ImportError:
@@ -372,3 +374,125 @@ def _splash_local(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT, blocks, interpret: b
         return kernel(q_NxTxH, k_KxTxH, v_KxTxH, splash.SegmentIds(q=ids_T, kv=ids_T) if segmented else None)
 
     return jax.vmap(row)(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT)
+
+
+# ---- one signature, one table ---------------------------------------------------------------
+# Every implementation: (q, k, v, position_BxT, segments, dropout_key) -> y, causal, with q (B, T, N, H)
+# and k, v (B, T, K, H) (grouped-query when K < N), or all in the kernel's (B, heads, T, H) layout for the
+# heads-major ones. position_BxT: each token's position; segments: packed rows' Segments or None.
+
+
+def whole_rows(k_BxTxKxH, v_BxTxKxH):
+    """Keys and values of the whole row on every device: all-gathered over the `context` axis that splits
+    the row's tokens (MaxText's default); each query block then attends to all of them."""
+    return (constrain(a, ("batch", None, "heads", None)) for a in (k_BxTxKxH, v_BxTxKxH))
+
+
+def xla_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segments=None, dropout_key=None, implementation="xla"):
+    """jax.nn.dot_product_attention: XLA's attention, or cuDNN's fused flash kernel (GPU, bfloat16)."""
+    k_BxTxKxH, v_BxTxKxH = whole_rows(k_BxTxKxH, v_BxTxKxH)
+    T = q_BxTxNxH.shape[1]
+    if segments is not None and not segments.in_order:  # is_causal would compare array indices
+        mask = position_mask(segments.position_BxT, segments.ids_BxT)
+        return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, implementation=implementation)
+    mask = None if segments is None else same_segment(segments.ids_BxT, 0, T, T)  # cuDNN takes it as a bias
+    return jax.nn.dot_product_attention(
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask, is_causal=True, implementation=implementation
+    )
+
+
+def einsum_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segments=None, dropout_key=None, dropout_rate=0.0):
+    """causal_attention (written out, with its backward; the only one that drops probabilities)."""
+    k_BxTxKxH, v_BxTxKxH = whole_rows(k_BxTxKxH, v_BxTxKxH)
+    ids_BxT = None if segments is None else segments.ids_BxT
+    out_of_order = segments is not None and not segments.in_order
+    return causal_attention(
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dropout_rate, dropout_key, ids_BxT, position_BxT if out_of_order else None
+    )
+
+
+def splash_tokens_major(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segments=None, dropout_key=None):
+    """Splash on the (B, T, heads, H) layout: the path of prefills and int8/fp8 projections."""
+    k_BxTxKxH, v_BxTxKxH = whole_rows(k_BxTxKxH, v_BxTxKxH)
+    return splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None if segments is None else segments.ids_BxT)
+
+
+def splash_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, position_BxT, segments=None, dropout_key=None):
+    """Splash with q, k and v made in its (B, heads, T, H) layout by the projection itself (training)."""
+    # Heads split over `tensor` only where it divides the kv heads: the kernel runs per shard of whole
+    # groups, and a query split alone would be gathered back each layer.
+    axes = ("batch", "heads" if splits(k_BxKxTxH.shape[1], "heads") else None, None, None)
+    q_BxNxTxH, k_BxKxTxH, v_BxKxTxH = (constrain(a, axes) for a in (q_BxNxTxH, k_BxKxTxH, v_BxKxTxH))
+    ids_BxT = None if segments is None else segments.ids_BxT
+    return splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT)
+
+
+def ring(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segments=None, dropout_key=None):
+    """ring_attention over the mesh axis that splits the rows' tokens."""
+    ids_BxT = jnp.zeros_like(position_BxT) if segments is None else segments.ids_BxT
+    return ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, ids_BxT, sequence_axis()[0])
+
+
+ATTENTION = {  # by name: config.attention's choices, and the two that the rules below pick themselves
+    "xla": xla_attention,
+    "cudnn": functools.partial(xla_attention, implementation="cudnn"),
+    "einsum": einsum_attention,
+    "splash": splash_tokens_major,
+    "splash_heads_major": splash_heads_major,
+    "ring": ring,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Attend:
+    """The attention implementation that one traced program runs, by its name in ATTENTION. heads_major:
+    it takes q, k, v and gives y in the (B, heads, T, H) layout, which the projections then make and read."""
+
+    name: str
+    dropout_rate: float = 0.0
+
+    @property
+    def heads_major(self) -> bool:
+        return self.name == "splash_heads_major"
+
+    def __call__(self, q, k, v, position_BxT, segments=None, dropout_key=None):
+        implementation = ATTENTION[self.name]
+        if self.name == "einsum":
+            implementation = functools.partial(implementation, dropout_rate=self.dropout_rate)
+        return implementation(q, k, v, position_BxT, segments, dropout_key)
+
+
+def choose_attention(config, T: int, dropout: bool = False, prefill: bool = False) -> Attend:
+    """config.attention where it can run rows of T tokens on this mesh, else what can: ring attention
+    when context_attention='ring' and the `context` axis splits the rows; the written-out attention when
+    attention probabilities are dropped (dropout: a training step with a key) or splash cannot take T
+    (not a multiple of 128, or no kernel in this JAX); XLA's for splash over rows split by `context`.
+    Splash trains heads-major; a prefill (whose keys and values go into the cache) and int8/fp8
+    projections use the (B, T, heads, H) layout."""
+    seq_axis, seq_splits = sequence_axis()
+    if config.context_attention == "ring" and seq_splits > 1 and T % seq_splits == 0:
+        return Attend("ring")
+    name = config.attention
+    if dropout or (name == "splash" and not splash_fits(T)):
+        return Attend("einsum", config.dropout)
+    if name == "splash" and seq_splits > 1:
+        return Attend("xla")
+    if name == "splash" and not prefill and config.quantization == "none":
+        return Attend("splash_heads_major")
+    return Attend(name, config.dropout)
+
+
+def keeping_attention(policy):
+    """`policy`, and the attention kernel's inputs q, k, v, its output and log-sum-exp kept as well
+    (SPLASH_RESIDUALS: a whole forward kernel, and the q, k, v layout work, not to redo in the backward
+    pass)."""
+    return jax.checkpoint_policies.save_from_both_policies(
+        policy, jax.checkpoint_policies.save_only_these_names(SPLASH_RESIDUALS)
+    )
+
+
+REMAT_POLICIES = {  # by config.remat_policy ('none': no rematerialisation)
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": keeping_attention(jax.checkpoint_policies.dots_saveable),
+    "dots_with_no_batch_dims_saveable": keeping_attention(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+}

@@ -151,6 +151,21 @@ class RMSNorm(nnx.Module):
 NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 
 
+def no_head_norm(x_BxTxNxH, config):
+    return x_BxTxNxH
+
+
+def rms_head_norm(x_BxTxNxH, config):
+    """qk_norm: each query and key head divided by its root mean square, with no learned scale
+    (modded-nanogpt's; OLMo-2 and Qwen3 add one). Scores are then bounded by sqrt(H), so attention
+    logits cannot blow up. In float32, like the other norms."""
+    x = x_BxTxNxH.astype(jnp.float32)
+    return (x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + config.norm_eps)).astype(x_BxTxNxH.dtype)
+
+
+HEAD_NORMS = {False: no_head_norm, True: rms_head_norm}  # by config.qk_norm
+
+
 def gelu(h):
     return jax.nn.gelu(h, approximate=True)  # GPT-2's tanh approximation
 

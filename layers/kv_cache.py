@@ -4,9 +4,9 @@ model.GPT.decode reads and extends. `config` is a model.GPTConfig (read by name,
 A decode step reads the cache and writes one token per row, so its cost should follow the bytes
 it must read: the layer stack only reads each layer's slice (the cache is not carried through
 the layer scan, which would copy it), attention covers the filled prefix the caller names
-(`attend`: inference/generate.py buckets it) or, through layers/decode_attention.py's kernel, each
-block of rows' filled positions (inference/engine.py's slots on one TPU chip), and the new tokens
-of every layer are written after the stack, in one scatter per array (one per layer at large
+(Prefix: inference/generate.py buckets it) or, through layers/decode_attention.py's kernel, each
+block of rows' filled positions (Filled: inference/engine.py's slots on one TPU chip), and the new
+tokens of every layer are written after the stack, in one scatter per array (one per layer at large
 batches; an int8 cache's scales with a select).
 """
 
@@ -24,29 +24,52 @@ CACHE_AXES = ("layers", "batch", "seq", "heads")
 # A decode step writes its new keys (values) in one scatter up to this many (layer, row) pairs, and
 # in one scatter per layer past it (KVCache.write: the v5e's measurements).
 ONE_SCATTER_MAX_PAIRS = 768
-# model.decode's `attend` that reads each row's filled positions through the kernel (KVCache.in_place)
-FILLED = "filled"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """How a decode step reads the cache: each layer's first `positions` positions (None: all of them),
+    by attention written out for XLA. The caller that knows every row's start is below `positions` reads
+    no more than it must (inference/generate.py buckets it)."""
+
+    positions: int | None = None
+
+    def layer(self, cache: "KVCache", index, rows: int) -> "KVCache":
+        return cache.layer(index, self.positions, rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Filled:
+    """How a decode step reads the cache: each block of rows' filled positions, through
+    layers/decode_attention.py's kernel, which reads the whole cache in place (one token per row). The
+    cheaper step when rows differ in length: a serving engine's slots on one TPU chip."""
+
+    def layer(self, cache: "KVCache", index, rows: int) -> "InPlaceLayer":
+        return InPlaceLayer(cache, index)
+
+
+FILLED = Filled()
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values of the tokens seen so far: (L, B, S, K·H) each, in the compute dtype, with
-    K = n_kv_head (so grouped-query attention shrinks the cache by n_head / K) and each kv head's H
-    values side by side in the last axis. An int8 cache also holds a float32 scale per token and
-    head, (L, B, S, K): each token's key (value) head is rounded on its own grid, max|.| / 127,
-    when it is written.
+    """Keys and values as the cache stores them: (L, B, S, K·H) each for the whole cache, in the
+    compute dtype, with K = n_kv_head (so grouped-query attention shrinks the cache by n_head / K) and
+    each kv head's H values side by side in the last axis. An int8 cache also holds a float32 scale per
+    token and head, (L, B, S, K): each token's key (value) head is rounded on its own grid, max|.| /
+    127, when it is written. The same arrays without the leading L are one layer's slice (layer), and
+    new tokens' keys and values come in this form too (encode), so that a layer's attention and the
+    write after the stack see them as stored.
 
     Why K·H in one axis: a TPU tiles an array's last two axes in (8, 128) tiles, so (S, K·H) =
     (positions, 768) for GPT-2 is stored as it is, where (K, H) = (12, 64) was padded to (16, 128),
     2.67x the bytes for every read (bench/NOTES.md). Attention never splits that axis (a relayout on
     a TPU): it multiplies by a block-diagonal copy of the queries instead (attend).
 
-    The same class holds one layer's slice (B, S, K·H) inside the layer stack (or, for the kernel,
-    the whole cache and the layer's number: in_place), and the new tokens' keys and values as
-    stored (encode). The cache does not know how much of itself is filled: the
-    caller says where new tokens go (start_B) and attention sees only the positions before them,
-    so stale entries past them are harmless.
+    The cache does not know how much of itself is filled: the caller says where new tokens go
+    (start_B) and attention sees only the positions before them, so stale entries past them are
+    harmless.
     """
 
     k: jax.Array
@@ -54,29 +77,24 @@ class KVCache:
     kv_heads: int = dataclasses.field(metadata=dict(static=True))  # K: the last axis is K·H
     k_scale: jax.Array | None = None  # int8 caches only
     v_scale: jax.Array | None = None
-    # Set (a traced layer number) on the whole cache that a decode step's attention kernel reads in place
-    layer_index: jax.Array | None = None
 
     @property
-    def length(self) -> int:
+    def capacity(self) -> int:
         """S, the positions it holds."""
         return self.k.shape[-2]
 
     def layer(self, index, n: int | None = None, rows: int | None = None) -> "KVCache":
         """Layer `index`'s slice (rows, n, K·H) of the whole cache: its first n positions and rows
-        (default all), in one dynamic slice (index may be traced: the layer scan's)."""
-        n = self.length if n is None else min(n, self.length)
+        (default all), in one dynamic slice (index may be traced: the layer scan's). Sliced in one go
+        so that XLA reads them inside the attention (a slice of the layer's whole cache first was
+        materialised: a copy per layer and step on TPUs)."""
+        n = self.capacity if n is None else min(n, self.capacity)
         return jax.tree.map(
             lambda a: jax.lax.dynamic_slice(
                 a, (index,) + (0,) * (a.ndim - 1), (1, rows or a.shape[1], n) + a.shape[3:]
             )[0],
             self,
         )
-
-    def in_place(self, index) -> "KVCache":
-        """Layer `index` for the decode-attention kernel, which reads the whole cache's arrays in
-        place: each row's filled positions only, so no prefix needs slicing first."""
-        return dataclasses.replace(self, layer_index=index)
 
     def encode(self, k_BxTxKxH, v_BxTxKxH) -> "KVCache":
         """New tokens' keys and values (B, T, K·H) as this cache stores them: cast, or rounded to int8
@@ -102,71 +120,19 @@ class KVCache:
         """Attention of T new queries per row (row b's at positions start_B[b] + [0, T)) over this
         layer's cached positions before start_B[b] and the new tokens' own keys (`new`, as encode
         stored them; causal among themselves): one softmax over both, so the new tokens need not
-        be in the cache first.
-
-        The cache's last axis d = (kv head, lane) is never split. Query head n (kv head n // G) is
-        spread over all of d, zero outside its kv head's H lanes, so one product contracting d
-        gives every head's scores against its own kv head (K times the multiplications of the
-        head-by-head product: nothing beside the bytes of the cache). The values' product then
-        gives each query head all K heads' outputs, of which it keeps its own block.
+        be in the cache first. Written out for XLA (blockwise_attention says how).
 
         An int8 cache is read as int8: its key scales multiply the scores and its value scales the
-        probabilities, (q·k)·s = q·(k·s), so no dequantized copy of the cache is made.
-
-        A decode step's layer of the whole cache (in_place) goes through layers/decode_attention.py's
-        kernel instead, which reads each row's filled positions only."""
-        (B, T, N, H), K = q_BxTxNxH.shape, self.kv_heads
-        G, KH, dtype = N // K, K * H, q_BxTxNxH.dtype
-        # own_NxKH[n, d]: lane d belongs to query head n's kv head
-        own_NxKH = (jnp.arange(KH) // H)[None, :] == (jnp.arange(N) // G)[:, None]
-        q_BxTxNxKH = jnp.where(own_NxKH, jnp.tile(q_BxTxNxH * H**-0.5, (1, 1, 1, K)), 0).astype(dtype)
-        attend = self._attend_in_place if self.layer_index is not None else self._attend_prefix
-        o_BxTxNxKH = attend(q_BxTxNxKH, new, start_B)
-        # Each query head keeps its own kv head's block: summing over the K groups of query heads
-        # leaves o_BxTxGxKH[b, t, g, (k, h)] = head k·G + g's output, lane h.
-        o_BxTxGxKH = jnp.where(own_NxKH, o_BxTxNxKH, 0).reshape(B, T, K, G, KH).sum(2)
-        o_BxTxKxGxH = o_BxTxGxKH.reshape(B, T, G, K, H).transpose(0, 1, 3, 2, 4)  # no-op for G = 1
-        return o_BxTxKxGxH.reshape(B, T, N, H).astype(dtype)
-
-    def _attend_in_place(self, q_BxTxNxKH, new: "KVCache", start_B):
-        """One new query per row through the kernel (the cached positions' partial softmax), merged
-        with its own key's score here: float32 (B, 1, N, K·H), normalised."""
-        if q_BxTxNxKH.shape[1] != 1:
-            raise ValueError(f"the kernel takes one new token per row, not {q_BxTxNxKH.shape[1]}")
-        q_BxNxKH, f32 = q_BxTxNxKH[:, 0], jnp.float32
-        B, S = q_BxNxKH.shape[0], self.length
-        blocks = dict(block_rows=max(d for d in range(1, 9) if B % d == 0), block_positions=128 if S % 128 == 0 else S)
-
-        def kernel(interpret: bool):
-            return lambda q_BxNxKH, cache, start_B: decode_attention.cached_attention(
-                q_BxNxKH,
-                cache.k,
-                cache.v,
-                cache.layer_index,
-                start_B,
-                cache.kv_heads,
-                cache.k_scale,
-                cache.v_scale,
-                interpret=interpret,
-                **blocks,
-            )
-
-        # Mosaic's kernel where the program is for a TPU, Pallas's interpreter elsewhere (tests)
-        o_BxNxKH, max_BxN, sum_BxN = jax.lax.platform_dependent(
-            q_BxNxKH, self, start_B, tpu=kernel(False), default=kernel(True)
+        probabilities, (q·k)·s = q·(k·s), so no dequantized copy of the cache is made."""
+        return blockwise_attention(
+            q_BxTxNxH, self.kv_heads, lambda q_BxTxNxKH: self._attend_prefix(q_BxTxNxKH, new, start_B)
         )
-        new_k_BxKH, new_v_BxKH = (x[:, 0] for x in new.read(q_BxNxKH.dtype))
-        own_BxN = jnp.einsum("bnd,bd->bn", q_BxNxKH, new_k_BxKH, preferred_element_type=f32)
-        top_BxN = jnp.maximum(max_BxN, own_BxN)  # finite: every query sees its own key
-        cached_BxN, own_BxN = jnp.exp(max_BxN - top_BxN), jnp.exp(own_BxN - top_BxN)
-        o_BxNxKH = o_BxNxKH * cached_BxN[..., None] + own_BxN[..., None] * new_v_BxKH[:, None].astype(f32)
-        return (o_BxNxKH / (sum_BxN * cached_BxN + own_BxN)[..., None])[:, None]
 
     def _attend_prefix(self, q_BxTxNxKH, new: "KVCache", start_B):
         """Attention over the whole of this (sliced) cache and the new tokens, written out for XLA:
         float32 (B, T, N, K·H), normalised."""
         T, G = q_BxTxNxKH.shape[1], q_BxTxNxKH.shape[2] // self.kv_heads
-        S, dtype = self.length, q_BxTxNxKH.dtype
+        S, dtype = self.capacity, q_BxTxNxKH.dtype
         s_BxNxTxS = jnp.einsum("btnd,bsd->bnts", q_BxTxNxKH, self.k.astype(dtype), preferred_element_type=jnp.float32)
         if self.k_scale is not None:
             s_BxNxTxS = s_BxNxTxS * per_query_head(self.k_scale, G)[:, :, None, :]
@@ -228,7 +194,7 @@ class KVCache:
             # A scatter of the scales' K-wide rows wanted K as their minor axis (10.7x padded on a
             # TPU) and relayouts each step; a select over all of them keeps positions minor, as
             # the attention reads them (a head's scale is 4 bytes beside its H int8 keys).
-            at_start_1xBxSx1 = (jnp.arange(self.length) == start_B[:, None])[None, :, :, None]
+            at_start_1xBxSx1 = (jnp.arange(self.capacity) == start_B[:, None])[None, :, :, None]
 
             def put_scales(scales, new_LxBx1xK):  # the first B rows' scales only
                 selected = jnp.where(at_start_1xBxSx1, new_LxBx1xK, scales[:, :B])
@@ -251,6 +217,84 @@ class KVCache:
         `length` positions (the rest zeros)."""
         pad = lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, length - a.shape[2])] + [(0, 0)] * (a.ndim - 3))
         return self._constrained(**{name: pad(getattr(self, name)) for name in self._names()})
+
+
+def blockwise_attention(q_BxTxNxH, kv_heads: int, attend):
+    """Decode attention in the cache's layout: `attend` takes the queries spread block-diagonally over the
+    cache's last axis d = (kv head, lane), which is never split (a relayout on a TPU): query head n (kv
+    head n // G) is zero outside its kv head's H lanes, so one product contracting d gives every head's
+    scores against its own kv head (K times the multiplications of the head-by-head product: nothing
+    beside the bytes of the cache), and the values' product gives each query head all K heads' outputs
+    (float32 (B, T, N, K·H), normalised), of which it keeps its own block here."""
+    (B, T, N, H), K = q_BxTxNxH.shape, kv_heads
+    G, KH, dtype = N // K, K * H, q_BxTxNxH.dtype
+    # own_NxKH[n, d]: lane d belongs to query head n's kv head
+    own_NxKH = (jnp.arange(KH) // H)[None, :] == (jnp.arange(N) // G)[:, None]
+    q_BxTxNxKH = jnp.where(own_NxKH, jnp.tile(q_BxTxNxH * H**-0.5, (1, 1, 1, K)), 0).astype(dtype)
+    o_BxTxNxKH = attend(q_BxTxNxKH)
+    # Each query head keeps its own kv head's block: summing over the K groups of query heads
+    # leaves o_BxTxGxKH[b, t, g, (k, h)] = head k·G + g's output, lane h.
+    o_BxTxGxKH = jnp.where(own_NxKH, o_BxTxNxKH, 0).reshape(B, T, K, G, KH).sum(2)
+    o_BxTxKxGxH = o_BxTxGxKH.reshape(B, T, G, K, H).transpose(0, 1, 3, 2, 4)  # no-op for G = 1
+    return o_BxTxKxGxH.reshape(B, T, N, H).astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class InPlaceLayer:
+    """Layer `index` (traced: the layer scan's) of the whole cache, for layers/decode_attention.py's
+    kernel, which reads the cache's arrays in place: each row's filled positions only, so no prefix
+    needs slicing first (Filled)."""
+
+    cache: KVCache
+    index: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def encode(self, k_BxTxKxH, v_BxTxKxH) -> KVCache:
+        return self.cache.encode(k_BxTxKxH, v_BxTxKxH)
+
+    def attend(self, q_BxTxNxH, new: KVCache, start_B):
+        """KVCache.attend's result for one new query per row, through the kernel."""
+        return blockwise_attention(
+            q_BxTxNxH, self.cache.kv_heads, lambda q_BxTxNxKH: self._partial(q_BxTxNxKH, new, start_B)
+        )
+
+    def _partial(self, q_BxTxNxKH, new: KVCache, start_B):
+        """One new query per row through the kernel (the cached positions' partial softmax), merged
+        with its own key's score here: float32 (B, 1, N, K·H), normalised."""
+        if q_BxTxNxKH.shape[1] != 1:
+            raise ValueError(f"the kernel takes one new token per row, not {q_BxTxNxKH.shape[1]}")
+        q_BxNxKH, f32 = q_BxTxNxKH[:, 0], jnp.float32
+        B, S = q_BxNxKH.shape[0], self.cache.capacity
+        blocks = dict(block_rows=max(d for d in range(1, 9) if B % d == 0), block_positions=128 if S % 128 == 0 else S)
+
+        def kernel(interpret: bool):
+            return lambda q_BxNxKH, layer, start_B: decode_attention.cached_attention(
+                q_BxNxKH,
+                layer.cache.k,
+                layer.cache.v,
+                layer.index,
+                start_B,
+                layer.cache.kv_heads,
+                layer.cache.k_scale,
+                layer.cache.v_scale,
+                interpret=interpret,
+                **blocks,
+            )
+
+        # Mosaic's kernel where the program is for a TPU, Pallas's interpreter elsewhere (tests)
+        o_BxNxKH, max_BxN, sum_BxN = jax.lax.platform_dependent(
+            q_BxNxKH, self, start_B, tpu=kernel(False), default=kernel(True)
+        )
+        new_k_BxKH, new_v_BxKH = (x[:, 0] for x in new.read(q_BxNxKH.dtype))
+        own_BxN = jnp.einsum("bnd,bd->bn", q_BxNxKH, new_k_BxKH, preferred_element_type=f32)
+        top_BxN = jnp.maximum(max_BxN, own_BxN)  # finite: every query sees its own key
+        cached_BxN, own_BxN = jnp.exp(max_BxN - top_BxN), jnp.exp(own_BxN - top_BxN)
+        o_BxNxKH = o_BxNxKH * cached_BxN[..., None] + own_BxN[..., None] * new_v_BxKH[:, None].astype(f32)
+        return (o_BxNxKH / (sum_BxN * cached_BxN + own_BxN)[..., None])[:, None]
 
 
 def per_query_head(scale_BxSxK, G: int):

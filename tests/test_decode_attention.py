@@ -2,7 +2,7 @@
 partial softmax over each row's filled cache positions against plain attention per head, for
 float32, bfloat16 and int8 caches, grouped-query heads, rows of different lengths (0 and the
 whole cache among them), a cache of more rows than the queries, and a layer other than the first;
-and, merged with the new token (KVCache.in_place), against KVCache.attend. One test (marked tpu) runs Mosaic's
+and, merged with the new token (kv_cache.InPlaceLayer), against KVCache.attend. One test (marked tpu) runs Mosaic's
 compiled kernel on the chip."""
 
 import jax
@@ -186,7 +186,7 @@ def test_the_decode_step_through_the_kernel_matches_kv_cache_attend(dtype):
     )
     new = cache.encode(new_k_BxKxH[:, None], new_v_BxKxH[:, None])  # (B, 1, K·H) as stored
     q_Bx1xNxH = q_BxNxH.astype(jnp.bfloat16)[:, None]
-    got_BxNxH = cache.in_place(jnp.int32(layer)).attend(q_Bx1xNxH, new, lengths_B)[:, 0]
+    got_BxNxH = kv_cache.InPlaceLayer(cache, jnp.int32(layer)).attend(q_Bx1xNxH, new, lengths_B)[:, 0]
     # XLA's attention reads every position: give it the layer's rows without the NaN past B
     layer_cache = jax.tree.map(jnp.nan_to_num, cache.layer(layer, rows=B))
     want_BxNxH = layer_cache.attend(q_Bx1xNxH, new, lengths_B)[:, 0]
@@ -258,7 +258,7 @@ MODELS = {
 
 @pytest.mark.parametrize("style", MODELS)
 def test_model_decode_through_the_kernel_equals_xla(style):
-    """model.decode with attend=FILLED (the kernel, interpreted) gives XLA's logits, step after step,
+    """model.decode with reads=FILLED (the kernel, interpreted) gives XLA's logits, step after step,
     for rows at different positions: GPT-2, grouped-query heads with an int8 cache, and a mixture of
     experts whose dense first layer is its own stack (the kernel reads its layers in the whole cache)."""
     config = model.GPTConfig(
@@ -267,14 +267,14 @@ def test_model_decode_through_the_kernel_equals_xla(style):
     gpt = model.GPT(config, jax.random.key(0))
     tokens_Bx12 = jax.random.randint(jax.random.key(1), (3, 12), 0, 97)
     step = jax.jit(
-        lambda gpt, cache, token_Bx1, start_B, attend: gpt.decode(token_Bx1, cache, start_B, attend=attend),
+        lambda gpt, cache, token_Bx1, start_B, reads: gpt.decode(token_Bx1, cache, start_B, reads=reads),
         static_argnums=4,
     )
     logits = {}
-    for attend in (None, kv_cache.FILLED):
+    for reads in (kv_cache.Prefix(), kv_cache.FILLED):
         cache, start_B, steps = kv_cache.init_cache(config, 4, 64), jnp.array([0, 5, 17]), []
         for t in range(12):
-            step_logits, cache = step(gpt, cache, tokens_Bx12[:, t : t + 1], start_B + t, attend)
+            step_logits, cache = step(gpt, cache, tokens_Bx12[:, t : t + 1], start_B + t, reads)
             steps.append(step_logits)
-        logits[attend] = np.stack(steps)
-    np.testing.assert_allclose(logits[kv_cache.FILLED], logits[None], atol=1e-5, rtol=1e-5)
+        logits[reads] = np.stack(steps)
+    np.testing.assert_allclose(logits[kv_cache.FILLED], logits[kv_cache.Prefix()], atol=1e-5, rtol=1e-5)

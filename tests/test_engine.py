@@ -44,17 +44,18 @@ def test_slots_at_different_positions_read_their_buckets_and_decode_as_generate(
     setup, params = long_context(style)
     prompts = [RAGGED[2], RAGGED[0], list(range(3, 43)), RAGGED[1]]  # 25, 3, 40 and 9 tokens
     e = engine.Engine(setup, params, slots=2, max_queue=8, log=lambda line: None)
-    assert list(e.step_programs) == [(32, 2), (64, 2), (128, 2)]  # (attend, rows): 2 slots, one row bucket
+    prefixes = [kv_cache.Prefix(n) for n in (32, 64, 128)]
+    assert list(e.step_programs) == [(p, 2) for p in prefixes]  # (cache reads, rows): 2 slots, one row bucket
     called = dict.fromkeys(e.step_programs, 0)
 
-    def counting(attend, program):
+    def counting(key, program):
         def step(*args):
-            called[attend] += 1
+            called[key] += 1
             return program(*args)
 
         return step
 
-    e.step_programs = {attend: counting(attend, program) for attend, program in e.step_programs.items()}
+    e.step_programs = {key: counting(key, program) for key, program in e.step_programs.items()}
     done = threading.Semaphore(0)
     requests = [e.submit(engine.Request(ids, 50, temperature=0, on_finish=lambda _: done.release())) for ids in prompts]
     for _ in requests:

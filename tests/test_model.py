@@ -22,8 +22,9 @@ from layers import attention  # noqa: E402
 from layers import blocks  # noqa: E402
 from layers import kv_cache  # noqa: E402
 from layers import moe as moe_layer  # noqa: E402
+from layers import rope as rotary  # noqa: E402
 from configurator import load_config  # noqa: E402
-from inference import loader  # noqa: E402
+from common import model_setup  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from weights import hf  # noqa: E402
 
@@ -541,14 +542,14 @@ def test_rope_matches_a_float64_numpy_rotation(theta):
     rng = np.random.default_rng(0)
     x_BxTxNxH = rng.standard_normal((2, 5, 3, 16)).astype(np.float32)
     position_BxT = np.array([[0, 1, 2, 3, 4], [7, 100, 101, 500, 1000]])
-    rotated = np.asarray(model.rope(jnp.asarray(x_BxTxNxH), jnp.asarray(position_BxT), config))
+    rotated = np.asarray(rotary.rope(jnp.asarray(x_BxTxNxH), jnp.asarray(position_BxT), config))
     expected = _rotate(x_BxTxNxH.astype(np.float64), position_BxT, _frequencies(16, config))
     np.testing.assert_allclose(rotated, expected, rtol=0, atol=1e-4)  # float32 angles: measured 2e-5
     np.testing.assert_array_equal(rotated[0, 0], x_BxTxNxH[0, 0])  # position 0: unchanged
     # What RoPE is for: a rotated query-key product depends on their distance only.
     q, k = (jnp.asarray(rng.standard_normal((1, 1, 1, 16)), jnp.float32) for _ in range(2))
     score = lambda i, j: float(
-        jnp.sum(model.rope(q, jnp.array([[i]]), config) * model.rope(k, jnp.array([[j]]), config))
+        jnp.sum(rotary.rope(q, jnp.array([[i]]), config) * rotary.rope(k, jnp.array([[j]]), config))
     )
     assert abs(score(9, 4) - score(105, 100)) < 1e-4 and abs(score(9, 4) - score(4, 9)) > 1e-3
 
@@ -566,8 +567,8 @@ def test_llama3_rope_scaling_follows_the_published_formula():
         rope_high_freq_factor=4.0,
         rope_original_context=8192,
     )
-    scaled, expected = model.rope_frequencies(128, llama31), _frequencies(128, llama31)
-    plain = model.rope_frequencies(128, dataclasses.replace(llama31, rope_scaling="none"))
+    scaled, expected = rotary.rope_frequencies(128, llama31), _frequencies(128, llama31)
+    plain = rotary.rope_frequencies(128, dataclasses.replace(llama31, rope_scaling="none"))
     np.testing.assert_allclose(scaled, expected, rtol=1e-12)
     kept, divided = scaled == plain, np.isclose(scaled, plain / 8, rtol=1e-12)
     assert kept[:25].all() and divided[-25:].all()  # short waves kept, long ones slowed down 8x
@@ -1172,7 +1173,7 @@ def test_rows_in_balanced_order_get_their_in_order_logits(config):
 
 def test_the_llama_350m_config_is_llama_style_at_about_350m_parameters():
     config = load_config([str(ROOT / "config" / "llama_350m.py")])
-    gpt = loader.model_config(config, 50257, "tpu")
+    gpt = model_setup.model_config(config, 50257, "tpu")
     assert 340e6 < model.count_params(gpt) < 370e6
     assert (gpt.pos_embedding, gpt.norm, gpt.mlp, gpt.block_size, gpt.tie_embeddings) == (
         "rope",
