@@ -50,7 +50,7 @@ from devices import memory
 from evals import scoring
 from inference import engine, loader
 from layers.quantization import MODES as QUANTIZATION_MODES
-from serving import app, auth, workers
+from serving import app, auth, http_server, workers
 
 
 MAX_SOCKET_PATH = 107  # bytes: Linux's sun_path holds 108, with the closing NUL
@@ -252,8 +252,8 @@ class Server:
             raise app.unavailable(self.stopping)
         return self.engine
 
-    # What serving/app.py's routes ask of a server (serving/workers.py's RemoteServer answers the same
-    # from another process, through these).
+    # app.Backend: what serving/app.py's routes ask of a server (serving/workers.py's RemoteServer answers
+    # the same from a worker process, through these).
     async def submit(self, request: engine.Request) -> None:
         try:
             self.ready().submit(request)
@@ -418,7 +418,7 @@ def serve_in_process(server: Server, compile_engine) -> str | None:
         if server.engine is not None:
             server.engine.stop()
 
-    uv = workers.StoppingUvicorn(
+    uv = http_server.StoppingUvicorn(
         uvicorn.Config(app.make_app(server), log_level="warning", timeout_graceful_shutdown=30), on_stop=stop
     )
     compiling = compile_engine(on_failure=lambda: setattr(uv, "should_exit", True))

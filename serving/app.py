@@ -1,10 +1,8 @@
 """serve.py's HTTP app: OpenAI's completions and chat completions (whole, or as Server-Sent Events),
 the model list, /health, vLLM's tokenizer routes and the chat page (web/), as module-level
 handlers over the server object that serve.py puts in the Starlette app's state
-(request.app.state.server). That is serve.Server, beside the engine in one process, or
-serving/workers.py's RemoteServer in an HTTP worker process; either has cfg, tok, name, context,
-created and stopping, ready() (an APIError while not serving), and the coroutines submit(request)
-(an APIError if refused), health() and score_prompt(ids), and cancel(request).
+(request.app.state.server): a Backend, serve.Server beside the engine in one process or
+serving/workers.py's RemoteServer in an HTTP worker process.
 
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad request,
 404 for another model's name, 413 for a body over the limit (LimitBody, before it is read whole), 429
@@ -18,6 +16,7 @@ import json
 import os
 import time
 import uuid
+from typing import Any, Protocol, runtime_checkable
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -31,6 +30,36 @@ from inference import engine, generate
 from serving import auth
 
 WEB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web")  # the chat page
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the routes ask of the server: serve.Server answers beside the engine, workers.RemoteServer
+    from an HTTP worker through the engine's process."""
+
+    cfg: Any  # serve.ServeConfig (api_key, max_body_bytes)
+    tok: Any  # data/tokenizer.py's
+    name: str  # the model's, as clients send it
+    context: int
+    created: int
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def ready(self) -> Any:
+        """Nothing if requests can be taken; else an APIError (503: compiling, stopping or failed)."""
+
+    async def submit(self, request: engine.Request) -> None:
+        """Hand the request to the engine: its tokens then come through its on_token; an APIError if refused."""
+
+    def cancel(self, request: engine.Request) -> None:
+        """Its client is gone: the engine ends it (finish_reason 'abort') after the decode program in flight."""
+
+    async def health(self) -> tuple[int, dict]:
+        """GET /health's status and body (health_reply)."""
+
+    async def score_prompt(self, ids: list) -> list:
+        """The prompt's engine.Tokens with their log-probabilities (echo with logprobs); an APIError if not."""
 
 
 class APIError(Exception):
@@ -403,8 +432,8 @@ def log_requests(reply_id: str, generations: list) -> None:
 # ----------------------------------------------------------------------------- the routes
 
 
-def server_of(request: Request):
-    """serve.Server, which make_app put in the app's state."""
+def server_of(request: Request) -> Backend:
+    """The server make_app put in the app's state."""
     return request.app.state.server
 
 
@@ -632,8 +661,8 @@ class LimitBody:
         await error_response(too_large)(scope, receive, send)
 
 
-def make_app(server) -> Starlette:
-    """The app over serve.Server `server`, kept in app.state for the handlers. Bodies over
+def make_app(server: Backend) -> Starlette:
+    """The app over `server`, kept in app.state for the handlers. Bodies over
     --max_body_bytes get a 413 (LimitBody); with an API key, /v1 and the tokenizer's routes need it
     (auth.RequireKey); GET / is web/index.html."""
     limit = [Middleware(LimitBody, max_bytes=server.cfg.max_body_bytes)]

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import uvicorn
 
 from inference import engine
-from serving import app
+from serving import app, http_server
 
 
 class Finished(NamedTuple):
@@ -226,7 +226,7 @@ SUBMITTED_FIELDS = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "se
 
 
 class RemoteServer:
-    """In a worker: what serving/app.py's routes ask of the server, answered by the engine's process.
+    """In a worker: app.Backend, what serving/app.py's routes ask of the server, answered by the engine's process.
     The worker's engine.Requests are kept here, their tokens filled in as they arrive and their times
     (for the request log) from the engine's at the end."""
 
@@ -339,30 +339,7 @@ class RemoteServer:
         request.on_finish(end.reason)
 
 
-class StoppingUvicorn(uvicorn.Server):
-    """uvicorn whose SIGTERM and Ctrl-C first call on_stop (serve.py's stops the engine, whose open
-    requests then end with their text so far, so that graceful shutdown completes) and which then
-    returns, for exit code 0 (uvicorn's own raises the signal again once stopped)."""
-
-    def __init__(self, config, on_stop):
-        super().__init__(config)
-        self.on_stop = on_stop
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-    def handle_exit(self, sig, frame):
-        self.on_stop()
-        super().handle_exit(sig, frame)
-
-
-class WorkerUvicorn(StoppingUvicorn):
+class WorkerUvicorn(http_server.StoppingUvicorn):
     """A worker's uvicorn on the shared socket: it reads the engine's pipe on its event loop."""
 
     def __init__(self, config, remote: RemoteServer):

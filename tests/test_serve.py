@@ -818,6 +818,7 @@ def test_server_on_data_and_tensor_with_int8_weights_and_cache_says_its_bytes(ru
         )
     )
     server.start_engine()
+    assert isinstance(server, app.Backend)  # what the routes ask of it
     printed = capsys.readouterr().out
     assert "int8 blocks" in printed and "KV cache 160 bytes per token (int8)" in printed, printed
     assert "(160 bytes per token)" in printed  # the engine's measured cache: 2 x 2 layers x 2 heads x (16 + 4)
@@ -1035,6 +1036,7 @@ def test_a_worker_with_too_many_calls_waiting_for_the_engine_refuses_more_with_5
     to_engine, from_worker = multiprocessing.Pipe()
     remote = workers.RemoteServer(None, None, "out", 32, 0, to_engine, to_engine)
     remote.state, remote.MAX_CALLS = "ready", 2
+    assert isinstance(remote, app.Backend)
 
     async def three_health_calls():
         remote.attach(asyncio.get_running_loop())
