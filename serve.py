@@ -14,18 +14,19 @@ GET / is the chat page (serving/web/: HTML, CSS and JavaScript, no build step). 
 Routes: POST /v1/completions and POST /v1/chat/completions (with "stream": true, Server-Sent
 Events ending in `data: [DONE]`; completions' echo with logprobs scores the prompt's tokens too),
 GET /v1/models, GET /health (200 with the engine's numbers once its programs are compiled; 503 while
-compiling or stopping, and once the engine has failed, with why: serve.py then exits 1), and vLLM's GET /tokenizer_info, POST /tokenize and POST /detokenize, so that
-lm-evaluation-harness's local-completions model runs against the server with nothing else.
+compiling or stopping, and once the engine has failed, with why: serve.py then exits 1), and vLLM's
+GET /tokenizer_info, POST /tokenize and POST /detokenize, so that lm-evaluation-harness's
+local-completions model runs against the server with nothing else.
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 request, 404 for another model's name, 413 for a body over --max_body_bytes (8 MiB; said before
-the body is read), 429 when the queue is full, 503 while starting or stopping. The model loads
-before the server listens (a bad out_dir is one line, no server); the programs compile in a
-thread while /health already answers; device work runs in the engine's thread, never on the
-event loop. SIGTERM (or Ctrl-C) stops taking requests, ends those in flight with their text so
-far (finish_reason "abort"), and exits 0. --uds=PATH listens on a unix socket instead of
-host:port. --http_workers=N runs the HTTP side in N processes beside this one, which keeps the
-engine (serving/workers.py), for a host whose one event loop can't keep up with the engine: by
-default 4 on a TPU or GPU, none on a CPU.
+the body is read), 429 when the queue is full, 503 while starting or stopping or once the engine
+has failed. The model loads before the server listens (a bad out_dir is one line, no server); the
+programs compile in a thread while /health already answers; device work runs in the engine's thread,
+never on the event loop. SIGTERM (or Ctrl-C) stops taking requests, ends those in flight with their
+text so far (finish_reason "abort"), and exits 0. --uds=PATH listens on a unix socket instead of
+host:port (its mode the umask's, or --uds_mode's). --http_workers=N runs the HTTP side in N
+processes beside this one, which keeps the engine (serving/workers.py), for a host whose one event
+loop can't keep up with the engine: by default 4 on a TPU or GPU, none on a CPU.
 """
 
 import asyncio
