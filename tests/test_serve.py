@@ -248,9 +248,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def gpt2_vocab_server(tmp_path_factory):
-    """serve.py (in-process) on a tiny random model with GPT-2's tokenizer, which writes a character
-    outside ASCII as 2 or 3 byte tokens."""
+def gpt2_vocab_model(tmp_path_factory):
+    """A tiny random model with GPT-2's tokenizer, which writes a character outside ASCII as 2 or 3 byte tokens."""
     directory = tmp_path_factory.mktemp("gpt2-vocab") / "model"
     shape = dict(n_layer=1, hidden=16, heads=2, kv_heads=2, intermediate=32, vocab_size=50257, tied=True)
     config = {
@@ -262,15 +261,19 @@ def gpt2_vocab_server(tmp_path_factory):
         "num_attention_heads": 2,
         "num_key_value_heads": 2,
         "vocab_size": 50257,
-        "max_position_embeddings": 64,
+        "max_position_embeddings": 16,  # one prompt bucket to compile
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": True,
     }
     write_hf_llama(directory, random_hf_llama(**shape), config)
     tokenizer.gpt2_tokenizer().save_files(directory)
-    url, process = start_server(f"--init_from={directory}", "--slots=1", "--log_interval=0", "--http_workers=0")
-    yield url
-    stopped(process)
+    return directory
+
+
+def echoed_offsets(client) -> list:
+    reply = client.completions.create(model="model", prompt="ⓐb", max_tokens=1, temperature=0, echo=True, logprobs=0)
+    assert reply.choices[0].text.startswith("ⓐb")
+    return reply.choices[0].logprobs.text_offset
 
 
 @pytest.fixture(scope="module")
@@ -493,13 +496,15 @@ def test_echo_with_logprobs_scores_the_prompt_and_tokenizer_routes_match(either_
     assert post(url + "/tokenize", {"prompt": 3})[0] == 400
 
 
-def test_echoed_offsets_start_where_each_tokens_character_starts(gpt2_vocab_server):
+def test_echoed_offsets_start_where_each_tokens_character_starts(gpt2_vocab_model):
     """'ⓐb' is 4 GPT-2 tokens, ⓐ's 3 bytes and b: the echoed text_offsets are OpenAI's, each token at the
-    start of the character its first byte belongs to (0, 0, 0, 1), and the first new token's after them (2)."""
-    reply = openai_client(gpt2_vocab_server).completions.create(
-        model="model", prompt="ⓐb", max_tokens=1, temperature=0, echo=True, logprobs=0
-    )
-    assert reply.choices[0].text.startswith("ⓐb") and reply.choices[0].logprobs.text_offset == [0, 0, 0, 1, 2]
+    start of the character its first byte belongs to (0, 0, 0, 1), and the first new token's after them (2).
+    (With HTTP workers: test_a_unix_socket_others_may_use_without_a_key_...)"""
+    url, process = start_server(f"--init_from={gpt2_vocab_model}", "--slots=1", "--log_interval=0", "--http_workers=0")
+    try:
+        assert echoed_offsets(openai_client(url)) == [0, 0, 0, 1, 2]
+    finally:
+        stopped(process)
 
 
 @pytest.mark.parametrize(
@@ -713,15 +718,18 @@ def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run
         stopped(process)
 
 
-def test_a_unix_socket_others_may_use_without_a_key_is_warned_of_and_workers_serve_on_it(run, tmp_path):
+def test_a_unix_socket_others_may_use_without_a_key_is_warned_of_and_workers_serve_on_it(gpt2_vocab_model, tmp_path):
     """--uds_mode=666 with HTTP workers: the socket has that mode, start-up warns (no API key), the workers
-    answer on it, and SIGTERM ends the server with the socket removed."""
+    answer on it (echoed offsets as in one process: test_echoed_offsets_start_where_...), and SIGTERM ends
+    the server with the socket removed."""
     path = str(tmp_path / "serve.sock")
-    process, http = start_uds_server(path, f"--out_dir={run}", "--slots=2", "--http_workers=2", "--uds_mode=666")
+    process, http = start_uds_server(
+        path, f"--init_from={gpt2_vocab_model}", "--slots=1", "--http_workers=2", "--uds_mode=666"
+    )
     try:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o666
-        reply = http.post("http://localhost/v1/completions", json={"prompt": "ab", "max_tokens": 2})
-        assert reply.json()["usage"]["completion_tokens"] == 2
+        client = openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http, max_retries=0)
+        assert echoed_offsets(client) == [0, 0, 0, 1, 2]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
         assert (
