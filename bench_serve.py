@@ -176,9 +176,21 @@ def health_url(base_url: str) -> str:
     return (base[: -len("/v1")] if base.endswith("/v1") else base) + "/health"
 
 
+def not_live(response) -> str | None:
+    """The reason in a 503 from /health whose body says the server is not live (it won't become ready)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    if isinstance(body, dict) and body.get("live") is False:
+        return str((body.get("error") or {}).get("message", body))
+    return None
+
+
 def server_health(http: httpx2.Client, base_url: str, timeout: float) -> dict | None:
     """GET /health's JSON once the server is ready; None if it has no such route or no JSON there.
-    A 503 (serve.py: the programs are still compiling) is waited out, up to timeout seconds."""
+    A 503 (serve.py: the programs are still compiling) is waited out, up to timeout seconds; one that
+    says the server is not live (serve.py: its engine failed) is a BenchError with the server's reason."""
     url, deadline, said = health_url(base_url), time.monotonic() + timeout, False
     while True:
         try:
@@ -191,6 +203,8 @@ def server_health(http: httpx2.Client, base_url: str, timeout: float) -> dict | 
             except ValueError:  # not JSON (vLLM's is empty): no roofline
                 return None
             return body if isinstance(body, dict) else None
+        if (failed := not_live(response)) is not None:
+            raise BenchError(f"{url} answers 503, not live: {failed}")
         if time.monotonic() > deadline:
             raise BenchError(f"{url} still answers 503 (not ready) after {timeout:g} s")
         if not said:

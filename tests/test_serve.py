@@ -978,6 +978,8 @@ def test_a_failed_engine_makes_health_503_with_why_and_the_server_exit_1_with_on
         }
         refused = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_failed"
+        with pytest.raises(bench_serve.BenchError, match=re.escape(f"answers 503, not live: {failure}")):
+            bench_serve.server_health(http, url + "/v1", timeout=60)  # not waited out: it won't become ready
     assert process.wait(timeout=60) == 1
     output = output_of(process)
     assert output.strip().splitlines()[-1] == f"error: {failure}" and "Traceback" not in output, output
