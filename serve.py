@@ -56,9 +56,6 @@ from serving import app, auth, http_server, workers
 
 MAX_SOCKET_PATH = 107  # bytes: Linux's sun_path holds 108, with the closing NUL
 AUTO_HTTP_WORKERS = 4  # on a TPU v5e's host: concurrency 64 made 31.4k output tok/s with 0, 38.1k with 2, 39.0k with 4
-# Once the engine has failed, /health answers 503 with why for this long (a load balancer's probe sees the
-# reason, not a refused connection), then serve.py exits 1 for its supervisor to restart it.
-EXIT_AFTER_FAILURE_S = 5.0
 SCORING_THREADS = 4  # echo's prompt scoring runs the model on these, beside the engine's thread
 
 
@@ -101,11 +98,16 @@ class ServeConfig:
     #                         on one socket, each exchanging requests and tokens with the engine here over pipes
     #                         (serving/workers.py: where one event loop can't keep up with the engine); -1 = auto:
     #                         AUTO_HTTP_WORKERS on a TPU or GPU, 0 on a CPU
+    exit_after_failure_s: float = 5.0  # once the engine has failed, /health answers 503 with why for this long
+    #                                    (a load balancer's probe sees the reason), then serve.py exits 1 for its
+    #                                    supervisor to restart it
     memory_check: bool = True  # False: skip the check of the compiled programs against the devices' memory
     memory_limit_gib: float = 0.0  # check against this many GiB per device; 0 = the device's own limit
 
     def __post_init__(self):
         configurator.check_init_from(self.init_from, choices=("resume",))
+        if self.exit_after_failure_s < 0:
+            raise configurator.ConfigError(f"exit_after_failure_s must be >= 0, got {self.exit_after_failure_s}")
         for key in ("slots", "max_queue", "decode_steps", "mesh_data", "mesh_tensor", "max_body_bytes"):
             if getattr(self, key) < 1:
                 raise configurator.ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
@@ -181,7 +183,7 @@ class Server:
     def start_engine(self, on_failure=None) -> None:
         """Compile the engine's programs (in a thread: /health answers 503 meanwhile) and check that they
         fit the devices; if they cannot, keep the reason in self.failure and call on_failure. If the
-        engine's loop fails later, the same, on_failure EXIT_AFTER_FAILURE_S later."""
+        engine's loop fails later, the same, on_failure exit_after_failure_s later."""
         on_failure = on_failure or (lambda: None)
 
         def fail(error):
@@ -190,7 +192,7 @@ class Server:
 
         def engine_failed(failure: str):  # in the engine's thread, which has ended every request
             self.failure = failure
-            exit_later = threading.Timer(EXIT_AFTER_FAILURE_S, on_failure)
+            exit_later = threading.Timer(self.cfg.exit_after_failure_s, on_failure)
             exit_later.daemon = True
             exit_later.start()
 

@@ -231,6 +231,7 @@ def faulty_server(slow_model, request):
         f"--init_from={slow_model}",
         "--slots=1",
         "--log_interval=0",
+        "--exit_after_failure_s=2",  # the test probes the failed server within it
         f"--http_workers={request.param}",
         script=FAULTY_SERVE,
     )
