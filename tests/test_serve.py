@@ -720,12 +720,12 @@ def test_a_server_on_a_unix_socket_answers_the_openai_client_and_bench_serve(run
 
 
 def test_a_unix_socket_others_may_use_without_a_key_is_warned_of_and_workers_serve_on_it(gpt2_vocab_model, tmp_path):
-    """--uds_mode=666 with HTTP workers: the socket has that mode, start-up warns (no API key), the workers
-    answer on it (echoed offsets as in one process: test_echoed_offsets_start_where_...), and SIGTERM ends
+    """--uds_mode=666 with an HTTP worker: the socket has that mode, start-up warns (no API key), the worker
+    answers on it (echoed offsets as in one process: test_echoed_offsets_start_where_...), and SIGTERM ends
     the server with the socket removed."""
     path = str(tmp_path / "serve.sock")
     process, http = start_uds_server(
-        path, f"--init_from={gpt2_vocab_model}", "--slots=1", "--http_workers=2", "--uds_mode=666"
+        path, f"--init_from={gpt2_vocab_model}", "--slots=1", "--http_workers=1", "--uds_mode=666"
     )
     try:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o666
