@@ -6,7 +6,7 @@ devices. The layers are stored stacked (one array per weight with a leading `lay
 with lax.scan, so compile time does not grow with depth.
 
 Shape suffixes name the axes: B batch, T time, D model width, N heads, K key/value heads, H head size,
-V vocabulary, L layers, S length of the KV cache; BT is batch and time flattened into one axis.
+V vocabulary, L layers, S the KV cache's capacity; BT is batch and time flattened into one axis.
 
 GPT-2 is the default; `pos_embedding='rope'`, `norm='rmsnorm'`, `mlp='swiglu'`, `n_kv_head`, `bias=False`
 and `tie_embeddings=False` give Llama-style models, `n_experts` a mixture of experts. Each switch is a
@@ -32,7 +32,7 @@ from layers import pipeline, quantization
 from layers.attention import REMAT_POLICIES, Attend, Segments, choose_attention, permuted_segments
 from layers.blocks import HEAD_NORMS, MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init
 from layers.embedding import SOFTCAPS, embedding_lookup, logits_matmul
-from layers.kv_cache import Filled, KVCache, Prefix, init_cache
+from layers.kv_cache import Filled, InPlaceLayer, KVCache, Prefix, init_cache
 from layers.moe import MoE
 from layers.rope import ROTATIONS
 
@@ -136,14 +136,14 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTxD, position_BxT, segments: Segments | None, attend: Attend, dropout_key=None):
         """Each row's tokens, at positions position_BxT, attend causally to the row's tokens (of their
-        own segment when packed) through `attend`. Returns the output and the keys and values (B, T,
-        K, H) that a prefill stores."""
+        own segment when packed) through `attend`. Returns the output and the keys and values, which a
+        prefill stores: (B, T, K, H), or (B, K, T, H) when attend.heads_major."""
         k_probs, k_out = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
         q, k, v = self._qkv(x_BTxD, position_BxT, attend.heads_major)
         y = attend(q, k, v, position_BxT, segments, k_probs)
         return dropout(self._out(y, attend.heads_major), self.config.dropout, k_out), (k, v)
 
-    def decode(self, x_BTxD, start_B, cache):
+    def decode(self, x_BTxD, start_B, cache: KVCache | InPlaceLayer):
         """T new tokens per row, at positions start_B[b] + [0, T), against one layer of the cache: its
         positions before start_B[b] and the new tokens themselves (layers/kv_cache.py's attend).
         Returns the output and the new keys and values as the cache stores them."""
@@ -313,7 +313,8 @@ class GPT(nnx.Module):
         prompts' keys and values in its first T."""
         B, T = idx_BxT.shape
         position_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
-        attend, empty = choose_attention(self.config, T, prefill=True), init_cache(self.config, B, 0)
+        attend = choose_attention(self.config, T, prefill=True)
+        empty = init_cache(self.config, B, 0)  # no positions: how the cache stores keys and values, for encode
 
         def layer(block, x_BTxD, number):
             x_BTxD, (k, v), _ = block(x_BTxD, position_BxT, None, attend)
@@ -379,8 +380,8 @@ class GPT(nnx.Module):
         return [(self.dense_blocks, 0), (self.blocks, self.config.n_layer - self.config.sparse_layers)]
 
     def _run_blocks(self, x_BTxD, position_BxT, segments, attend: Attend, dropout_key):
-        """The training path through every layer: remat'd as remat_policy says, pipelined over the
-        `stage` axis when pipeline_stages > 1. Returns (x, the sparse layers' router stats)."""
+        """Every layer without a cache (training, scoring): remat'd as remat_policy says, pipelined over
+        the `stage` axis when pipeline_stages > 1. Returns (x, the sparse layers' router stats)."""
         config = self.config
         keys = None if dropout_key is None else jax.random.split(dropout_key, config.n_layer)
         for blocks, first in self._stacks():
@@ -388,6 +389,7 @@ class GPT(nnx.Module):
             n = jax.tree.leaves(stacked_state)[0].shape[0]
             stack_keys = None if keys is None else keys[first : first + n]
 
+            # the whole batch's positions and segments by default; _pipeline passes each micro-batch's
             def layer(x_BTxD, layer_inputs, position_BxT=position_BxT, segments=segments):
                 layer_state, layer_key = layer_inputs
                 x_BTxD, _, stats = nnx.merge(graphdef, layer_state)(x_BTxD, position_BxT, segments, attend, layer_key)

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> None:
             }
         )
         for name, lengths in cases.items():
-            bucket = next(b for b in generate.attend_buckets(S) if b >= max(lengths))
+            bucket = next(b for b in generate.prefix_buckets(S) if b >= max(lengths))
             xla, kernel = step_ms(config, lengths, Prefix(bucket)), step_ms(config, lengths, FILLED)
             print(
                 f"rows {B}, cache {S}, {name} (longest {max(lengths)}, mean {np.mean(lengths):.0f}): "

@@ -10,7 +10,7 @@ batching), in the shape of MaxText's engine (JetStream):
              tokens past its end (a stop token, max_tokens). On one TPU chip each step's attention
              reads each block of 8 slots' filled positions (layers/decode_attention.py's kernel;
              reads_filled_positions); elsewhere the cache's first positions (kv_cache.Prefix), the smallest
-             of generate.attend_buckets that holds every running slot's positions up to the last
+             of generate.prefix_buckets that holds every running slot's positions up to the last
              step's. A step runs the first quarter of the slots when every busy one is there
              (requests take the lowest free slot), else all of them
 
@@ -186,7 +186,7 @@ class Engine:
         self.buckets = prompt_buckets(self.context)
         self.row_buckets = row_buckets(slots, sharding.batch_shards(self.mesh))
         self.reads_filled = reads_filled_positions(decode_attention, self.mesh, self.config)
-        prefixes = [kv_cache.Prefix(n) for n in generate.attend_buckets(self.context)]
+        prefixes = [kv_cache.Prefix(n) for n in generate.prefix_buckets(self.context)]
         self.cache_reads = [kv_cache.FILLED] if self.reads_filled else prefixes  # one decode program each
         self.params = generate.weights_in_compute_dtype(setup.graphdef, params)
         self.ids = itertools.count(1)

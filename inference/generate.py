@@ -137,7 +137,7 @@ def weights_in_compute_dtype(graphdef, params):
     return model.cast_for_inference(params, jnp.dtype(nnx.merge(graphdef, params).config.dtype))
 
 
-def attend_buckets(length: int, smallest: int = 32) -> list[int]:
+def prefix_buckets(length: int, smallest: int = 32) -> list[int]:
     """The cache prefixes a decode step may read: powers of two from `smallest`, and `length` last.
     A step reads the smallest one that holds every row's cached positions, so the bytes it reads
     stay within 2x of the filled cache's, with one compiled step per bucket."""
@@ -145,7 +145,7 @@ def attend_buckets(length: int, smallest: int = 32) -> list[int]:
 
 
 def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, vocab: int, on_token=None) -> dict:
-    """Generate until every row is done, in lax.while_loops: one per attend_buckets prefix of the
+    """Generate until every row is done, in lax.while_loops: one per prefix_buckets prefix of the
     cache, each running while the rows' positions fit it. on_token(token, added) is called on the
     host with row 0's token after every step (for streaming)."""
     gpt = nnx.merge(graphdef, weights_in_compute_dtype(graphdef, params))
@@ -168,7 +168,7 @@ def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, vo
     running = lambda state: ~jnp.all(state["done"])
     if not kv_cache:
         return jax.lax.while_loop(running, one_token, state)
-    for bucket in attend_buckets(state["cache"].capacity):
+    for bucket in prefix_buckets(state["cache"].capacity):
         # a step at position p reads the cached positions before p: the bucket holds them while p <= bucket
         fits = lambda state, bucket=bucket: running(state) & (jnp.max(state["length"] - 1) <= bucket)
         state = jax.lax.while_loop(fits, functools.partial(one_token, reads=Prefix(bucket)), state)

@@ -1,8 +1,11 @@
-"""Causal softmax attention written out, with its own backward ('einsum' in model.py): float32
-scores, query blocks that skip the score tiles above the diagonal, grouped-query heads, and
-nanoGPT's dropout on the attention probabilities; and the masks and positions of packed rows
-(Segments: several examples in one row, told apart by segment ids) and of rows in context
-parallelism's balanced order; and ring attention for rows split over the context axis. jax only.
+"""Every attention implementation model.py can run, behind one signature, and the table that picks
+one (ATTENTION and choose_attention, at the end): causal softmax attention written out, with its own
+backward ('einsum': float32 scores, query blocks that skip the score tiles above the diagonal,
+grouped-query heads, nanoGPT's dropout on the attention probabilities); XLA's and cuDNN's; JAX's
+Pallas splash kernel on TPUs; ring attention for rows split over the context axis. Also the masks
+and positions of packed rows (Segments: several examples in one row, told apart by segment ids) and
+of rows in context parallelism's balanced order, and the remat policies that keep splash's
+residuals. jax, flax and layers/blocks.py.
 """
 
 import dataclasses
@@ -366,7 +369,7 @@ def _splash_local(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT, blocks, interpret: b
         residual_checkpoint_name=SPLASH_RESIDUALS,
     )
     q_BxNxTxH = q_BxNxTxH * jnp.asarray(H**-0.5, q_BxNxTxH.dtype)  # XLA fuses it into q's producer
-    # The kernel's inputs are kept with its residuals (model.REMAT_POLICIES): then the backward pass reads
+    # The kernel's inputs are kept with its residuals (REMAT_POLICIES below): then the backward pass reads
     # them as they are, not the projection's outputs to add the bias and scale to again.
     q_BxNxTxH, k_BxKxTxH, v_BxKxTxH = (checkpoint_name(a, SPLASH_RESIDUALS) for a in (q_BxNxTxH, k_BxKxTxH, v_BxKxTxH))
 
@@ -377,9 +380,10 @@ def _splash_local(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT, blocks, interpret: b
 
 
 # ---- one signature, one table ---------------------------------------------------------------
-# Every implementation: (q, k, v, position_BxT, segments, dropout_key) -> y, causal, with q (B, T, N, H)
-# and k, v (B, T, K, H) (grouped-query when K < N), or all in the kernel's (B, heads, T, H) layout for the
-# heads-major ones. position_BxT: each token's position; segments: packed rows' Segments or None.
+# Every implementation: (q, k, v, position_BxT, segments, dropout_key, dropout_rate) -> y, causal, with
+# q (B, T, N, H) and k, v (B, T, K, H) (grouped-query when K < N), or all in the kernel's (B, heads, T, H)
+# layout for those in HEADS_MAJOR. position_BxT: each token's position; segments: packed rows' Segments
+# or None; only the written-out attention drops probabilities (choose_attention sends dropout there).
 
 
 def whole_rows(k_BxTxKxH, v_BxTxKxH):
@@ -388,7 +392,16 @@ def whole_rows(k_BxTxKxH, v_BxTxKxH):
     return (constrain(a, ("batch", None, "heads", None)) for a in (k_BxTxKxH, v_BxTxKxH))
 
 
-def xla_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segments=None, dropout_key=None, implementation="xla"):
+def xla_attention(
+    q_BxTxNxH,
+    k_BxTxKxH,
+    v_BxTxKxH,
+    position_BxT,
+    segments=None,
+    dropout_key=None,
+    dropout_rate=0.0,
+    implementation="xla",
+):
     """jax.nn.dot_product_attention: XLA's attention, or cuDNN's fused flash kernel (GPU, bfloat16)."""
     k_BxTxKxH, v_BxTxKxH = whole_rows(k_BxTxKxH, v_BxTxKxH)
     T = q_BxTxNxH.shape[1]
@@ -411,13 +424,17 @@ def einsum_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segments=Non
     )
 
 
-def splash_tokens_major(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segments=None, dropout_key=None):
+def splash_tokens_major(
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segments=None, dropout_key=None, dropout_rate=0.0
+):
     """Splash on the (B, T, heads, H) layout: the path of prefills and int8/fp8 projections."""
     k_BxTxKxH, v_BxTxKxH = whole_rows(k_BxTxKxH, v_BxTxKxH)
     return splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, None if segments is None else segments.ids_BxT)
 
 
-def splash_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, position_BxT, segments=None, dropout_key=None):
+def splash_heads_major(
+    q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, position_BxT, segments=None, dropout_key=None, dropout_rate=0.0
+):
     """Splash with q, k and v made in its (B, heads, T, H) layout by the projection itself (training)."""
     # Heads split over `tensor` only where it divides the kv heads: the kernel runs per shard of whole
     # groups, and a query split alone would be gathered back each layer.
@@ -427,7 +444,7 @@ def splash_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, position_BxT, segments=N
     return splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT)
 
 
-def ring(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segments=None, dropout_key=None):
+def ring(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segments=None, dropout_key=None, dropout_rate=0.0):
     """ring_attention over the mesh axis that splits the rows' tokens."""
     ids_BxT = jnp.zeros_like(position_BxT) if segments is None else segments.ids_BxT
     return ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, ids_BxT, sequence_axis()[0])
@@ -443,6 +460,9 @@ ATTENTION = {  # by name: config.attention's choices, and the two that the rules
 }
 
 
+HEADS_MAJOR = {"splash_heads_major"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Attend:
     """The attention implementation that one traced program runs, by its name in ATTENTION. heads_major:
@@ -453,13 +473,10 @@ class Attend:
 
     @property
     def heads_major(self) -> bool:
-        return self.name == "splash_heads_major"
+        return self.name in HEADS_MAJOR
 
     def __call__(self, q, k, v, position_BxT, segments=None, dropout_key=None):
-        implementation = ATTENTION[self.name]
-        if self.name == "einsum":
-            implementation = functools.partial(implementation, dropout_rate=self.dropout_rate)
-        return implementation(q, k, v, position_BxT, segments, dropout_key)
+        return ATTENTION[self.name](q, k, v, position_BxT, segments, dropout_key, dropout_rate=self.dropout_rate)
 
 
 def choose_attention(config, T: int, dropout: bool = False, prefill: bool = False) -> Attend:

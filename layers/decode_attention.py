@@ -18,7 +18,7 @@ Layout (as layers/kv_cache.py stores the cache): keys and values (L, R, S, K·H)
 lanes side by side; an int8 cache has float32 scales (L, R, S, K). The query of head n is spread
 "block-diagonally" over all K·H lanes (zero outside its kv head's H lanes), so one product
 contracting K·H gives every head's scores against its own kv head, and the values' product gives
-each query head all K heads' outputs (the caller keeps its own block, as KVCache.attend does).
+each query head all K heads' outputs (the caller keeps its own block: kv_cache.blockwise_attention).
 
 The result is a partial softmax (flash-decoding style): unnormalised outputs, the running max and
 the sum of exp(score - max), which the caller merges with the new token's own key and value.

@@ -80,7 +80,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        """S, the positions it holds."""
+        """S, the positions it holds (a layer's slice: the positions it was cut to)."""
         return self.k.shape[-2]
 
     def layer(self, index, n: int | None = None, rows: int | None = None) -> "KVCache":
@@ -248,10 +248,6 @@ class InPlaceLayer:
 
     cache: KVCache
     index: jax.Array
-
-    @property
-    def capacity(self) -> int:
-        return self.cache.capacity
 
     def encode(self, k_BxTxKxH, v_BxTxKxH) -> KVCache:
         return self.cache.encode(k_BxTxKxH, v_BxTxKxH)

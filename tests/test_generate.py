@@ -360,13 +360,13 @@ def long_context(style: str):
 
 
 @pytest.mark.parametrize("style", ["gpt2", "gqa"])
-def test_greedy_across_attend_buckets_equals_recomputing(style):
+def test_greedy_across_prefix_buckets_equals_recomputing(style):
     """The decode step reads only the cache's first `attend` positions, in buckets that grow as the
     rows do (32, 64, then all 85 = 25 + 60), and writes each token after the layer stack: its greedy
     tokens are the full forward pass's (what the step that wrote the cache inside every layer and
     read all of it gave: the tests above held it to the same reference)."""
     setup, params = long_context(style)
-    assert generate.attend_buckets(25 + 60) == [32, 64, 85]
+    assert generate.prefix_buckets(25 + 60) == [32, 64, 85]
     cached = generate.generate(setup, params, RAGGED, 60, temperature=0).tokens
     assert cached == [greedy_by_recomputing(setup, params, ids, 60) for ids in RAGGED]
     assert len({tuple(t) for t in cached}) == 3
