@@ -64,16 +64,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags, script: str | None = None) -> tuple:
+def start_server(*flags, script: str | None = None, compile_cache: str | None = None) -> tuple:
     """(url, process) of serve.py with these flags on a free port, once /health says 200 (`script`: Python
-    that runs serve.main in serve.py's place). A thread reads its output as it comes (output_of, logged)."""
+    that runs serve.main in serve.py's place; `compile_cache`: a folder for JAX's persistent compilation cache,
+    which servers of the same model and slots share). A thread reads its output as it comes (output_of, logged)."""
     port = free_port()
     command = [os.path.join(ROOT, "serve.py")] if script is None else ["-c", script]
+    # every program cached, however quick its compile (JAX's default: those of a second or more)
+    cache = {"JAX_COMPILATION_CACHE_DIR": compile_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     process = subprocess.Popen(
         [sys.executable, *command, *flags, f"--port={port}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=None if compile_cache is None else {**os.environ, **cache},
     )
     process.lines = []
     process.reader = threading.Thread(target=lambda: process.lines.extend(process.stdout), daemon=True)
@@ -180,11 +184,22 @@ def slow_model(tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def slow_programs(tmp_path_factory):
+    """The compilation cache of the four servers on slow_model with one slot: the programs they compile at
+    start-up are the same (no test of theirs counts compilations), so all but the first load them."""
+    return str(tmp_path_factory.mktemp("slow-programs"))
+
+
 @pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "http-workers"])
-def slow_server(slow_model, request):
+def slow_server(slow_model, slow_programs, request):
     """serve.py on slow_model with one slot. Its last test stops it with SIGTERM."""
     url, process = start_server(
-        f"--init_from={slow_model}", "--slots=1", "--log_interval=0", f"--http_workers={request.param}"
+        f"--init_from={slow_model}",
+        "--slots=1",
+        "--log_interval=0",
+        f"--http_workers={request.param}",
+        compile_cache=slow_programs,
     )
     yield url, process
     stopped(process)
@@ -224,7 +239,7 @@ serve.main(sys.argv[1:])
 
 
 @pytest.fixture(scope="module", params=[0, 2], ids=["in-process", "http-workers"])
-def faulty_server(slow_model, request):
+def faulty_server(slow_model, slow_programs, request):
     """A server of FAULTY_SERVE's on slow_model with one slot, in-process and with two HTTP workers. Its last
     test makes its engine fail."""
     url, process = start_server(
@@ -234,6 +249,7 @@ def faulty_server(slow_model, request):
         "--exit_after_failure_s=2",  # the test probes the failed server within it
         f"--http_workers={request.param}",
         script=FAULTY_SERVE,
+        compile_cache=slow_programs,
     )
     yield url, process
     stopped(process)
