@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 import pytest
-from test_generate import RAGGED, long_context, sharded_model
+from test_generate import RAGGED, SHARDED_STYLES, long_context, sharded_model, tiny
 
 from inference import engine, generate, loader
 from layers import kv_cache
@@ -21,6 +21,12 @@ def engine_tokens(setup, params, prompts, max_tokens):
         assert done.acquire(timeout=120)
     e.shutdown()
     return [r.tokens for r in requests]
+
+
+def short_context(style: str):
+    """long_context's model with a context of 32: one cache prefix to read and prompt buckets 16 and 32, for
+    the tests of what is not about the cache's prefixes (fewer programs to compile)."""
+    return tiny(**{"gpt2": {}, "gqa": dict(SHARDED_STYLES["gqa"], n_head=4)}[style])
 
 
 def test_slots_on_tensor_and_data_decode_as_one_device():
@@ -131,7 +137,7 @@ def test_log_probabilities_are_computed_for_the_requests_that_ask_whatever_runs_
 def test_requests_that_arrive_together_are_admitted_together_and_decode_as_alone():
     """Five requests queued before the loop looks: one program admits each prompt bucket's (three of
     16 positions padded to 8 rows, two of 32), and every request's greedy tokens are generate.py's."""
-    setup, params = long_context("gqa")
+    setup, params = short_context("gqa")
     prompts = [RAGGED[0], RAGGED[1], list(range(40, 60)), RAGGED[2], [7] * 12]  # buckets 16, 16, 32, 32, 16
     e = engine.Engine(setup, params, slots=8, max_queue=8, log=lambda line: None)
     admitted = []
@@ -147,13 +153,13 @@ def test_requests_that_arrive_together_are_admitted_together_and_decode_as_alone
     done = threading.Semaphore(0)
     with e.wake:  # the loop waits for this lock: it sees all five at once
         requests = [
-            e.submit(engine.Request(ids, 10, temperature=0, on_finish=lambda _: done.release())) for ids in prompts
+            e.submit(engine.Request(ids, 6, temperature=0, on_finish=lambda _: done.release())) for ids in prompts
         ]
     for _ in requests:
         assert done.acquire(timeout=120)
     e.shutdown()
     assert sorted(admitted) == [(16, 8), (32, 8)]
-    expected = [generate.generate(setup, params, [ids], 10, temperature=0).tokens[0] for ids in prompts]
+    expected = [generate.generate(setup, params, [ids], 6, temperature=0).tokens[0] for ids in prompts]
     assert [r.tokens for r in requests] == expected
 
 
@@ -222,7 +228,7 @@ def test_a_light_load_runs_only_the_first_quarter_of_the_slots(style, cache):
     """32 slots: while the busy slots are among the first 8, an 8-row program decodes them (the
     cache's other rows, and an int8 cache's scales, left out); once the 9th slot is busy, the 32-row
     one runs. Every request's greedy tokens are generate.py's alone."""
-    setup, params = long_context(style)
+    setup, params = short_context(style)
     setup = loader.model_setup(setup.config, setup.mesh, setup.config.vocab_size, cache)
     e = engine.Engine(setup, params, slots=32, max_queue=16, log=lambda line: None)
     assert e.row_buckets == [8, 32]
@@ -238,7 +244,7 @@ def test_a_light_load_runs_only_the_first_quarter_of_the_slots(style, cache):
     e.step_programs = {key: counting(key, program) for key, program in e.step_programs.items()}
     prompts = [RAGGED[i % 3] for i in range(10)]
     done = threading.Semaphore(0)
-    submit = lambda ids: e.submit(engine.Request(ids, 12, temperature=0, on_finish=lambda _: done.release()))
+    submit = lambda ids: e.submit(engine.Request(ids, 6, temperature=0, on_finish=lambda _: done.release()))
     first = [submit(ids) for ids in prompts[:2]]
     for _ in first:
         assert done.acquire(timeout=120)
@@ -249,5 +255,5 @@ def test_a_light_load_runs_only_the_first_quarter_of_the_slots(style, cache):
         assert done.acquire(timeout=120)
     e.shutdown()
     assert set(light) == {8} and 32 in ran[len(light) :]
-    expected = {i: generate.generate(setup, params, [RAGGED[i]], 12, temperature=0).tokens[0] for i in range(3)}
+    expected = {i: generate.generate(setup, params, [RAGGED[i]], 6, temperature=0).tokens[0] for i in range(3)}
     assert [r.tokens for r in first + rest] == [expected[i % 3] for i in [0, 1, *range(10)]]
