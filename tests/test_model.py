@@ -1011,10 +1011,16 @@ def test_written_out_attention_and_its_backward_equal_xla(n_head, n_kv_head, T):
     k, v = (jax.random.normal(key, (2, T, n_kv_head, 8)) for key in (kk, kv))
     dy = jax.random.normal(kd, q.shape)
     xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-    ours, our_pullback = jax.vjp(attention.causal_attention, q, k, v)
-    theirs, their_pullback = jax.vjp(xla, q, k, v)
+
+    @jax.jit  # one compiled program: run op by op, the blocks' many small operations took seconds
+    def outputs_and_gradients(q, k, v, dy):
+        ours, our_pullback = jax.vjp(attention.causal_attention, q, k, v)
+        theirs, their_pullback = jax.vjp(xla, q, k, v)
+        return ours, theirs, our_pullback(dy), their_pullback(dy)
+
+    ours, theirs, our_gradients, their_gradients = outputs_and_gradients(q, k, v, dy)
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
-    for a, b in zip(our_pullback(dy), their_pullback(dy)):  # dq, dk, dv
+    for a, b in zip(our_gradients, their_gradients):  # dq, dk, dv
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
@@ -1041,10 +1047,15 @@ def test_attention_dropout_and_its_backward_equal_autodiff_of_the_formula(segmen
         p = jnp.where(attention.attention_keep_mask(key, rate, p.shape), p / (1 - rate), 0.0)
         return jnp.einsum("bnts,bsnh->btnh", p, v)
 
-    ours, our_pullback = jax.vjp(lambda q, k, v: attention.causal_attention(q, k, v, rate, key, ids), q, k, v)
-    theirs, their_pullback = jax.vjp(formula, q, k, v)
+    @jax.jit  # one compiled program, as in the test above
+    def outputs_and_gradients(q, k, v, dy):
+        ours, our_pullback = jax.vjp(lambda q, k, v: attention.causal_attention(q, k, v, rate, key, ids), q, k, v)
+        theirs, their_pullback = jax.vjp(formula, q, k, v)
+        return ours, theirs, our_pullback(dy), their_pullback(dy)
+
+    ours, theirs, our_gradients, their_gradients = outputs_and_gradients(q, k, v, dy)
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
-    for a, b in zip(our_pullback(dy), their_pullback(dy)):  # dq, dk, dv
+    for a, b in zip(our_gradients, their_gradients):  # dq, dk, dv
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
     assert np.abs(ours - attention.causal_attention(q, k, v, 0.0, None, ids)).max() > 0.1  # it does drop
     np.testing.assert_array_equal(
