@@ -306,7 +306,7 @@ def test_stop_mid_answer_then_the_next_message_is_served(browser, server, client
 
 def test_regenerate_and_edit_send_the_conversation_up_to_there(browser, server):
     url, log_path = server
-    logged = lambda: [int(n) for n in re.findall(r"^request \d+: (\d+) prompt", log_path.read_text(), re.M)]
+    logged = lambda: [int(n) for n in re.findall(r"^request \S+: (\d+) prompt", log_path.read_text(), re.M)]
     open_page(browser, url, {"api_key": KEY, "max_tokens": "6", "system": "be brief"}, mode="chat")
     say(browser, "hello")
     answered(browser, 1)
