@@ -313,12 +313,12 @@ class GPT(nnx.Module):
         prompts' keys and values in its first T."""
         B, T = idx_BxT.shape
         position_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
-        attend = choose_attention(self.config, T, prefill=True)
+        attend = choose_attention(self.config, T)
         empty = init_cache(self.config, B, 0)  # no positions: how the cache stores keys and values, for encode
 
         def layer(block, x_BTxD, number):
             x_BTxD, (k, v), _ = block(x_BTxD, position_BxT, None, attend)
-            return x_BTxD, empty.encode(k, v)
+            return x_BTxD, empty.encode(attend.tokens_major(k), attend.tokens_major(v))
 
         table_VxD = self._table()
         x_BTxD, new = self._run_cached(self._embed(idx_BxT, table_VxD), layer)

@@ -740,6 +740,23 @@ def test_int8_grouped_query_cache_attends_as_its_dequantized_keys_and_values():
                 np.testing.assert_allclose(out[b, t, n], expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_prefill_through_splash_gives_the_written_out_attentions_logits_and_cache(style):
+    """A prefill through splash (interpreted here) runs heads-major, as training does, and transposes
+    only the keys and values it caches: the last tokens' logits and the cache of the written-out
+    attention's prefill, GPT-2 and grouped-query Llama-style, rows ending at different tokens."""
+    config = dataclasses.replace(TINY if style == "gpt2" else LLAMA, block_size=256)
+    idx, last_B = tokens((2, 128)), jnp.array([127, 40])
+    (logits, cache), (want_logits, want_cache) = (
+        randomize(make(config, attention=name)).prefill(idx, 160, last_B) for name in ("splash", "einsum")
+    )
+    assert attention.choose_attention(make(config, attention="splash").config, 128).heads_major
+    np.testing.assert_allclose(logits, want_logits, atol=1e-5)
+    for name in ("k", "v"):
+        assert getattr(cache, name).shape == (config.n_layer, 2, 160, config.kv_heads * config.n_embd // config.n_head)
+        np.testing.assert_allclose(getattr(cache, name), getattr(want_cache, name), atol=1e-5)
+
+
 def test_int8_cache_written_a_token_at_a_time_holds_what_prefill_writes():
     """Grouped-query int8 cache: decode's one-token writes (a scatter of the keys and values, a
     select of the scales) put each token where prefill puts the whole prompt, rows at different
