@@ -7,9 +7,11 @@
 Train mode builds the state and the step with train.py's own functions (make_setup,
 init_state, jit_train_step), compiles it apart (timed), warms up, then times each step to
 `block_until_ready` of the new state and metrics. Random tokens: no dataset needed. MFU is
-model FLOPs (model.flops_per_token: 6N + 12·L·T·d) x tokens/s over hardware.peak_flops: the
-datasheet dense bf16 peak of the GPU/TPU in use, or on CPU a float32 matmul measured now; on a
-GPU/TPU also over a bf16 8192³ matmul measured on the chip in the same run (what it really does).
+model FLOPs (model.flops_per_token: 6N + 12·L·T·d, attention's whole T x T square as PaLM and nanoGPT
+count it; and again 6N + 6·L·T·d, causal attention halved as MaxText counts it) x tokens/s over
+hardware.peak_flops: the datasheet dense bf16 peak of the GPU/TPU in use, or on CPU a float32 matmul
+measured now; on a GPU/TPU also over a bf16 8192³ matmul measured on the chip in the same run (what
+it really does).
 Peak memory is the step's real peak per device, said where it comes from (step_peak_memory),
 beside the compiled program's need that the pre-flight check uses.
 
@@ -188,6 +190,7 @@ class TrainBench:
     def result(self, seconds: list[float]) -> dict:
         tokens, median = self.config.tokens_per_step, statistics.median(seconds)
         flops = flops_per_token(self.setup.model_config)
+        causal_flops = flops_per_token(self.setup.model_config, causal_half=True)
         tokens_per_s = tokens / median
         peak, peak_source = hardware.best_peak_flops(self.devices, self.peak, flops * tokens_per_s), self.peak_source
         if self.devices[0].platform == "cpu":
@@ -218,6 +221,10 @@ class TrainBench:
             "measured_peak_flops": measured_peak,
             "measured_peak_source": measured_source,
             "mfu_measured": flops * tokens_per_s / measured_peak,
+            # the same, with causal attention counted as half of the T x T square (MaxText's count)
+            "flops_per_token_causal_half": causal_flops,
+            "mfu_causal_half": causal_flops * tokens_per_s / peak if peak else None,
+            "mfu_measured_causal_half": causal_flops * tokens_per_s / measured_peak,
             "optimizer": self.config.optimizer,
             "optimizer_flops_per_step": optimizer_flops,
             "optimizer_flops_share": optimizer_flops / (optimizer_flops + flops * tokens),
@@ -362,13 +369,25 @@ def format_train(r: dict) -> str:
     rows = [
         ("ms/step (min / median)", f"{r['min_s'] * 1e3:,.2f} / {r['median_s'] * 1e3:,.2f}"),
         ("tokens/s (at median; at min)", f"{r['tokens_per_s']:,.0f}; {r['tokens_per_s_best']:,.0f}"),
-        ("model FLOPs per token", f"{r['flops_per_token'] / 1e6:,.2f} M (6N + 12·L·T·d)"),
-        ("achieved", f"{r['achieved_flops'] / 1e12:,.3f} TFLOP/s"),
+        (
+            "model FLOPs per token",
+            f"{r['flops_per_token'] / 1e6:,.2f} M (6N + 12·L·T·d: attention's whole T x T square, as PaLM and "
+            f"nanoGPT count it); {r['flops_per_token_causal_half'] / 1e6:,.2f} M (6N + 6·L·T·d: causal attention "
+            f"halved, as MaxText counts it)",
+        ),
+        ("achieved", f"{r['achieved_flops'] / 1e12:,.3f} TFLOP/s (attention in full)"),
         ("peak", peak),
-        ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "unknown (no peak for this device)"),
+        (
+            "MFU",
+            f"{r['mfu']:.1%} attention in full (PaLM, nanoGPT); {r['mfu_causal_half']:.1%} causal attention halved "
+            f"(MaxText)"
+            if r["mfu"] is not None
+            else "unknown (no peak for this device)",
+        ),
         (
             "MFU vs a matmul measured now",
-            f"{r['mfu_measured']:.1%} of {r['measured_peak_flops'] / 1e12:,.3f} TFLOP/s ({r['measured_peak_source']})",
+            f"{r['mfu_measured']:.1%} (in full), {r['mfu_measured_causal_half']:.1%} (halved) of "
+            f"{r['measured_peak_flops'] / 1e12:,.3f} TFLOP/s ({r['measured_peak_source']})",
         ),
         (
             "optimizer FLOPs per step",

@@ -43,6 +43,11 @@ def test_train_record_is_consistent(tmp_path, capsys):
     assert math.isclose(record["mfu"], record["achieved_flops"] / record["peak_flops"])
     assert record["compile_s"] > 0 and math.isfinite(record["final_loss"])
     assert record["mfu_measured"] == record["mfu"]  # on a CPU the peak is the matmul measured in the run
+    # MaxText's count: causal attention is half the square, 6·L·T·d fewer FLOPs than the full count
+    assert record["flops_per_token"] - record["flops_per_token_causal_half"] == 6 * 2 * 32 * 32
+    assert math.isclose(
+        record["mfu_causal_half"], record["mfu"] * record["flops_per_token_causal_half"] / record["flops_per_token"]
+    )
     assert "measured" in record["measured_peak_source"]
     assert record["peak_memory_bytes"] > 0  # CPU: the compiler's plan, said so
     assert "compiler" in record["memory_source"]
@@ -62,6 +67,8 @@ def test_train_record_is_consistent(tmp_path, capsys):
         "tokens/s",
         "MFU",
         "MFU vs a matmul measured now",
+        "attention in full (PaLM, nanoGPT)",
+        "causal attention halved (MaxText)",
         "compile",
         "compiled step's need",
     ):

@@ -630,6 +630,37 @@ def test_count_params_of_a_llama_style_model():
     assert no_bias("swiglu") == no_bias("gelu")
 
 
+def test_flops_per_token_by_hand_with_attention_in_full_and_causal_half():
+    """Every matmul of a small multi-query SwiGLU model written out: 2 FLOPs per multiply-add forward,
+    twice that backward (the input's and the weight's gradients)."""
+    config = GPTConfig(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_kv_head=1,
+        mlp="swiglu",
+        mlp_hidden=96,
+        vocab_size=128,
+        block_size=32,
+        pos_embedding="rope",
+        norm="rmsnorm",
+        qk_norm=True,
+        bias=False,
+        tie_embeddings=False,
+    )
+    D, H, F, V, T = 64, 16, 96, 128, 32  # width, head size, SwiGLU hidden, vocabulary, context
+    # q, k, v (one head of 16 each), out; gate, up, down; the two RMSNorm scales (nanoGPT counts them)
+    per_layer = D * D + D * H + D * H + D * D + D * F + D * F + F * D + 2 * D
+    weights = 2 * per_layer + D + D * V  # + the final norm's scale and the output layer (the table is a lookup)
+    # each of the 4 query heads: q·k over T keys (2·H·T) and the weights times T values (2·H·T)
+    attention_square = 4 * (2 * H * T + 2 * H * T)
+    full = 3 * (2 * weights + 2 * attention_square)
+    assert full == 444_288
+    assert model.flops_per_token(config) == full
+    # MaxText's causal count: each query sees T/2 keys on average
+    assert model.flops_per_token(config, causal_half=True) == full - 3 * 2 * attention_square // 2 == 419_712
+
+
 @pytest.mark.parametrize("name", ["gpt2", *VARIANTS])
 def test_flops_per_token_counts_the_matmul_weights_of_the_real_model(name):
     """6 FLOPs per weight that multiplies (every parameter but the lookup tables: wpe, and wte
@@ -1211,3 +1242,20 @@ def test_the_llama_350m_config_is_llama_style_at_about_350m_parameters():
         False,
     )
     assert gpt.n_embd // gpt.n_head == 128 and 1 < gpt.kv_heads < gpt.n_head and gpt.attention == "splash"
+
+
+def test_the_llama_164m_mqa_config_has_the_single_chip_records_shape():
+    # issue 66: the shape of the published v5e record (its command built from config/llama_350m.py's flags)
+    config = load_config([str(ROOT / "config" / "llama_164m_mqa.py")])
+    gpt = model_setup.model_config(config, config.vocab_size, "tpu")
+    assert model.count_params(gpt) == 163_595_264
+    assert (gpt.n_layer, gpt.n_embd, gpt.n_head, gpt.kv_heads, gpt.mlp_hidden_size, gpt.padded_vocab_size) == (
+        8,
+        1024,
+        4,
+        1,
+        3072,
+        32768,
+    )
+    assert (gpt.qk_norm, gpt.logit_softcap, gpt.tie_embeddings, gpt.block_size) == (True, 15.0, False, 2048)
+    assert config.batch_size * config.gradient_accumulation_steps == 64
