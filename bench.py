@@ -30,7 +30,6 @@ or only bench.py's own flags), it measures the largest of DEFAULT_MODELS that fi
 
 import dataclasses
 import datetime
-import glob
 import json
 import os
 import re
@@ -48,6 +47,7 @@ import train
 from common import model_setup
 from data import dataset
 from devices import hardware, memory
+from devices.profile import format_step_summary, newest_trace, operation_lines, operation_name, step_summary
 from inference import generate, loader
 from model import active_params, count_params, describe_params, flops_per_token
 from training import optimizer
@@ -70,6 +70,7 @@ class Options:
     kv_cache_dtype: str = "auto"  # decode: 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
     profile: str = ""  # trace into this directory (jax.profiler, Perfetto): train: PROFILE_STEPS more steps,
     #                    decode: one more generate call per batch; print the operations that took the most device time
+    #                    and, for train, a step's time in matmuls, attention kernels, other operations and idle
 
     def __post_init__(self):
         if self.mode not in ("train", "decode"):
@@ -246,11 +247,14 @@ def bench_train(config, options: Options, devices) -> dict:
     if options.profile:  # after the timed steps, so tracing costs them nothing
         with jax.profiler.trace(options.profile, create_perfetto_trace=True):
             bench.run(PROFILE_STEPS)
+        trace, hlo_text = newest_trace(options.profile), bench.step.as_text()
         result["profile"] = {
             "dir": options.profile,
             "traced": f"{PROFILE_STEPS} traced steps",
             "per": "step",
-            "top_operations": top_operations(newest_trace(options.profile), PROFILE_STEPS, bench.step.as_text()),
+            "top_operations": top_operations(trace, PROFILE_STEPS, hlo_text),
+            "step_summary": step_summary(trace, PROFILE_STEPS, hlo_text),
+            "platform": devices[0].platform,
         }
     if config.quantization != "none":  # the speed-up is measured, not assumed: time the float step too
         del bench  # one train state on the devices at a time
@@ -262,27 +266,6 @@ def bench_train(config, options: Options, devices) -> dict:
 
 
 PROFILE_STEPS = 3
-
-
-def newest_trace(directory: str) -> str:
-    """The xplane file jax.profiler.trace just wrote under directory (one folder per trace)."""
-    traces = sorted(glob.glob(os.path.join(directory, "plugins", "profile", "*", "*.xplane.pb")), key=os.path.getmtime)
-    if not traces:
-        raise ValueError(f"--profile={directory}: the profiler wrote no trace there")
-    return traces[-1]
-
-
-def operation_lines(profile) -> list[list]:
-    """The compiled program's operations in a jax.profiler.ProfileData (which must outlive them), as its
-    events, line by line (a line's events run one after another or nested): a GPU's or TPU's 'XLA Ops'
-    lines, or on a CPU each host thread's events that name an HLO operation."""
-    lines = [
-        (plane.name, line.name, list(line.events)) for plane in profile.planes for line in plane.lines
-    ]  # one pass each
-    device_lines = [events for plane, line, events in lines if plane.startswith("/device:") and line == "XLA Ops"]
-    if device_lines:
-        return device_lines
-    return [[event for event in events if any(key == "hlo_op" for key, _ in event.stats)] for _, _, events in lines]
 
 
 def self_times(events) -> list[tuple[object, float]]:
@@ -298,12 +281,6 @@ def self_times(events) -> list[tuple[object, float]]:
         out.append([event, end - start])
         stack.append((end, len(out) - 1))
     return [(event, ns) for event, ns in out]
-
-
-def operation_name(event_name: str) -> str:
-    """The HLO instruction's name: a CPU's trace calls the event by it ('fusion.3'), a TPU's by the
-    instruction's whole text ('%fusion.3 = bf16[...] fusion(...), ...')."""
-    return event_name.split(" = ", 1)[0].removeprefix("%") if " = " in event_name else event_name
 
 
 def hlo_operations(hlo_text: str) -> dict[str, str]:
@@ -416,7 +393,13 @@ def format_train(r: dict) -> str:
         )
     width = max(len(k) for k, _ in rows)
     table = "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-    return table + ("\n" + format_profile(r["profile"]) if "profile" in r else "")
+    if "profile" not in r:
+        return table
+    step_flops = r["flops_per_token"] * r["tokens_per_step"]
+    summary = format_step_summary(
+        r["profile"]["step_summary"], step_flops, r["measured_peak_flops"], r["profile"]["platform"]
+    )
+    return "\n".join([table, format_profile(r["profile"]), *summary])
 
 
 # ----------------------------------------------------------------------------- decode
