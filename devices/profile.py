@@ -224,6 +224,10 @@ def format_step_summary(s: dict, model_flops_per_step: float, peak: float | None
         f"    other       {share(s['other_ms'])}  elementwise, reductions, copies, loops' bookkeeping",
         f"    idle        {share(s['idle_ms'])}  no operation running: the host's dispatch, the wait between steps",
     ]
+    if s["operations_not_in_the_program"]:
+        lines.append(
+            f"    ({s['operations_not_in_the_program']} operations of the trace are not in the program: in other)"
+        )
     if peak:
         lines.append(
             f"    the model's FLOPs take {model_flops_per_step / peak * 1e3:,.2f} ms at the measured peak"
