@@ -63,8 +63,8 @@ class Config:
     attention: str = "auto"  # 'auto' (cuDNN's flash kernel on GPUs in bfloat16, the Pallas splash kernel on
     #                          TPUs, 'einsum' on CPUs, else XLA's) | 'xla' | 'einsum' (written out, with its
     #                          own backward) | 'cudnn' | 'splash'
-    loss_chunks: int = 1  # > 1: the loss takes the logits this many slices of tokens at a time (recomputed in
-    #                       the backward pass), so the (tokens, vocabulary) float32 logits never exist whole
+    loss_chunks: int = 1  # > 1: the output layer and loss take this many slices of tokens at a time, each slice's
+    #                       gradients made with its loss, so the (tokens, vocabulary) float32 logits never exist whole
     quantization: str = "none"  # the blocks' matmuls: 'none' | 'int8' | 'fp8' (e4m3/e5m2; Hopper);
     #                             a property of the step: a run may switch it at resume
     # architecture: the defaults are GPT-2; config/llama_style_small.py shows a Llama-style mix
