@@ -5,12 +5,14 @@ Every operation the trace recorded falls in one of three kinds, by what the comp
 optimized HLO text) says it is:
   matmul     a dot or convolution, or a fusion whose computation holds one (XLA fuses the elementwise
              work around a matmul into it; its time is the matmul's). FLOPs: 2 x the output's elements
-             x the contracted elements of each dot (a convolution: of the kernel per output feature),
-             read from the HLO's shapes, per run of the operation.
-  attention  a custom call: the Pallas kernels (splash attention's forward and backward on a TPU).
-             Where attention is written out (CPUs, --attention=einsum/xla) its matmuls are matmuls
-             and its softmax is the rest.
-  other      everything else: elementwise and reduction fusions, copies, loops' own bookkeeping.
+             x the contracted elements of each dot (XLA:TPU writes dots as convolutions: the input
+             features times the kernel's taps that land on the input), read from the HLO's shapes and
+             counted at every run of the operation (a layer loop's body n_layer times).
+  attention  a kernel called by the program: Pallas's (custom_call_target tpu_custom_call: splash
+             attention's forward and backward on a TPU) or cuDNN's attention. Where attention is
+             written out (CPUs, --attention=einsum/xla) its matmuls are matmuls and its softmax other.
+  other      everything else: elementwise and reduction fusions, copies, loops' own bookkeeping, XLA's
+             own custom calls.
 Time is wall-clock: from the first operation's start to the last one's end, every moment counts once,
 for the first kind of matmul, attention, other that runs then (a CPU runs operations on several threads
 at once; a TPU core runs one at a time), and a moment with none running is idle (the host's dispatch,
