@@ -665,6 +665,7 @@ def measure(argv: list[str]) -> dict:
                 "gradient_accumulation_steps",
                 "dtype",
                 "remat_policy",
+                "loss_chunks",
                 "scan_layers",
                 "pad_vocab_to_multiple",
                 "dropout",
@@ -684,7 +685,7 @@ def measure(argv: list[str]) -> dict:
     )
     print(
         f"  model {describe_params(mc)}, {config.dtype}, remat {config.remat_policy}, "
-        f"scan_layers {config.scan_layers}, vocab {mc.padded_vocab_size}; "
+        f"scan_layers {config.scan_layers}, vocab {mc.padded_vocab_size}, loss_chunks {config.loss_chunks}; "
         + (
             f"{config.gradient_accumulation_steps} x {config.batch_size} x {config.block_size} = "
             f"{config.tokens_per_step:,} tokens/step; {options.steps} timed steps after {options.warmup} "
