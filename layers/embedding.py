@@ -77,8 +77,8 @@ def _unslice(a_CxMxK):
 
 
 def _slice_loss(x_MxD, w_DxV, y_M, cap: float, vocab_size: int):
-    """(float32 logits before the soft cap, the summed cross-entropy, its gradient by those logits) of one
-    slice of tokens: the output layer as model.GPT.head takes it, a target < 0 adding exactly 0."""
+    """(the summed cross-entropy, how many targets, its float32 gradient by x @ w) of one slice of tokens:
+    the output layer as model.GPT.head takes it, a target < 0 adding exactly 0."""
     z_MxV = jnp.dot(x_MxD, w_DxV, preferred_element_type=jnp.float32)
     capped_MxV = SOFTCAPS[cap > 0](z_MxV, cap)
     V = w_DxV.shape[1]
@@ -87,8 +87,8 @@ def _slice_loss(x_MxD, w_DxV, y_M, cap: float, vocab_size: int):
     lse_M = jax.nn.logsumexp(logits_MxV, axis=-1)
     target_M = jnp.take_along_axis(logits_MxV, jnp.where(is_target_M, y_M, 0)[:, None], axis=-1)[:, 0]
     total = jnp.where(is_target_M, lse_M - target_M, 0.0).sum()
-    # d(lse - logits[y]) / dlogits = softmax - one-hot, through the cap's tanh: 1 - tanh² (from z, not the
-    # masked logits: a padding entry's -inf would make 0·inf)
+    # d(lse - logits[y]) / dlogits = softmax - one-hot, through the cap's tanh: 1 - tanh² (from the capped
+    # logits before the padding's -inf, which would make 0·inf)
     onehot_MxV = jnp.arange(V) == y_M[:, None]
     dlogits_MxV = jnp.where(is_target_M[:, None], jnp.exp(logits_MxV - lse_M[:, None]) - onehot_MxV, 0.0)
     if cap > 0:
