@@ -24,7 +24,7 @@ from flax.core import spmd
 
 import configurator
 import sharding
-from common import progress
+from common import compile_cache, progress
 from common.model_setup import model_setup
 from configurator import Config
 from data import dataset
@@ -688,8 +688,11 @@ class Run:
             jax.block_until_ready(metrics)
             self.clock.restart(step)
             if step % config.log_interval and step != config.max_iters:  # else log_step says it
-                self.log.print(f"step {step - 1} | compile + first step {self.clock.compile_seconds:.1f} s")
+                self.log.print(f"step {step - 1} | {self.compile_note()}")
         return metrics
+
+    def compile_note(self) -> str:
+        return f"compile + first step {self.clock.compile_seconds:.1f} s; {compile_cache.summary()}"
 
     def log_step(self, metrics: dict) -> None:
         """One line for the last step: loss, learning rate, time, throughput, MFU, ETA."""
@@ -700,7 +703,7 @@ class Run:
         scalars = {"train/loss": loss, "train/lr": lr}
         seconds = self.clock.seconds_per_step(step)
         if seconds is None:  # only the compiling step since the last restart
-            line += f"compile + first step {self.clock.compile_seconds:.1f} s"
+            line += self.compile_note()
         else:
             tokens_per_s = self.config.tokens_per_step / seconds
             achieved = self.flops_per_token * tokens_per_s
@@ -786,6 +789,8 @@ def complete_config(values: dict) -> dict:
 def main(argv: list[str]) -> None:
     hardware.keep_freed_host_memory()
     config = configurator.load_config_or_exit(argv, complete=complete_config)
+    if warning := compile_cache.use(config.compile_cache):
+        print(warning, flush=True)
     try:
         sharding.initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
         train(config)
