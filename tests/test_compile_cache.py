@@ -1,6 +1,6 @@
 """common/compile_cache.py in processes of their own (JAX opens its cache once per process): a second
-process loads what the first compiled, '' turns the cache off, and a folder it can't write or entries
-it can't read cost one line each, never the run. serve.py's and sample.py's use of it: tests/test_serve.py,
+process loads what the first compiled, and a folder it can't write or entries it can't read cost one
+line each, never the run. serve.py's and sample.py's use of it (and '' turning it off): tests/test_serve.py,
 tests/test_sample.py."""
 
 import os
@@ -47,11 +47,6 @@ def test_a_second_process_loads_the_programs_the_first_compiled(tmp_path):
     assert count >= 1 and said == "0 from the cache"
     assert programs(second[1]) == (count, f"{count} from the cache")
     assert len(list(tmp_path.glob("*-cache"))) == count  # every program written, however quick its compile
-
-
-def test_an_empty_folder_turns_it_off(tmp_path):
-    lines = run("")
-    assert lines[0] == RESULT and programs(lines[1])[1] == "compilation cache off"
 
 
 def test_a_folder_that_cannot_be_written_is_one_warning_and_no_cache(tmp_path):
