@@ -179,7 +179,8 @@ class Server:
         self.stopping = False
         print(
             f"loaded {source} as '{self.name}' ({self.tok.summary()}, {setup.model_config.dtype}, "
-            f"context {self.context}); {loader.memory_summary(setup, self.params)}",
+            f"context {self.context}); {loader.memory_summary(setup, self.params)}; "
+            f"{compile_cache.seconds_since_start():.1f} s after start",
             flush=True,
         )
 
