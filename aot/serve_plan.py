@@ -202,23 +202,8 @@ def compile_serving(
                 key=lambda bucket_rows: (bucket_rows[1], bucket_rows[0]),
             )
             for P, R in {(c.block_size, 1), widest}:
-                rows = lambda dtype: one(dtype, (R,))
-                admit = (
-                    engine.admit_program(setup.graphdef, c.vocab_size)
-                    .lower(
-                        params,
-                        state,
-                        one(jnp.int32, (R, P)),
-                        rows(jnp.int32),
-                        rows(jnp.int32),
-                        rows(jnp.int32),
-                        rows(jnp.float32),
-                        rows(jnp.int32),
-                        rows(jnp.float32),
-                        rows(jnp.bool_),
-                    )
-                    .compile()
-                )
+                inputs = engine.admit_inputs(P, R, replicated)
+                admit = engine.admit_program(setup.graphdef, c.vocab_size).lower(params, state, *inputs).compile()
                 prefill_temporaries = max(prefill_temporaries, admit.memory_analysis().temp_size_in_bytes)
         except Exception as e:  # XLA:TPU refuses a program that can't fit; anything else is a bug
             if "RESOURCE_EXHAUSTED" not in str(e):

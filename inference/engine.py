@@ -244,18 +244,8 @@ class Engine:
             admits = {}  # (prompt bucket, rows): the program
             for P in self.buckets:
                 for R in admit_rows(P, self.slots):
-                    rows = lambda dtype: one(dtype, (R,))
                     admits[P, R] = admit_program(graphdef, self.vocab).lower(
-                        params,
-                        state,
-                        one(jnp.int32, (R, P)),
-                        rows(jnp.int32),
-                        rows(jnp.int32),
-                        rows(jnp.int32),
-                        rows(jnp.float32),
-                        rows(jnp.int32),
-                        rows(jnp.float32),
-                        rows(jnp.bool_),
+                        params, state, *admit_inputs(P, R, replicated)
                     )
         # traced one after another (that holds Python's lock), compiled at once (COMPILE_THREADS)
         threads = 1 if self.mesh.devices.flat[0].platform == "cpu" else COMPILE_THREADS
@@ -531,6 +521,13 @@ def admit_program(graphdef, vocab: int):
     -> (state, drawn): R prompts right-padded to P prefilled into their slots (a slot index out of
     range writes nothing); donates the state."""
     return jax.jit(functools.partial(_admit, graphdef, vocab), donate_argnums=1)
+
+
+def admit_inputs(P: int, R: int, sharding) -> tuple:
+    """admit_program's arguments after the params and the state, as shapes: R prompts of P tokens."""
+    one = lambda dtype, shape=(R,): jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    i32, f32 = jnp.int32, jnp.float32
+    return one(i32, (R, P)), one(i32), one(i32), one(i32), one(f32), one(i32), one(f32), one(jnp.bool_)
 
 
 def _empty_state(config, slots: int, length: int) -> dict:
