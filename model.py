@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from layers import pipeline, quantization
+from layers import lora, pipeline, quantization
 from layers.attention import REMAT_POLICIES, Attend, Segments, choose_attention, permuted_segments
 from layers.blocks import HEAD_NORMS, MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init
 from layers.embedding import SOFTCAPS, embedding_lookup, logits_matmul
@@ -87,6 +87,11 @@ class GPTConfig:
     layers_per_stage: int = 0  # 0 = n_layer / stages (GPipe); fewer: the circular schedule
     kv_cache_dtype: str = "auto"  # decoding's KV cache: 'auto' (the compute dtype) | 'bfloat16' | 'float32' |
     #                               'int8' (one float32 scale per token and key/value head)
+    # LoRA (layers/lora.py): low-rank adapters beside the blocks' dense matrices; 0 = none
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
+    lora_targets: str = "all"  # comma-separated lora.TARGETS (q, k, v, o, gate, up, down), or 'all'
+    lora_dropout: float = 0.0  # dropout on the adapters' input, in training
 
     @property
     def padded_vocab_size(self) -> int:
@@ -132,6 +137,11 @@ class Attention(nnx.Module):
         qkv_bias = config.bias or config.qkv_bias
         self.qkv_bias = param(jnp.zeros((G + 2, K, H)), ("qkv", "heads", "head_dim")) if qkv_bias else None
         self.out_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
+        # LoRA adapters (None unless targeted): q's output is the N query heads, k's and v's the K groups
+        self.q_lora = lora.adapter(config, "q", key, (D,), ("embed",), (N, H), ("heads", "head_dim"))
+        self.k_lora = lora.adapter(config, "k", key, (D,), ("embed",), (K, H), ("heads", "head_dim"))
+        self.v_lora = lora.adapter(config, "v", key, (D,), ("embed",), (K, H), ("heads", "head_dim"))
+        self.o_lora = lora.adapter(config, "o", key, (N, H), ("heads", "head_dim"), (D,), ("embed",))
         self.config = config
 
     def __call__(self, x_BTxD, position_BxT, segments: Segments | None, attend: Attend, dropout_key=None):
@@ -139,9 +149,10 @@ class Attention(nnx.Module):
         own segment when packed) through `attend`. Returns the output and the keys and values, which a
         prefill stores: (B, T, K, H), or (B, K, T, H) when attend.heads_major."""
         k_probs, k_out = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        q, k, v = self._qkv(x_BTxD, position_BxT, attend.heads_major)
+        k_lora = lora.dropout_key(dropout_key)
+        q, k, v = self._qkv(x_BTxD, position_BxT, attend.heads_major, k_lora)
         y = attend(q, k, v, position_BxT, segments, k_probs)
-        return dropout(self._out(y, attend.heads_major), self.config.dropout, k_out), (k, v)
+        return dropout(self._out(y, attend.heads_major, k_lora), self.config.dropout, k_out), (k, v)
 
     def decode(self, x_BTxD, start_B, cache: KVCache | InPlaceLayer):
         """T new tokens per row, at positions start_B[b] + [0, T), against one layer of the cache: its
@@ -152,12 +163,15 @@ class Attention(nnx.Module):
         new = cache.encode(k, v)
         return self._out(cache.attend(q, new, start_B), heads_major=False), new
 
-    def _qkv(self, x_BTxD, position_BxT, heads_major: bool):
-        """q (B, T, N, H) and k, v (B, T, K, H), or each (B, heads, T, H) when heads_major; qk_norm gives
-        q and k unit RMS per head, then RoPE turns them by position (GPT-2 does neither)."""
+    def _qkv(self, x_BTxD, position_BxT, heads_major: bool, lora_key=None):
+        """q (B, T, N, H) and k, v (B, T, K, H), or each (B, heads, T, H) when heads_major, with their
+        LoRA adapters' outputs added; qk_norm gives q and k unit RMS per head, then RoPE turns them by
+        position (GPT-2 does neither)."""
         config = self.config
         project = self._project_heads_major if heads_major else self._project
         q, k, v = project(x_BTxD, *position_BxT.shape)
+        adapters = (self.q_lora, self.k_lora, self.v_lora)
+        q, k, v = (lora.add(a, x_BTxD, y, lora_key, heads_major) for a, y in zip(adapters, (q, k, v)))
         normalize, rotate = HEAD_NORMS[config.qk_norm], ROTATIONS[config.pos_embedding]
         q, k = (rotate(normalize(a, config), position_BxT, config, token_axis=2 if heads_major else 1) for a in (q, k))
         return q, k, v
@@ -189,13 +203,17 @@ class Attention(nnx.Module):
             k_BxKxTxH, v_BxKxTxH = k_BxKxTxH + bias_CxKxH[G, :, None, :], v_BxKxTxH + bias_CxKxH[G + 1, :, None, :]
         return q_BxKxGxTxH.reshape(B, K * G, T, H), k_BxKxTxH, v_BxKxTxH  # (K, G) flattens to head k·G + g
 
-    def _out(self, y, heads_major: bool):
-        """The output projection (B·T, D) of y (B, T, N, H), or of (B, N, T, H) read as it is."""
+    def _out(self, y, heads_major: bool, lora_key=None):
+        """The output projection (B·T, D) of y (B, T, N, H), or of (B, N, T, H) read as it is, with its
+        LoRA adapter's output added (which reads heads-major y as (B, T, N, H))."""
         N, H, D = self.out_kernel.shape
         if heads_major:
             y_BxTxD = jnp.einsum("bnth,nhd->btd", y, self.out_kernel[...].astype(y.dtype)).reshape(-1, D)
-            return y_BxTxD if self.out_bias is None else y_BxTxD + self.out_bias[...].astype(y.dtype)
-        return linear(y.reshape(-1, N * H), self.out_kernel.reshape(N * H, D), self.out_bias, self.config.quantization)
+            y_BTxD = y_BxTxD if self.out_bias is None else y_BxTxD + self.out_bias[...].astype(y.dtype)
+            return lora.add(self.o_lora, y.swapaxes(1, 2).reshape(-1, N * H), y_BTxD, lora_key)
+        y_BTxNH = y.reshape(-1, N * H)
+        y_BTxD = linear(y_BTxNH, self.out_kernel.reshape(N * H, D), self.out_bias, self.config.quantization)
+        return lora.add(self.o_lora, y_BTxNH, y_BTxD, lora_key)
 
 
 class Block(nnx.Module):
