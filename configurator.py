@@ -300,11 +300,6 @@ class Config:
                 "weight_dtype='int8' freezes the base model as int8, which only LoRA adapters can train "
                 "around: add --lora_rank (e.g. 16), or leave weight_dtype='auto'"
             )
-        if self.lora_rank and self.init_from == "scratch":
-            raise ConfigError(
-                "lora_rank > 0 trains adapters on a frozen model, and init_from='scratch' has none: set "
-                "--init_from to a trained model (a Hugging Face directory or hub name, or a nanomax out_dir)"
-            )
 
     def _check_optimizer(self) -> None:
         """How training updates the weights: the optimizer, its schedule, dropout, the router's losses."""

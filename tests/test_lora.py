@@ -3,6 +3,7 @@ fresh adapter changes nothing, merging computes what the adapters compute, only 
 hold optimizer state, checkpoints hold adapters and a record of the base, PEFT's format out and in."""
 
 import dataclasses
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -10,10 +11,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from test_train import ONE_DEVICE, make_dataset, small_config
+
 import configurator
 import model
+import sharding
+import train
+from configurator import Config
+from data import dataset
+from devices import memory
 from layers import lora
 from model import GPT, GPTConfig
+from weights import checkpoint
 
 GPT2 = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32, attention="einsum")
 # 4 query heads in 2 groups (GQA), SwiGLU, untied output: every Llama-style switch the adapters meet.
@@ -134,10 +143,125 @@ def test_bad_lora_values_are_one_clear_message(flags, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_lora_needs_a_trained_model_to_adapt():
-    with pytest.raises(configurator.ConfigError, match="init_from='scratch' has none"):
-        configurator.Config(lora_rank=8)
-
-
 def test_the_configurators_targets_are_the_layers():
     assert configurator.LORA_TARGETS == lora.TARGETS
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """A trained nanomax run (8 steps on the toy data) to adapt, the way the quickstart's would be."""
+    root = tmp_path_factory.mktemp("lora")
+    make_dataset(root / "data")
+    config = small_config(root, out_dir=str(root / "base"), max_iters=8)
+    train.train(config, ONE_DEVICE)
+    return root
+
+
+def lora_config(root, **overrides):
+    values = dict(out_dir=str(root / "lora"), init_from=str(root / "base"), lora_rank=4, learning_rate=1e-2)
+    return small_config(root, **(values | overrides))
+
+
+def test_only_the_adapters_train_and_hold_optimizer_state(base_run):
+    config = lora_config(base_run)
+    setup = train.make_setup(config, sharding.make_mesh(devices=ONE_DEVICE), 65)
+    base = checkpoint.load_base(setup, config.init_from, setup.base_params)
+    state = train.init_state(setup, base)
+    start = jax.tree.map(np.asarray, state["params"])
+    adapters, frozen = lora.split(start)
+    # the frozen base as the forward reads it (float32 here: the compute dtype), equal to the run's weights
+    for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(base)):
+        np.testing.assert_array_equal(a, b)
+    adapter_shapes = sorted(a.shape for a in jax.tree.leaves(adapters))
+    moments = sorted(a.shape for a in jax.tree.leaves(state["opt_state"]) if a.ndim)
+    assert moments == sorted(adapter_shapes * 2)  # AdamW's two moments, of the adapters only
+
+    step = train.jit_train_step(setup)
+    splits = {s: dataset.open_split(config, s, 65) for s in ("train",)}
+    for i in range(3):
+        arrays = dataset.step_batch(splits["train"], config, i, "train", slice(0, config.batch_size), 1)
+        shape = (1, config.batch_size, config.block_size)
+        batch = tuple(sharding.global_batch(a, setup.micro_batch_sharding, shape) for a in arrays)
+        state, _ = step(state, batch)
+    after = jax.tree.map(np.asarray, state["params"])
+    moved, still = lora.split(after)
+    for a, b in zip(jax.tree.leaves(still), jax.tree.leaves(frozen)):
+        np.testing.assert_array_equal(a, b)
+    for path, a in jax.tree_util.tree_leaves_with_path(moved):
+        assert not np.array_equal(a, _at(adapters, path)), jax.tree_util.keystr(path)
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
+def test_the_frozen_base_is_bfloat16_or_int8_and_the_memory_check_counts_only_the_adapters_state():
+    config = Config(
+        n_layer=2,
+        n_head=4,
+        n_embd=64,
+        block_size=32,
+        batch_size=2,
+        dtype="bfloat16",
+    )
+    mesh = sharding.make_mesh(devices=ONE_DEVICE)
+    full = train.make_setup(config, mesh, 65)
+    lora_bf16 = train.make_setup(dataclasses.replace(config, lora_rank=4), mesh, 65)
+    lora_int8 = train.make_setup(dataclasses.replace(config, lora_rank=4, weight_dtype="int8"), mesh, 65)
+    dtypes = lambda setup: {str(a.dtype) for a in jax.tree.leaves(lora.split(setup.abstract_state["params"])[1])}
+    assert dtypes(lora_bf16) == {"bfloat16", "float32"}  # matrices and tables; norm scales and biases
+    assert "int8" in dtypes(lora_int8)
+    opt_bytes = lambda setup: memory.per_device_bytes(setup.abstract_state["opt_state"])
+    adapter_bytes = memory.per_device_bytes(lora.split(lora_bf16.abstract_state["params"])[0])
+    assert 0 <= opt_bytes(lora_bf16) - 2 * adapter_bytes < 64  # two moments, and the step counts
+    assert opt_bytes(full) > 10 * opt_bytes(lora_bf16)
+    needs = [
+        memory.needed([train.lower(setup).compile()], "cpu") for setup in (full, lora_bf16, lora_int8)
+    ]  # what the pre-flight check compares with the device's memory
+    assert needs[0] > needs[1] > needs[2]
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_the_base_record_and_resumes_exactly(base_run):
+    straight = train.train(lora_config(base_run, out_dir=str(base_run / "straight"), lora_dropout=0.1), ONE_DEVICE)
+    first = train.train(lora_config(base_run, max_iters=4, lora_dropout=0.1), ONE_DEVICE)
+    meta = checkpoint.newest_meta(str(base_run / "lora"))
+    base_meta = checkpoint.newest_meta(str(base_run / "base"))
+    assert meta["lora_base"]["init_from"] == str(base_run / "base")
+    saved = set(meta["checksums"]["params"])  # every array the checkpoint holds, by path
+    assert saved and all("lora_a" in p or "lora_b" in p for p in saved)
+    assert len(saved) < len(base_meta["checksums"]["params"])
+    resumed = configurator.load_config(
+        [f"--out_dir={base_run / 'lora'}", "--init_from=resume", f"--data_dir={base_run / 'data'}", "--dataset=toy"]
+        + [f"--{k}={getattr(lora_config(base_run), k)}" for k in RUN_KEYS]
+        + ["--lora_dropout=0.1"],
+        complete=train.complete_config,
+    )
+    assert resumed.lora_rank == 4 and resumed.n_embd == 32  # from the checkpoint
+    rest = train.train(resumed, ONE_DEVICE)
+    assert [s for s, _ in first + rest] == list(range(8))
+    np.testing.assert_allclose([l for _, l in first + rest], [l for _, l in straight], rtol=0, atol=1e-6)
+
+
+RUN_KEYS = ("batch_size", "max_iters", "learning_rate", "warmup_iters", "lr_decay_iters", "min_lr")
+RUN_KEYS += ("eval_interval", "eval_iters", "tensorboard")
+
+
+def test_a_resume_against_a_changed_base_is_refused_in_one_line(base_run, tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(base_run / "base", base)
+    train.train(lora_config(base_run, out_dir=str(tmp_path / "lora"), init_from=str(base), max_iters=2), ONE_DEVICE)
+    # the base trains on: its newest checkpoint is another model now
+    train.train(
+        small_config(base_run, out_dir=str(base), init_from="resume", max_iters=10, lr_decay_iters=10), ONE_DEVICE
+    )
+    resumed = lora_config(base_run, out_dir=str(tmp_path / "lora"), init_from="resume", max_iters=4)
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        train.train(resumed, ONE_DEVICE)
+    message = str(error.value)
+    assert "holds LoRA adapters trained on the base model at" in message and str(base) in message
+    assert "\n" not in message
