@@ -32,7 +32,7 @@ from devices import hardware
 from devices.hardware import GiB
 from devices.memory import compiler_memory, parse_out_of_memory, size
 from inference import engine
-from layers import pipeline
+from layers import lora, pipeline
 from model import describe_params, flops_per_token
 from training import compiled_step
 from training.compiled_step import AotError
@@ -51,7 +51,8 @@ class Options:
     serve: bool = False
     slots: int = 8  # decode slots: rows of the KV cache, split over the batch mesh axes
     context: int = 0  # tokens per slot; 0 = block_size
-    weight_dtype: str = "auto"  # 'auto' (the compute dtype) | 'int8' (weight-only, as sample.py/serve.py)
+    weight_dtype: str = "auto"  # 'auto' (the compute dtype) | 'int8' (weight-only, as sample.py/serve.py;
+    #                             with --lora_rank the train step's frozen base, QLoRA-style)
     kv_cache_dtype: str = "auto"  # 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
     decode_attention: str = "auto"  # 'auto' | 'xla' | 'pallas': as serve.py's (the kernel on one TPU chip)
     chip: str = ""  # with a cpu:N topology: take HBM and bandwidth of this chip of devices/hardware.py (H100, ...)
@@ -291,6 +292,7 @@ def estimate_memory(setup: train.Setup) -> dict:
         mlp_in=(2 if swiglu else 1) * F,
     )
     params = per_device_bytes(setup.abstract_state["params"])  # 4 B per parameter / its shards
+    trained = per_device_bytes(lora.split(setup.abstract_state["params"])[0])  # LoRA: the adapters only
     logits = 2 * tokens * m.padded_vocab_size / mesh["tensor"] * 4  # float32, + their gradient
     rerun = activation_bytes("none", **widths) * tokens if c.remat_policy != "none" else 0
     state, update = state_terms(c)
@@ -301,13 +303,13 @@ def estimate_memory(setup: train.Setup) -> dict:
         "parameters": params,
         state: per_device_bytes(setup.abstract_state) - params,  # AdamW 8 B per parameter, Muon 4
         "batch": per_device_bytes(train.batch_struct(setup)),
-        "gradients": params * (2 if c.gradient_accumulation_steps > 1 else 1),  # + the running sum
+        "gradients": trained * (2 if c.gradient_accumulation_steps > 1 else 1),  # + the running sum
         "activations": int(layers_kept * activation_bytes(c.remat_policy, **widths) * tokens),
         # live at different times: the loss's backward, then one remat'd layer's re-run
         "logits or a re-run layer": int(max(logits, rerun)),
         # the update and the new moments (Muon: new momentum, its orthogonalised copy and
         # Newton-Schulz's products), before they replace the old
-        update: 3 * params,
+        update: 3 * trained,
         "in host memory (offload)": on_host,  # part of the two state terms above, not on the device
     }
 
@@ -323,11 +325,10 @@ def bubble(setup: train.Setup) -> float:
 
 
 def estimated_temporaries(e: dict, config: configurator.Config) -> int:
-    """The backward pass and the optimizer update (with one gradient tree, the size of the
-    parameters) come one after the other: the larger counts."""
-    return max(
-        e["gradients"] + e["activations"] + e["logits or a re-run layer"], e["parameters"] + e[state_terms(config)[1]]
-    )
+    """The backward pass and the optimizer update (with one gradient tree, the size of the trained
+    parameters: all, or a LoRA run's adapters) come one after the other: the larger counts."""
+    gradient = min(e["parameters"], e["gradients"])
+    return max(e["gradients"] + e["activations"] + e["logits or a re-run layer"], gradient + e[state_terms(config)[1]])
 
 
 def flops_per_step(setup: train.Setup) -> float:
@@ -578,6 +579,8 @@ def aot_vocab_size(config: configurator.Config) -> int:
 
 def main(argv: list[str]) -> None:
     options, config = configurator.load_with_options_or_exit(argv, Options, complete=hf.with_model_keys)
+    if config.lora_rank and not options.serve:  # --weight_dtype=int8 is then the frozen base's (QLoRA)
+        config = dataclasses.replace(config, weight_dtype=options.weight_dtype)
     if not options.topology:
         sys.exit("error: --topology is required: cpu:8, gpu, gpu:2, v5e-256, v5e:16x16, v4-8, ...")
     try:

@@ -92,6 +92,8 @@ class GPTConfig:
     lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
     lora_targets: str = "all"  # comma-separated lora.TARGETS (q, k, v, o, gate, up, down), or 'all'
     lora_dropout: float = 0.0  # dropout on the adapters' input, in training
+    weight_dtype: str = "auto"  # 'int8': the blocks' matrices are quantization.Int8Weight (a LoRA run's frozen
+    #                             base), which the projections read in the (B, T, heads, H) layout only
 
     @property
     def padded_vocab_size(self) -> int:
@@ -519,6 +521,13 @@ def active_params(config: GPTConfig) -> int:
     return count_params(config) - idle_expert_params(config)
 
 
+def adapter_params(config: GPTConfig) -> int:
+    """Parameters of the LoRA adapters (0 without them): what a LoRA run trains."""
+    abstract = nnx.eval_shape(lambda: GPT(config, jax.random.key(0)))
+    adapters, _ = lora.split(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(adapters)) if config.lora_rank else 0
+
+
 def describe_params(config: GPTConfig) -> str:
     """'124,475,904 parameters', or for a mixture of experts also the ones a token uses."""
     total = f"{count_params(config):,} parameters"
@@ -534,7 +543,10 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
     Elementwise work is not counted: norms, activations, qk_norm (~3 FLOPs per q/k element) and
     logit_softcap (~3 per logit) are well under 1% of a step's FLOPs. A mixture of experts counts
     its active parameters (the router and the experts_per_token experts a token goes to); its
-    one-hot dispatch and combine einsums are overhead, left out like the rest.
+    one-hot dispatch and combine einsums are overhead, left out like the rest. With LoRA the frozen
+    weights count 4 (no weight gradient) and the adapters 6.
     """
     T = seq_len or config.block_size
-    return 6 * (matmul_params(config) - idle_expert_params(config)) + 12 * config.n_layer * T * config.n_embd
+    used = matmul_params(config) - idle_expert_params(config)
+    frozen = used - adapter_params(config) if config.lora_rank else 0
+    return 6 * used - 2 * frozen + 12 * config.n_layer * T * config.n_embd

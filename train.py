@@ -38,7 +38,7 @@ from layers.quantization import Int8Weight
 from model import GPT, GPTConfig, cast_for_inference, flops_per_token
 from training import compiled_step, monitor
 from training.optimizer import groups_summary, learning_rate, make_optimizer, state_shardings
-from weights import checkpoint, hf
+from weights import checkpoint, hf, peft
 from weights.checkpoint import CheckpointError
 
 
@@ -165,20 +165,22 @@ def on_device(tree, shardings):
     return jax.device_put(tree, shardings)
 
 
-def init_state(setup: Setup, params=None) -> dict:
+def init_state(setup: Setup, params=None, adapters=None) -> dict:
     """A fresh train state, created directly in its sharded layout (never whole on one device):
-    for `params` (pretrained weights, already sharded) or from a random initialization."""
+    for `params` (pretrained weights, already sharded) or from a random initialization. A LoRA run's
+    adapters start fresh, or as `adapters` (a PEFT adapter's, NumPy arrays) give them."""
 
-    def init(pretrained):
+    def init(pretrained, adapters):
         params = nnx.to_pure_dict(nnx.state(GPT(setup.model_config, jax.random.key(setup.config.seed))))
-        if pretrained is not None:  # with LoRA, fresh adapters on it
-            params = lora.join(lora.split(params)[0], pretrained) if setup.config.lora_rank else pretrained
+        if pretrained is not None:  # with LoRA, adapters on it
+            adapters = lora.split(params)[0] if adapters is None else adapters
+            params = lora.join(adapters, pretrained) if setup.config.lora_rank else pretrained
         params = frozen(setup.config, params)
         opt_state = setup.optimizer.init(lora.split(params)[0])
         return {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
 
     with sharding.activate(setup.mesh):
-        return jax.jit(init, out_shardings=setup.state_shardings)(params)
+        return jax.jit(init, out_shardings=setup.state_shardings)(params, adapters)
 
 
 def document_segments(setup: Setup, x_BxT):
@@ -441,11 +443,16 @@ def start_state(setup: Setup, tok, log) -> tuple:
         manager = checkpoint.checkpoint_manager(config)
         if config.init_from == "scratch":
             return manager, init_state(setup), None, None
-        # a Hugging Face model or another run's checkpoint: fine-tune it, whole or (LoRA) its adapters
-        abstract = setup.base_params if config.lora_rank else setup.abstract_params
-        pretrained = checkpoint.load_base(setup, config.init_from, abstract, log)
-        record = checkpoint.base_record(config.init_from, pretrained) if config.lora_rank else None
-        return manager, init_state(setup, pretrained), None, record
+        # a Hugging Face model or another run's checkpoint: fine-tune it, whole or (LoRA) its adapters,
+        # fresh ones or a PEFT adapter directory's
+        abstract, source = (
+            setup.base_params if config.lora_rank else setup.abstract_params,
+            pretrained_model(config.init_from),
+        )
+        pretrained = checkpoint.load_base(setup, source, abstract, log)
+        record = checkpoint.base_record(source, pretrained) if config.lora_rank else None
+        adapters = peft.from_peft(config.init_from, setup.model_config) if source != config.init_from else None
+        return manager, init_state(setup, pretrained, adapters), None, record
 
     def abstract_for(meta):  # checked from the checkpoint's meta, before its arrays are read
         checkpoint.check_model(checkpoint.saved_config(meta), config)
@@ -611,10 +618,11 @@ def check_pretrained_tokenizer(config: Config, tok) -> None:
     vocabulary (a model whose tokenizer is unknown, without tokenizer.json, is taken as it is)."""
     if config.init_from in ("scratch", "resume") or tok is None:
         return
-    if checkpoint.is_run_dir(config.init_from):  # another run's checkpoint: its vocabulary is in its meta
-        check_checkpoint_tokenizer(checkpoint.newest_meta(config.init_from) or {}, config, tok, config.init_from)
+    source = pretrained_model(config.init_from)
+    if checkpoint.is_run_dir(source):  # another run's checkpoint: its vocabulary is in its meta
+        check_checkpoint_tokenizer(checkpoint.newest_meta(source) or {}, config, tok, source)
         return
-    directory = hf.resolve(config.init_from)
+    directory = hf.resolve(source)
     pretrained = hf.read_config(directory)
     theirs = model_tokenizer(directory, pretrained.model_type, pretrained.keys["vocab_size"])
     if theirs is not None and not same_vocabulary(tok, theirs):
@@ -868,8 +876,25 @@ def _write_atomically(path: str, text: str) -> None:
 
 def complete_config(values: dict) -> dict:
     """configurator's `complete` hook for training: the model keys not given come from a Hugging Face
-    model's config.json (init_from=DIR or a hub name), or from the checkpoint resumed."""
-    return checkpoint.with_checkpoint_keys(hf.with_model_keys(values))
+    model's config.json (init_from=DIR or a hub name), or from the checkpoint resumed or fine-tuned;
+    for a PEFT adapter directory, from its base, and the LoRA keys from the adapter."""
+    init_from = values.get("init_from", "scratch")
+    if not peft.is_adapter_dir(init_from):
+        return checkpoint.with_checkpoint_keys(hf.with_model_keys(values))
+    adapter = peft.lora_keys(init_from)
+    conflicts = [f"{k}={values[k]!r} (its: {v!r})" for k, v in adapter.items() if k in values and values[k] != v]
+    if conflicts:
+        raise configurator.ConfigError(
+            f"init_from={init_from} is a LoRA adapter, and {', '.join(conflicts)} would be another: drop "
+            f"{'this key' if len(conflicts) == 1 else 'these keys'} (its adapter_config.json sets them)"
+        )
+    base = {**values, **adapter, "init_from": pretrained_model(init_from)}
+    return {**checkpoint.with_checkpoint_keys(hf.with_model_keys(base)), "init_from": init_from}
+
+
+def pretrained_model(init_from: str) -> str:
+    """The model init_from fine-tunes: a PEFT adapter directory's base, or what it names itself."""
+    return peft.read_config(init_from)["base_model_name_or_path"] if peft.is_adapter_dir(init_from) else init_from
 
 
 def main(argv: list[str]) -> None:

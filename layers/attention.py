@@ -484,8 +484,8 @@ def choose_attention(config, T: int, dropout: bool = False, prefill: bool = Fals
     when context_attention='ring' and the `context` axis splits the rows; the written-out attention when
     attention probabilities are dropped (dropout: a training step with a key) or splash cannot take T
     (not a multiple of 128, or no kernel in this JAX); XLA's for splash over rows split by `context`.
-    Splash trains heads-major; a prefill (whose keys and values go into the cache) and int8/fp8
-    projections use the (B, T, heads, H) layout."""
+    Splash trains heads-major; a prefill (whose keys and values go into the cache), int8/fp8
+    projections and int8 weights (a LoRA run's frozen base) use the (B, T, heads, H) layout."""
     seq_axis, seq_splits = sequence_axis()
     if config.context_attention == "ring" and seq_splits > 1 and T % seq_splits == 0:
         return Attend("ring")
@@ -494,7 +494,7 @@ def choose_attention(config, T: int, dropout: bool = False, prefill: bool = Fals
         return Attend("einsum", config.dropout)
     if name == "splash" and seq_splits > 1:
         return Attend("xla")
-    if name == "splash" and not prefill and config.quantization == "none":
+    if name == "splash" and not prefill and config.quantization == "none" and config.weight_dtype != "int8":
         return Attend("splash_heads_major")
     return Attend(name, config.dropout)
 
