@@ -3,6 +3,7 @@ fresh adapter changes nothing, merging computes what the adapters compute, only 
 hold optimizer state, checkpoints hold adapters and a record of the base, PEFT's format out and in."""
 
 import dataclasses
+import json
 import shutil
 
 import jax
@@ -10,19 +11,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import safe_open
 
 from test_train import ONE_DEVICE, make_dataset, small_config
 
 import configurator
+import export_hf
 import model
 import sharding
 import train
 from configurator import Config
 from data import dataset
 from devices import memory
+from inference import loader
 from layers import lora
 from model import GPT, GPTConfig
-from weights import checkpoint
+from weights import checkpoint, peft
 
 GPT2 = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32, attention="einsum")
 # 4 query heads in 2 groups (GQA), SwiGLU, untied output: every Llama-style switch the adapters meet.
@@ -265,3 +269,104 @@ def test_a_resume_against_a_changed_base_is_refused_in_one_line(base_run, tmp_pa
     message = str(error.value)
     assert "holds LoRA adapters trained on the base model at" in message and str(base) in message
     assert "\n" not in message
+
+
+# ----------------------------------------------------------------------------- out and in
+
+
+LLAMA_KEYS = dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_head=4, n_kv_head=2, bias=False)
+
+
+@pytest.fixture(scope="module")
+def llama_lora_run(base_run):
+    """A Llama-style base (GQA: 4 query heads, 2 key/value heads) and a LoRA run on it, 4 steps each."""
+    base = small_config(base_run, out_dir=str(base_run / "llama-base"), max_iters=4, **LLAMA_KEYS)
+    train.train(base, ONE_DEVICE)
+    lora = dict(out_dir=str(base_run / "llama-lora"), init_from=base.out_dir, lora_targets="q,v,o,gate,down")
+    train.train(lora_config(base_run, max_iters=4, **lora, **LLAMA_KEYS), ONE_DEVICE)
+    return base_run / "llama-lora"
+
+
+def test_the_peft_export_has_peft_names_and_shapes_and_the_merged_export_loads_back_equal(llama_lora_run, tmp_path):
+    export_hf.export(
+        export_hf.ExportConfig(out_dir=str(llama_lora_run), to=str(tmp_path / "adapter"), adapter_only=True)
+    )
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 16.0
+    assert config["target_modules"] == [
+        "mlp.down_proj",
+        "mlp.gate_proj",
+        "self_attn.o_proj",
+        "self_attn.q_proj",
+        "self_attn.v_proj",
+    ]
+    assert config["base_model_name_or_path"] == str(llama_lora_run.parent / "llama-base")
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "np") as f:
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    D, F, H = 32, 128, 8  # width, SwiGLU's default hidden (8/3·32 rounded up to 64s), head size
+    layer = "base_model.model.model.layers.1."
+    expected = {
+        "self_attn.q_proj": (D, 4 * H),  # (in, out): 4 query heads
+        "self_attn.v_proj": (D, 2 * H),  # 2 key/value heads
+        "self_attn.o_proj": (4 * H, D),
+        "mlp.gate_proj": (D, F),
+        "mlp.down_proj": (F, D),
+    }
+    for module, (n_in, n_out) in expected.items():
+        assert shapes[f"{layer}{module}.lora_A.weight"] == [4, n_in]
+        assert shapes[f"{layer}{module}.lora_B.weight"] == [n_out, 4]
+    assert len(shapes) == 2 * 2 * len(expected)  # two layers, A and B
+
+    export_hf.export(export_hf.ExportConfig(out_dir=str(llama_lora_run), to=str(tmp_path / "merged")))
+    setup, params, _, _ = loader.load_checkpoint(str(llama_lora_run))
+    assert not lora.has_adapters(params) and setup.model_config.lora_rank == 0
+    exported_setup, exported, _ = loader.load_hf(str(tmp_path / "merged"))
+    tokens = TOKENS % 65
+    np.testing.assert_array_equal(
+        nnx.merge(setup.graphdef, params)(tokens), nnx.merge(exported_setup.graphdef, exported)(tokens)
+    )
+    # the adapter directory as init_from: the same adapters on the same base
+    values = train.complete_config(
+        {
+            "init_from": str(tmp_path / "adapter"),
+            "data_dir": str(llama_lora_run.parent / "data"),
+            "dataset": "toy",
+            "out_dir": str(tmp_path / "again"),
+            "batch_size": 8,
+        }
+    )
+    again = Config(**values)
+    assert (again.lora_rank, again.lora_targets, again.n_kv_head) == (4, "q,v,o,gate,down", 2)
+    train_setup = train.make_setup(again, sharding.make_mesh(devices=ONE_DEVICE), 65)
+    base = checkpoint.load_base(train_setup, train.pretrained_model(again.init_from), train_setup.base_params)
+    state = train.init_state(train_setup, base, peft.from_peft(again.init_from, train_setup.model_config))
+    np.testing.assert_allclose(
+        nnx.merge(train_setup.graphdef, state["params"])(tokens),
+        nnx.merge(setup.graphdef, params)(tokens),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_gpt2s_fused_c_attn_exports_as_one_adapter_and_imports_exactly(base_run, tmp_path):
+    """q and v adapters of a GPT-2 model: one c_attn adapter of rank 2r, B block-diagonal, alpha doubled."""
+    out = tmp_path / "gpt2-lora"
+    train.train(lora_config(base_run, out_dir=str(out), lora_targets="q,v,down", max_iters=2), ONE_DEVICE)
+    export_hf.export(export_hf.ExportConfig(out_dir=str(out), to=str(tmp_path / "adapter"), adapter_only=True))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["attn.c_attn", "mlp.c_proj"] and config["fan_in_fan_out"] is True
+    assert config["rank_pattern"] == {"attn.c_attn": 8} and config["alpha_pattern"] == {"attn.c_attn": 32.0}
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "np") as f:
+        b = f.get_tensor("base_model.model.transformer.h.0.attn.c_attn.lora_B.weight")
+        assert f.get_slice("base_model.model.transformer.h.0.attn.c_attn.lora_A.weight").get_shape() == [8, 32]
+    assert b.shape == (96, 8) and not b[32:64].any() and not b[:32, 4:].any() and not b[64:, :4].any()
+    setup, adapters, _, _ = loader.load_checkpoint(str(out), adapters_only=True)
+    base = checkpoint.load_base(setup, str(base_run / "base"), lora.base_of(setup.abstract_params))
+    keys = peft.lora_keys(str(tmp_path / "adapter"))
+    assert keys == {"lora_rank": 8, "lora_alpha": 16.0, "lora_targets": "q,k,v,down"}
+    imported_config = dataclasses.replace(setup.model_config, **keys)
+    imported = peft.from_peft(str(tmp_path / "adapter"), imported_config)
+    ours = lora.merge(lora.join(adapters, base), setup.model_config)
+    theirs = lora.merge(lora.join(imported, base), imported_config)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
