@@ -17,8 +17,10 @@ from test_train import ONE_DEVICE, make_dataset, small_config
 
 import bench
 import configurator
+import eval as eval_command
 import export_hf
 import model
+import sample
 import sharding
 import train
 from configurator import Config
@@ -400,3 +402,31 @@ def test_adapters_are_sharded_like_their_matrices_and_train_the_same_on_a_mesh()
         return out
 
     np.testing.assert_allclose(losses(mesh), losses(sharding.make_mesh(devices=ONE_DEVICE)), rtol=1e-5)
+
+
+def test_sample_and_eval_run_a_lora_checkpoint_as_its_merged_export(llama_lora_run, tmp_path, capsys):
+    export_hf.export(export_hf.ExportConfig(out_dir=str(llama_lora_run), to=str(tmp_path / "merged")))
+    text = tmp_path / "text.txt"
+    text.write_text("".join(chr(0x100 + i % 65) for i in range(0, 200, 3)))
+    capsys.readouterr()
+    outputs = []
+    for source in (f"--out_dir={llama_lora_run}", f"--init_from={tmp_path / 'merged'}"):
+        sample.main([source, "--start=\u0100\u0101", "--num_samples=1", "--max_new_tokens=8", "--temperature=0"])
+        eval_command.main([source, "--task=perplexity", f"--data={text}", "--batch_size=2"])
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "perplexity: loss" in outputs[0]
+
+
+def test_qlora_trains_adapters_on_an_int8_base(base_run, tmp_path, capsys):
+    """weight_dtype='int8': the base's block matrices int8 (QLoRA-style), its logits within int8's rounding of
+    the float32 base's, and the adapters train on it."""
+    config = lora_config(base_run, out_dir=str(tmp_path / "qlora"), weight_dtype="int8", max_iters=6, eval_interval=6)
+    history = train.train(config, ONE_DEVICE)
+    assert "the base frozen in int8 blocks" in capsys.readouterr().out
+    plain = train.train(
+        lora_config(base_run, out_dir=str(tmp_path / "plain"), max_iters=6, eval_interval=6), ONE_DEVICE
+    )
+    assert all(np.isfinite(loss) for _, loss in history)
+    assert 0 < abs(history[0][1] - plain[0][1]) < 0.02  # int8's rounding, no more
+    _, adapters, _, _ = loader.load_checkpoint(config.out_dir, adapters_only=True)
+    assert all(np.abs(pair["lora_b"]).max() > 0 for pair in adapters["blocks"]["attn"].values())
