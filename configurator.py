@@ -38,7 +38,8 @@ class Config:
     out_dir: str = "out"  # checkpoints, TensorBoard events, the effective config
     init_from: str = "scratch"  # 'scratch' | 'resume' (latest checkpoint in out_dir) | a Hugging Face
     #                             model: a directory, or a hub name ('gpt2', 'HuggingFaceTB/SmolLM2-135M');
-    #                             its config.json sets the model keys
+    #                             its config.json sets the model keys | another run's out_dir (its newest
+    #                             checkpoint) | a PEFT LoRA adapter directory (on the base it names)
     overwrite_out_dir: bool = False  # a fresh run into an out_dir that holds checkpoints: delete
     #                                  them first (else it is refused)
     seed: int = 1337  # the batch and the dropout mask of step s depend only on (seed, s)

@@ -325,7 +325,8 @@ def make_train_step(setup: Setup):
         x_AxBxT, y_AxBxT, packed_AxBxT = (*batch, None)[:3]
         params = on_device(state["params"], setup.compute_shardings["params"])  # offload: from the host
         # LoRA: gradients, optimizer and updates for the adapters only; the base rides along, frozen
-        trainable, base = lora.split(params)
+        trainable, frozen_base = lora.split(params)
+        base = frozen_base  # as the loss reads it
         step_key = jax.random.fold_in(jax.random.key(config.seed), state["step"])
         grad_fn = jax.value_and_grad(lambda p, *args: training_loss(setup, lora.join(p, base), *args), has_aux=True)
         n_micro = x_AxBxT.shape[0]
@@ -337,11 +338,11 @@ def make_train_step(setup: Setup):
         grad_shardings = jax.tree.map(lambda s: sharding.without_axes(s, kept_apart), trainable_shardings)
 
         # With fsdp kept apart the loop computes with whole parameters, gathered here once for every micro-step.
-        if "fsdp" in kept_apart:
-            trainable = jax.lax.with_sharding_constraint(trainable, grad_shardings)
-            whole = jax.tree.map(lambda s: sharding.without_axes(s, kept_apart), base_shardings)
-            base = jax.lax.with_sharding_constraint(base, whole)
         loop_params = trainable
+        if "fsdp" in kept_apart:
+            loop_params = jax.lax.with_sharding_constraint(trainable, grad_shardings)
+            whole = jax.tree.map(lambda s: sharding.without_axes(s, kept_apart), base_shardings)
+            base = jax.lax.with_sharding_constraint(frozen_base, whole)
 
         def micro_step_grads(x_BxT, y_BxT, packed_BxT, key):
             (_, (loss, router)), grads = grad_fn(loop_params, x_BxT, y_BxT, key, packed_BxT, n_targets, n_micro)
@@ -365,14 +366,13 @@ def make_train_step(setup: Setup):
         loss, grad_norm = losses.sum(), optax.tree.norm(grads)
         # Offloaded optimizer state comes to the device only now, after the backward passes.
         old_opt_state = on_device(state["opt_state"], setup.compute_shardings["opt_state"])
-        trainable = lora.split(params)[0]
         updates, opt_state = setup.optimizer.update(grads, old_opt_state, trainable)
         # A non-finite step leaves parameters and optimizer state as they were, so a NaN
         # can never reach a checkpoint; nan_policy decides whether training goes on.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = {
-            "params": lora.join(keep_if_bad(optax.apply_updates(trainable, updates), trainable), lora.split(params)[1]),
+            "params": lora.join(keep_if_bad(optax.apply_updates(trainable, updates), trainable), frozen_base),
             "opt_state": schedules_from(opt_state, keep_if_bad(opt_state, old_opt_state)),
             "step": state["step"] + 1,
         }
@@ -445,10 +445,8 @@ def start_state(setup: Setup, tok, log) -> tuple:
             return manager, init_state(setup), None, None
         # a Hugging Face model or another run's checkpoint: fine-tune it, whole or (LoRA) its adapters,
         # fresh ones or a PEFT adapter directory's
-        abstract, source = (
-            setup.base_params if config.lora_rank else setup.abstract_params,
-            pretrained_model(config.init_from),
-        )
+        source = pretrained_model(config.init_from)
+        abstract = setup.base_params if config.lora_rank else setup.abstract_params
         pretrained = checkpoint.load_base(setup, source, abstract, log)
         record = checkpoint.base_record(source, pretrained) if config.lora_rank else None
         adapters = peft.from_peft(config.init_from, setup.model_config) if source != config.init_from else None
