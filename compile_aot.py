@@ -102,6 +102,16 @@ def tpu_topology_name(name: str) -> str:
     return f"{generation}:{'x'.join(map(str, sorted(shape, key=lambda n: (n == 1, n))))}"
 
 
+def small_slice_bounds(topology_name: str) -> dict:
+    """A slice smaller than a host (v5e:1x1, v5e:2x1: one or two chips on a VM) is one host of exactly
+    its chips: libtpu's default host, 2x2x1, does not divide it ('not divisible by the given (or
+    default) chips_per_host_bounds')."""
+    dims = [int(n) for n in topology_name.partition(":")[2].split("x")]
+    if math.prod(dims) >= 4:
+        return {}
+    return {"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))}
+
+
 def host_topology(topology: str) -> tuple[str, int | None]:
     """'cpu:8' -> ('cpu', 8), 'gpu' -> ('gpu', None); a TPU name -> (name, None)."""
     kind, sep, count = topology.partition(":")
@@ -170,6 +180,7 @@ def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Tar
         chip = hardware.TPU_GENERATIONS[topology_name.partition(":")[0]]
         hbm, chip_flops = chip.hbm_bytes, chip.bf16_flops
         extra = {"chip_config_name": "megacore"} if topology_name.startswith("v4") else {}
+        extra |= small_slice_bounds(topology_name)
         devices = topologies.get_topology_desc(
             platform="tpu", topology_name=topology_name, num_slices=num_slices, **extra
         ).devices

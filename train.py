@@ -94,6 +94,11 @@ def make_setup(config: Config, mesh, vocab_size: int, document_start: int | None
             "a tokenizer that has them (GPT-2's, a Hugging Face one), or set document_masking=False"
         )
     model = model_setup(config, mesh, vocab_size)
+    if config.lora_rank and not lora.has_adapters(model.abstract_params):  # else every weight would train
+        raise configurator.ConfigError(
+            f"lora_targets={config.lora_targets!r} names no matrix this model has (GPT-2's MLP has no gate; "
+            f"a mixture of experts' experts take no adapters): choose among q, k, v, o, up, down"
+        )
     param_shardings, abstract_params = frozen_shardings(config, model.param_shardings, model.abstract_params)
     optimizer = make_optimizer(config)
     trainable, _ = lora.split(abstract_params)  # LoRA: only the adapters have optimizer state

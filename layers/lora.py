@@ -169,8 +169,8 @@ def _as_float(kernel):
 
 
 def merge(params: dict, config) -> dict:
-    """The parameters with every adapter folded into its matrix, W + (alpha / r) · A @ B, in float32
-    (the matrices a LoRA run left frozen come out float32 too), and no adapters: a model without
+    """The parameters with every adapter folded into its matrix, W + (alpha / r) · A @ B in float32 (an
+    int8 W dequantized first), and no adapters: a model without
     LoRA (config.lora_rank = 0) computes with them what the model with adapters computed. Works on
     the pure dict of parameters, stacked layers included; a dict without adapters comes back as it is."""
     if not has_adapters(params):

@@ -150,6 +150,12 @@ def test_bad_lora_values_are_one_clear_message(flags, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def test_targets_the_model_lacks_are_refused_rather_than_training_every_weight():
+    config = Config(n_layer=2, n_head=4, n_embd=32, block_size=16, lora_rank=4, lora_targets="gate")
+    with pytest.raises(configurator.ConfigError, match="names no matrix this model has"):
+        train.make_setup(config, sharding.make_mesh(devices=ONE_DEVICE), 65)
+
+
 def test_the_configurators_targets_are_the_layers():
     assert configurator.LORA_TARGETS == lora.TARGETS
 
