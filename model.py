@@ -11,10 +11,11 @@ V vocabulary, L layers, S the KV cache's capacity; BT is batch and time flattene
 GPT-2 is the default; `pos_embedding='rope'`, `norm='rmsnorm'`, `mlp='swiglu'`, `n_kv_head`, `bias=False`
 and `tie_embeddings=False` give Llama-style models, `n_experts` a mixture of experts. Each switch is a
 small function or module in layers/, picked once by name from a table (ROTATIONS, HEAD_NORMS, NORMS,
-MLPS, SOFTCAPS, ATTENTION), or a parameter that is there or not (wpe, lm_head_kernel, the biases): the
-forward pass has no branches on them. How attention runs (XLA, written out, splash or cuDNN kernels,
-ring) is chosen once per traced program by layers/attention.choose_attention; the forward pass reads
-projection -> norm and rotation -> attention -> projection whatever runs underneath.
+MLPS, SOFTCAPS, ATTENTION), or a parameter that is there or not (wpe, lm_head_kernel, the biases, the
+LoRA adapters beside the blocks' matrices that lora_rank adds: layers/lora.py): the forward pass has no
+branches on them. How attention runs (XLA, written out, splash or cuDNN kernels, ring) is chosen once
+per traced program by layers/attention.choose_attention; the forward pass reads projection -> norm and
+rotation -> attention -> projection whatever runs underneath.
 
 Packed rows (several examples in one row) carry segment ids (B, T): attention never crosses a segment
 and positions restart at 0 in each. `GPT.prefill` and `GPT.decode` run tokens for generation against a
@@ -30,10 +31,11 @@ from flax import nnx
 
 from layers import lora, pipeline, quantization
 from layers.attention import REMAT_POLICIES, Attend, Segments, choose_attention, permuted_segments
-from layers.blocks import HEAD_NORMS, MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init
+from layers.blocks import HEAD_NORMS, MLPS, NORMS, constrain, linear, residual_init
 from layers.embedding import SOFTCAPS, embedding_lookup, logits_matmul
 from layers.kv_cache import Filled, InPlaceLayer, KVCache, Prefix, init_cache
 from layers.moe import MoE
+from layers.params import dropout, normal, param
 from layers.rope import ROTATIONS
 
 
