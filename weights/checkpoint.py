@@ -15,8 +15,8 @@ checkpoint is named, and the newest intact one is used instead.
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
