@@ -23,7 +23,7 @@ from layers import lora
 from layers.kv_cache import init_cache
 from layers.quantization import Int8Weight
 from model import GPTConfig, cast_for_inference
-from weights import checkpoint, hf
+from weights import checkpoint, hf, peft
 
 # What rebuilds a checkpoint's model: its model and compute keys, and where an older checkpoint's
 # vocabulary is (newer ones carry it).
@@ -105,7 +105,10 @@ def merged_on_base(setup: ModelSetup, adapters: dict, record: dict, out_dir: str
 
 def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "float32", kv_cache_dtype: str = "auto"):
     """(setup, parameters, tokenizer) of a Hugging Face model: a directory, or a hub name
-    (downloaded into the Hugging Face cache if it is not there yet)."""
+    (downloaded into the Hugging Face cache if it is not there yet); or of a PEFT LoRA adapter directory,
+    merged into the base model its adapter_config.json names."""
+    if peft.is_adapter_dir(name):
+        return load_adapter(name, mesh, quantization, dtype, kv_cache_dtype)
     mesh, quantization = mesh or one_device_mesh(), "none" if quantization == "auto" else quantization
     directory = hf.resolve(name)
     model = hf.read_config(directory)
@@ -128,6 +131,16 @@ def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "floa
             f"exported from with --out_dir=RUN"
         )
     return setup, checkpoint.load_pretrained(setup, directory), tok
+
+
+def load_adapter(directory: str, mesh=None, quantization="none", dtype="float32", kv_cache_dtype="auto"):
+    """(setup, parameters, tokenizer) of a PEFT adapter directory's adapters merged into its base."""
+    base = peft.read_config(directory)["base_model_name_or_path"]
+    setup, params, tok = load_hf(base, mesh, quantization, dtype, kv_cache_dtype)
+    with_adapters = dataclasses.replace(setup.model_config, **peft.lora_keys(directory))
+    adapters = peft.from_peft(directory, with_adapters)
+    merge = jax.jit(lambda p, a: lora.merge(lora.join(a, p), with_adapters), out_shardings=setup.param_shardings)
+    return setup, merge(params, adapters), tok
 
 
 def default_dtype(dtype: str) -> str:

@@ -334,6 +334,19 @@ def test_the_peft_export_has_peft_names_and_shapes_and_the_merged_export_loads_b
     np.testing.assert_array_equal(
         nnx.merge(setup.graphdef, params)(tokens), nnx.merge(exported_setup.graphdef, exported)(tokens)
     )
+    # sample.py, eval.py and serve.py load an adapter directory onto its Hugging Face base, merged
+    export_hf.export(
+        export_hf.ExportConfig(out_dir=str(llama_lora_run.parent / "llama-base"), to=str(tmp_path / "base"))
+    )
+    config["base_model_name_or_path"] = str(tmp_path / "base")
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    adapter_setup, adapted, _ = loader.load_hf(str(tmp_path / "adapter"))
+    np.testing.assert_allclose(
+        nnx.merge(adapter_setup.graphdef, adapted)(tokens),
+        nnx.merge(setup.graphdef, params)(tokens),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     # the adapter directory as init_from: the same adapters on the same base
     values = train.complete_config(
         {
