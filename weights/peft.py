@@ -17,6 +17,7 @@ c_attn adapter imports as q, k and v adapters sharing its A.
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -68,16 +69,16 @@ def to_peft(adapters: dict, c: GPTConfig, base: str) -> tuple[dict, dict]:
     fused = [t for t in QKV if t in found] if modules is GPT2_MODULES else []
     for i in range(c.n_layer):
         pairs = {t: (pair["lora_a"][i], pair["lora_b"][i]) for t, pair in found.items()}
-        per_module = {modules[t]: [_linear_pair(*pairs[t], r)] for t in found if t not in fused}
+        per_module = {modules[t]: _linear_pair(*pairs[t], r) for t in found if t not in fused}
         if fused:  # c_attn: A's stacked, B block-diagonal over its (q, k, v) column blocks
             D = c.n_embd
             a = np.concatenate([_linear_pair(*pairs[t], r)[0] for t in fused])
             b = np.zeros((3 * D, len(fused) * r), np.float32)
             for j, t in enumerate(fused):
                 b[QKV.index(t) * D : (QKV.index(t) + 1) * D, j * r : (j + 1) * r] = _linear_pair(*pairs[t], r)[1]
-            per_module["attn.c_attn"] = [(a, b)]
+            per_module["attn.c_attn"] = (a, b)
             ranks["attn.c_attn"] = len(fused) * r
-        for module, [(a, b)] in per_module.items():
+        for module, (a, b) in per_module.items():
             name = prefix.format(i=i) + module
             tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a, b
     targets = sorted({modules[t] for t in found})
@@ -152,29 +153,38 @@ def read_config(directory: str) -> dict:
 
 
 def lora_keys(directory: str) -> dict:
-    """The config keys of the adapters in an adapter directory: lora_rank (the largest of its modules'),
-    lora_alpha, lora_targets."""
+    """The config keys of the adapters in an adapter directory: lora_rank (the largest of its modules'
+    ranks, as their lora_A tensors have them), lora_alpha, lora_targets."""
     config = read_config(directory)
-    names = _tensor_names(directory)
+    ranks = _tensor_shapes(directory, lambda name: name.endswith(".lora_A.weight"))
     targets = set()
-    for module in {n.rsplit(".lora_", 1)[0].split(".", 2)[-1] for n in names}:
-        for modules in (LLAMA_MODULES, GPT2_MODULES):
-            targets |= {t for t, m in modules.items() if module.endswith("." + m)}
-    ranks = [config.get("r", 8), *config.get("rank_pattern", {}).values()]
+    for module in sorted({n.rsplit(".lora_", 1)[0] for n in ranks}):
+        found = {t for modules in (LLAMA_MODULES, GPT2_MODULES) for t, m in modules.items() if module.endswith("." + m)}
+        if not found:  # an embedding, the output layer, an expert: nothing here to load it into
+            raise hf.HFError(f"{directory} adapts {module}, which nanomax's LoRA has no adapter for")
+        targets |= found
     order = [t for t in lora.TARGETS if t in targets]
     return {
-        "lora_rank": int(max(ranks)),
+        "lora_rank": max(shape[0] for shape in ranks.values()),
         "lora_alpha": float(config.get("lora_alpha", 8)),
         "lora_targets": ",".join(order),
     }
 
 
-def _tensor_names(directory: str) -> list:
+def _tensor_shapes(directory: str, keep) -> dict:
     try:
         with safe_open(os.path.join(directory, WEIGHTS_FILE), "np") as f:
-            return list(f.keys())
+            return {name: f.get_slice(name).get_shape() for name in f.keys() if keep(name)}
     except (OSError, SafetensorError) as e:
         raise hf.HFError(f"{os.path.join(directory, WEIGHTS_FILE)} can't be read ({e})") from None
+
+
+def _alpha(config: dict, module_path: str) -> float:
+    """A module's lora_alpha: alpha_pattern's entry whose pattern ends its path (PEFT's rule), else lora_alpha."""
+    for pattern, alpha in config.get("alpha_pattern", {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module_path):
+            return alpha
+    return config.get("lora_alpha", 8)
 
 
 def from_peft(directory: str, c: GPTConfig) -> dict:
@@ -187,23 +197,19 @@ def from_peft(directory: str, c: GPTConfig) -> dict:
     R, scale = c.lora_rank, c.lora_alpha / c.lora_rank
     shapes = lora.split(_abstract_adapters(c))[0]["blocks"]
     out = {part: {name: {} for name in pairs} for part, pairs in shapes.items()}
-    try:
-        f = safe_open(os.path.join(directory, WEIGHTS_FILE), "np")
-    except (OSError, SafetensorError) as e:
-        raise hf.HFError(f"{os.path.join(directory, WEIGHTS_FILE)} can't be read ({e})") from None
+    tensors = _tensors(directory)
     for part, pairs in shapes.items():
         for name, pair in pairs.items():
             target = name[: -len("_lora")]
             module = modules[target]
-            r_m = config.get("rank_pattern", {}).get(module, config.get("r", 8))
-            alpha_m = config.get("alpha_pattern", {}).get(module, config.get("lora_alpha", 8))
             a_layers, b_layers = [], []
             for i in range(c.n_layer):
                 key = prefix.format(i=i) + module
-                if f"{key}.lora_A.weight" not in f.keys():
+                if f"{key}.lora_A.weight" not in tensors:
                     raise hf.HFError(f"{directory}: no {key}.lora_A.weight, though {target} has adapters")
-                a, b = f.get_tensor(f"{key}.lora_A.weight").astype(np.float32), f.get_tensor(f"{key}.lora_B.weight")
-                b = b.astype(np.float32) * (alpha_m / r_m) / scale
+                a, b = (tensors[f"{key}.lora_{m}.weight"].astype(np.float32) for m in "AB")
+                own_scale = _alpha(config, key.removeprefix("base_model.model.")) / a.shape[0]
+                b = b * own_scale / scale
                 if module == "attn.c_attn":  # q, k, v: its A, and B's column block of the target
                     D = c.n_embd
                     b = b[QKV.index(target) * D : (QKV.index(target) + 1) * D]
@@ -215,6 +221,14 @@ def from_peft(directory: str, c: GPTConfig) -> dict:
                 "lora_b": np.stack(b_layers).reshape(b_shape),
             }
     return {"blocks": out}
+
+
+def _tensors(directory: str) -> dict:
+    try:
+        with safe_open(os.path.join(directory, WEIGHTS_FILE), "np") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (OSError, SafetensorError) as e:
+        raise hf.HFError(f"{os.path.join(directory, WEIGHTS_FILE)} can't be read ({e})") from None
 
 
 def _abstract_adapters(c: GPTConfig) -> dict:
