@@ -3,7 +3,8 @@ one run at a time its only writer.
 
     out_dir/lock                   held (flock) by the run writing here; the OS releases it when
                                    that process ends, however it ends (kill -9 included)
-    out_dir/checkpoints/<step>/    params, opt_state and meta (step, val loss, config, vocabulary):
+    out_dir/checkpoints/<step>/    params (a LoRA run's: its adapters), opt_state and meta (step, val loss,
+                                   config, vocabulary; a LoRA run's base: where, and its weights' hash):
                                    Orbax writes a temporary folder and renames it when complete
     out_dir/checkpoints-damaged/   steps found unreadable at resume, moved aside, never deleted
 
