@@ -7,9 +7,11 @@
 Train mode builds the state and the step with train.py's own functions (make_setup,
 init_state, jit_train_step), compiles it apart (timed), warms up, then times each step to
 `block_until_ready` of the new state and metrics. Random tokens: no dataset needed. MFU is
-model FLOPs (model.flops_per_token: 6N + 12·L·T·d) x tokens/s over hardware.peak_flops: the
-datasheet dense bf16 peak of the GPU/TPU in use, or on CPU a float32 matmul measured now; on a
-GPU/TPU also over a bf16 8192³ matmul measured on the chip in the same run (what it really does).
+model FLOPs (model.flops_per_token: 6N + 12·L·T·d, attention's whole T x T square as PaLM and nanoGPT
+count it; and again 6N + 6·L·T·d, causal attention halved as MaxText counts it) x tokens/s over
+hardware.peak_flops: the datasheet dense bf16 peak of the GPU/TPU in use, or on CPU a float32 matmul
+measured now; on a GPU/TPU also over a bf16 8192³ matmul measured on the chip in the same run (what
+it really does).
 Peak memory is the step's real peak per device, said where it comes from (step_peak_memory),
 beside the compiled program's need that the pre-flight check uses.
 
@@ -28,7 +30,6 @@ or only bench.py's own flags), it measures the largest of DEFAULT_MODELS that fi
 
 import dataclasses
 import datetime
-import glob
 import json
 import os
 import re
@@ -46,6 +47,7 @@ import train
 from common import model_setup
 from data import dataset
 from devices import hardware, memory
+from devices.profile import format_step_summary, newest_trace, operation_lines, operation_name, step_summary
 from inference import generate, loader
 from model import active_params, count_params, describe_params, flops_per_token
 from training import optimizer
@@ -69,6 +71,7 @@ class Options:
     kv_cache_dtype: str = "auto"  # decode: 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
     profile: str = ""  # trace into this directory (jax.profiler, Perfetto): train: PROFILE_STEPS more steps,
     #                    decode: one more generate call per batch; print the operations that took the most device time
+    #                    and, for train, a step's time in matmuls, attention kernels, other operations and idle
 
     def __post_init__(self):
         if self.mode not in ("train", "decode"):
@@ -189,6 +192,7 @@ class TrainBench:
     def result(self, seconds: list[float]) -> dict:
         tokens, median = self.config.tokens_per_step, statistics.median(seconds)
         flops = flops_per_token(self.setup.model_config)
+        causal_flops = flops_per_token(self.setup.model_config, causal_half=True)
         tokens_per_s = tokens / median
         peak, peak_source = hardware.best_peak_flops(self.devices, self.peak, flops * tokens_per_s), self.peak_source
         if self.devices[0].platform == "cpu":
@@ -219,6 +223,10 @@ class TrainBench:
             "measured_peak_flops": measured_peak,
             "measured_peak_source": measured_source,
             "mfu_measured": flops * tokens_per_s / measured_peak,
+            # the same, with causal attention counted as half of the T x T square (MaxText's count)
+            "flops_per_token_causal_half": causal_flops,
+            "mfu_causal_half": causal_flops * tokens_per_s / peak if peak else None,
+            "mfu_measured_causal_half": causal_flops * tokens_per_s / measured_peak,
             "optimizer": self.config.optimizer,
             "optimizer_flops_per_step": optimizer_flops,
             "optimizer_flops_share": optimizer_flops / (optimizer_flops + flops * tokens),
@@ -240,11 +248,14 @@ def bench_train(config, options: Options, devices) -> dict:
     if options.profile:  # after the timed steps, so tracing costs them nothing
         with jax.profiler.trace(options.profile, create_perfetto_trace=True):
             bench.run(PROFILE_STEPS)
+        trace, hlo_text = newest_trace(options.profile), bench.step.as_text()
         result["profile"] = {
             "dir": options.profile,
             "traced": f"{PROFILE_STEPS} traced steps",
             "per": "step",
-            "top_operations": top_operations(newest_trace(options.profile), PROFILE_STEPS, bench.step.as_text()),
+            "top_operations": top_operations(trace, PROFILE_STEPS, hlo_text),
+            "step_summary": step_summary(trace, PROFILE_STEPS, hlo_text),
+            "platform": devices[0].platform,
         }
     if config.quantization != "none":  # the speed-up is measured, not assumed: time the float step too
         del bench  # one train state on the devices at a time
@@ -256,27 +267,6 @@ def bench_train(config, options: Options, devices) -> dict:
 
 
 PROFILE_STEPS = 3
-
-
-def newest_trace(directory: str) -> str:
-    """The xplane file jax.profiler.trace just wrote under directory (one folder per trace)."""
-    traces = sorted(glob.glob(os.path.join(directory, "plugins", "profile", "*", "*.xplane.pb")), key=os.path.getmtime)
-    if not traces:
-        raise ValueError(f"--profile={directory}: the profiler wrote no trace there")
-    return traces[-1]
-
-
-def operation_lines(profile) -> list[list]:
-    """The compiled program's operations in a jax.profiler.ProfileData (which must outlive them), as its
-    events, line by line (a line's events run one after another or nested): a GPU's or TPU's 'XLA Ops'
-    lines, or on a CPU each host thread's events that name an HLO operation."""
-    lines = [
-        (plane.name, line.name, list(line.events)) for plane in profile.planes for line in plane.lines
-    ]  # one pass each
-    device_lines = [events for plane, line, events in lines if plane.startswith("/device:") and line == "XLA Ops"]
-    if device_lines:
-        return device_lines
-    return [[event for event in events if any(key == "hlo_op" for key, _ in event.stats)] for _, _, events in lines]
 
 
 def self_times(events) -> list[tuple[object, float]]:
@@ -292,12 +282,6 @@ def self_times(events) -> list[tuple[object, float]]:
         out.append([event, end - start])
         stack.append((end, len(out) - 1))
     return [(event, ns) for event, ns in out]
-
-
-def operation_name(event_name: str) -> str:
-    """The HLO instruction's name: a CPU's trace calls the event by it ('fusion.3'), a TPU's by the
-    instruction's whole text ('%fusion.3 = bf16[...] fusion(...), ...')."""
-    return event_name.split(" = ", 1)[0].removeprefix("%") if " = " in event_name else event_name
 
 
 def hlo_operations(hlo_text: str) -> dict[str, str]:
@@ -363,13 +347,25 @@ def format_train(r: dict) -> str:
     rows = [
         ("ms/step (min / median)", f"{r['min_s'] * 1e3:,.2f} / {r['median_s'] * 1e3:,.2f}"),
         ("tokens/s (at median; at min)", f"{r['tokens_per_s']:,.0f}; {r['tokens_per_s_best']:,.0f}"),
-        ("model FLOPs per token", f"{r['flops_per_token'] / 1e6:,.2f} M (6N + 12·L·T·d)"),
-        ("achieved", f"{r['achieved_flops'] / 1e12:,.3f} TFLOP/s"),
+        (
+            "model FLOPs per token",
+            f"{r['flops_per_token'] / 1e6:,.2f} M (6N + 12·L·T·d: attention's whole T x T square, as PaLM and "
+            f"nanoGPT count it); {r['flops_per_token_causal_half'] / 1e6:,.2f} M (6N + 6·L·T·d: causal attention "
+            f"halved, as MaxText counts it)",
+        ),
+        ("achieved", f"{r['achieved_flops'] / 1e12:,.3f} TFLOP/s (attention in full)"),
         ("peak", peak),
-        ("MFU", f"{r['mfu']:.1%}" if r["mfu"] is not None else "unknown (no peak for this device)"),
+        (
+            "MFU",
+            f"{r['mfu']:.1%} attention in full (PaLM, nanoGPT); {r['mfu_causal_half']:.1%} causal attention halved "
+            f"(MaxText)"
+            if r["mfu"] is not None
+            else "unknown (no peak for this device)",
+        ),
         (
             "MFU vs a matmul measured now",
-            f"{r['mfu_measured']:.1%} of {r['measured_peak_flops'] / 1e12:,.3f} TFLOP/s ({r['measured_peak_source']})",
+            f"{r['mfu_measured']:.1%} (in full), {r['mfu_measured_causal_half']:.1%} (halved) of "
+            f"{r['measured_peak_flops'] / 1e12:,.3f} TFLOP/s ({r['measured_peak_source']})",
         ),
         (
             "optimizer FLOPs per step",
@@ -398,7 +394,13 @@ def format_train(r: dict) -> str:
         )
     width = max(len(k) for k, _ in rows)
     table = "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-    return table + ("\n" + format_profile(r["profile"]) if "profile" in r else "")
+    if "profile" not in r:
+        return table
+    step_flops = r["flops_per_token"] * r["tokens_per_step"]
+    summary = format_step_summary(
+        r["profile"]["step_summary"], step_flops, r["measured_peak_flops"], r["profile"]["platform"]
+    )
+    return "\n".join([table, format_profile(r["profile"]), *summary])
 
 
 # ----------------------------------------------------------------------------- decode
@@ -666,6 +668,7 @@ def measure(argv: list[str]) -> dict:
                 "gradient_accumulation_steps",
                 "dtype",
                 "remat_policy",
+                "loss_chunks",
                 "scan_layers",
                 "pad_vocab_to_multiple",
                 "dropout",
@@ -685,7 +688,7 @@ def measure(argv: list[str]) -> dict:
     )
     print(
         f"  model {describe_params(mc)}, {config.dtype}, remat {config.remat_policy}, "
-        f"scan_layers {config.scan_layers}, vocab {mc.padded_vocab_size}; "
+        f"scan_layers {config.scan_layers}, vocab {mc.padded_vocab_size}, loss_chunks {config.loss_chunks}; "
         + (
             f"{config.gradient_accumulation_steps} x {config.batch_size} x {config.block_size} = "
             f"{config.tokens_per_step:,} tokens/step; {options.steps} timed steps after {options.warmup} "

@@ -30,6 +30,15 @@ class ConfigError(ValueError):
     """A mistake in a config file or flag; the message says which key and how to fix it."""
 
 
+def default_compile_cache() -> str:
+    """Where the commands keep compiled programs by default: JAX's own JAX_COMPILATION_CACHE_DIR if set,
+    else nanomax/jax in the user's cache directory ($XDG_CACHE_HOME, or ~/.cache)."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "nanomax", "jax")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     # data and I/O
@@ -64,8 +73,8 @@ class Config:
     attention: str = "auto"  # 'auto' (cuDNN's flash kernel on GPUs in bfloat16, the Pallas splash kernel on
     #                          TPUs, 'einsum' on CPUs, else XLA's) | 'xla' | 'einsum' (written out, with its
     #                          own backward) | 'cudnn' | 'splash'
-    loss_chunks: int = 1  # > 1: the loss takes the logits this many slices of tokens at a time (recomputed in
-    #                       the backward pass), so the (tokens, vocabulary) float32 logits never exist whole
+    loss_chunks: int = 1  # > 1: the output layer and loss take this many slices of tokens at a time, each slice's
+    #                       gradients made with its loss, so the (tokens, vocabulary) float32 logits never exist whole
     quantization: str = "none"  # the blocks' matmuls: 'none' | 'int8' | 'fp8' (e4m3/e5m2; Hopper);
     #                             a property of the step: a run may switch it at resume
     # architecture: the defaults are GPT-2; config/llama_style_small.py shows a Llama-style mix
@@ -180,6 +189,9 @@ class Config:
     # before the first step, compare what the compiled programs need with the devices' memory
     memory_check: bool = True  # False: skip the check (a refusal becomes XLA's or the kernel's OOM)
     memory_limit_gib: float = 0.0  # check against this many GiB per device; 0 = the device's own limit
+    # compiled programs kept between runs (JAX's persistent compilation cache)
+    compile_cache: str = default_compile_cache()  # a folder: a program compiled once is loaded from here by
+    #                                               the next run that needs it; '' = off
 
     @property
     def tokens_per_step(self) -> int:
@@ -553,6 +565,7 @@ ROLES = {
         "memory_check",
         "memory_limit_gib",
         "fsdp_reduce_once",
+        "compile_cache",
     ),
 }
 ROLE = {key: role for role, keys in ROLES.items() for key in keys}

@@ -335,12 +335,12 @@ class GPT(nnx.Module):
         prompts' keys and values in its first T."""
         B, T = idx_BxT.shape
         position_BxT = jnp.broadcast_to(jnp.arange(T), (B, T))
-        attend = choose_attention(self.config, T, prefill=True)
+        attend = choose_attention(self.config, T)
         empty = init_cache(self.config, B, 0)  # no positions: how the cache stores keys and values, for encode
 
         def layer(block, x_BTxD, number):
             x_BTxD, (k, v), _ = block(x_BTxD, position_BxT, None, attend)
-            return x_BTxD, empty.encode(k, v)
+            return x_BTxD, empty.encode(attend.tokens_major(k), attend.tokens_major(v))
 
         table_VxD = self._table()
         x_BTxD, new = self._run_cached(self._embed(idx_BxT, table_VxD), layer)
@@ -536,12 +536,14 @@ def describe_params(config: GPTConfig) -> str:
     return f"{total} ({active_params(config):,} active)" if config.n_experts else total
 
 
-def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
+def flops_per_token(config: GPTConfig, seq_len: int | None = None, causal_half: bool = False) -> float:
     """Training FLOPs per token: 6 per weight (forward + backward) + attention scores/values.
 
     6N counts matmul_params: SwiGLU's third matrix and grouped-query attention's smaller
     key/value projections are in it (relu2 has gelu's two). 12·L·T·D is the attention's QK^T and AV
-    over a context of T tokens for n_head query heads of size D / n_head, whatever n_kv_head is.
+    over a context of T tokens for n_head query heads of size D / n_head, whatever n_kv_head is:
+    the whole T x T square (PaLM's and nanoGPT's count, this project's MFU). causal_half=True counts
+    half of it, 6·L·T·D, the keys a causal mask leaves (MaxText's count since 2025).
     Elementwise work is not counted: norms, activations, qk_norm (~3 FLOPs per q/k element) and
     logit_softcap (~3 per logit) are well under 1% of a step's FLOPs. A mixture of experts counts
     its active parameters (the router and the experts_per_token experts a token goes to); its
@@ -551,4 +553,5 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> float:
     T = seq_len or config.block_size
     used = matmul_params(config) - idle_expert_params(config)
     frozen = used - adapter_params(config) if config.lora_rank else 0
-    return 6 * used - 2 * frozen + 12 * config.n_layer * T * config.n_embd
+    attention = (6 if causal_half else 12) * config.n_layer * T * config.n_embd
+    return 6 * used - 2 * frozen + attention

@@ -16,6 +16,7 @@ import os
 import sys
 
 import configurator
+from common import compile_cache
 from data import chat_template
 from devices import memory
 from inference.generate import decode_sample, encode_prompt, generate, stop_token_ids
@@ -62,6 +63,8 @@ class SampleConfig:
     #                     line typed is a user turn, and the assistant's answer streams back; Ctrl-D ends it
     messages: str = ""  # with chat: a JSON file of [{role, content}] whose system messages open the
     #                     conversation and whose user messages are sent in turn, instead of typed ones
+    compile_cache: str = configurator.default_compile_cache()  # compiled programs are kept in this folder, and
+    #                                                            the next run loads them instead of compiling; '' = off
 
     def __post_init__(self):
         configurator.check_init_from(self.init_from, choices=("resume",))
@@ -184,6 +187,8 @@ def converse(cfg: SampleConfig, setup, params, tok, given=None) -> list[dict]:
 
 def main(argv):
     cfg = configurator.load_config_or_exit(argv, SampleConfig)
+    if warning := compile_cache.use(cfg.compile_cache):
+        print(warning, file=sys.stderr)
     try:
         mesh = decode_mesh(cfg.mesh_data, cfg.mesh_tensor)
         texts = read_prompts(cfg.start)  # before loading: a missing file is not worth the wait
@@ -238,7 +243,8 @@ def main(argv):
         f"prefill: {out.prompt_tokens} prompt tokens in {out.prefill_s * 1e3:.1f} ms "
         f"({out.prompt_tokens / out.prefill_s:,.0f} tok/s) | decode: {out.decode_tokens} tokens in "
         f"{out.decode_s:.2f} s ({out.decode_tokens / out.decode_s:,.1f} tok/s, {rows} rows"
-        f"{', KV cache' if cfg.kv_cache else ', recomputed'}) | compile {out.compile_s:.1f} s",
+        f"{', KV cache' if cfg.kv_cache else ', recomputed'}) | compile {out.compile_s:.1f} s; "
+        f"{compile_cache.summary()}",
         file=sys.stderr,
     )
 

@@ -47,6 +47,7 @@ import uvicorn
 
 import configurator
 import sharding
+from common import compile_cache
 from devices import memory
 from evals import scoring
 from inference import engine, loader
@@ -103,6 +104,8 @@ class ServeConfig:
     #                                    supervisor to restart it
     memory_check: bool = True  # False: skip the check of the compiled programs against the devices' memory
     memory_limit_gib: float = 0.0  # check against this many GiB per device; 0 = the device's own limit
+    compile_cache: str = configurator.default_compile_cache()  # compiled programs are kept in this folder, and
+    #                                                            a restart loads them instead of compiling; '' = off
 
     def __post_init__(self):
         configurator.check_init_from(self.init_from, choices=("resume",))
@@ -176,7 +179,8 @@ class Server:
         self.stopping = False
         print(
             f"loaded {source} as '{self.name}' ({self.tok.summary()}, {setup.model_config.dtype}, "
-            f"context {self.context}); {loader.memory_summary(setup, self.params)}",
+            f"context {self.context}); {loader.memory_summary(setup, self.params)}; "
+            f"{compile_cache.seconds_since_start():.1f} s after start",
             flush=True,
         )
 
@@ -185,6 +189,7 @@ class Server:
         fit the devices; if they cannot, keep the reason in self.failure and call on_failure. If the
         engine's loop fails later, the same, on_failure exit_after_failure_s later."""
         on_failure = on_failure or (lambda: None)
+        compiled_before = compile_cache.counts()
 
         def fail(error):
             self.failure = str(error)
@@ -224,11 +229,12 @@ class Server:
                 return fail(error)
         self.engine = e
         print(
-            f"ready: {e.slots} slots x {self.context} tokens, KV cache {e.kv_bytes / 2**20:,.1f} MiB "
+            f"ready {compile_cache.seconds_since_start():.1f} s after start: {e.slots} slots x {self.context} "
+            f"tokens, KV cache {e.kv_bytes / 2**20:,.1f} MiB "
             f"({e.kv_bytes_per_token:,} bytes per token), weights {e.weight_bytes / 2**20:,.1f} MiB; "
             f"{len(e.buckets)} prompt buckets ({', '.join(map(str, e.buckets))}); decode attention: "
             f"{'the kernel' if e.reads_filled else 'XLA over prefix buckets'}; "
-            f"compiled in {e.compile_s:.1f} s",
+            f"compiled {compile_cache.summary(compiled_before)} in {e.compile_s:.1f} s",
             flush=True,
         )
 
@@ -461,6 +467,8 @@ def serve_with_workers(server: Server, compile_engine, count: int) -> str | None
 def main(argv) -> None:
     cfg = configurator.load_config_or_exit(argv, ServeConfig)
     cfg = dataclasses.replace(cfg, api_key=cfg.api_key or os.environ.get("NANOMAX_API_KEY", ""))
+    if warning := compile_cache.use(cfg.compile_cache):
+        print(warning, flush=True)
     if cfg.uds:
         try:
             check_socket_path(cfg.uds)  # before the model loads: a typo costs nothing

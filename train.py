@@ -24,7 +24,7 @@ from flax.core import spmd
 
 import configurator
 import sharding
-from common import progress
+from common import compile_cache, progress
 from common.model_setup import model_setup
 from configurator import Config
 from data import dataset
@@ -34,6 +34,7 @@ from evals import scoring
 from inference import generate
 from inference.loader import int8_weights
 from layers import attention, lora
+from layers.embedding import output_layer_loss
 from layers.quantization import Int8Weight
 from model import GPT, GPTConfig, cast_for_inference, flops_per_token
 from training import compiled_step, monitor
@@ -223,34 +224,18 @@ def summed_cross_entropy(logits_BxTxV, y_BxT):
     return jnp.where(is_target, losses_BxT, 0.0).sum(), is_target.sum()
 
 
-def chunked_cross_entropy(head, x_BTxD, y_BxT, chunks: int):
-    """summed_cross_entropy of head(x_BTxD) (the logits), taken `chunks` slices of tokens at a time:
-    slice c holds the tokens at c, c + chunks, c + 2·chunks, ... (so every device keeps its share of
-    each slice), and only one slice's float32 logits exist at a time, recomputed in the backward pass
-    (jax.checkpoint) instead of kept. One slice: the logits whole, as they always were."""
-    if chunks == 1:
-        return summed_cross_entropy(head(x_BTxD), y_BxT.reshape(-1))
-    N, D = x_BTxD.shape
-    x_CxMxD = x_BTxD.reshape(N // chunks, chunks, D).swapaxes(0, 1)
-    y_CxM = y_BxT.reshape(N // chunks, chunks).T
-
-    @jax.checkpoint
-    def add_slice(sums, slice_):
-        x_MxD, y_M = slice_
-        total, count = summed_cross_entropy(head(x_MxD), y_M)
-        return (sums[0] + total, sums[1] + count), None
-
-    sums, _ = jax.lax.scan(add_slice, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)), (x_CxMxD, y_CxM))
-    return sums
-
-
 def summed_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None, packed_BxT=None):
     """(cross-entropy summed over the batch's targets, how many there are, router stats), the model's
-    logits taken loss_chunks slices at a time."""
+    logits taken whole, or loss_chunks slices of tokens at a time (layers/embedding.output_layer_loss)."""
     x_BxT, y_BxT, ids_BxT, order_T = balanced_rows(setup, x_BxT, y_BxT, segment_ids(setup, x_BxT, packed_BxT))
     gpt = nnx.merge(setup.graphdef, params)
     x_BTxD, stats, w_DxV = gpt.features(x_BxT, dropout_key, ids_BxT, order_T)
-    total, count = chunked_cross_entropy(lambda x_NxD: gpt.head(x_NxD, w_DxV), x_BTxD, y_BxT, setup.config.loss_chunks)
+    chunks, mc = setup.config.loss_chunks, setup.model_config
+    if chunks == 1:
+        total, count = summed_cross_entropy(gpt.head(x_BTxD, w_DxV), y_BxT.reshape(-1))
+    else:
+        w_DxV, y_N = w_DxV.astype(x_BTxD.dtype), y_BxT.reshape(-1)
+        total, count = output_layer_loss(x_BTxD, w_DxV, y_N, chunks, mc.logit_softcap, mc.vocab_size)
     return total, count, stats
 
 
@@ -788,8 +773,11 @@ class Run:
             jax.block_until_ready(metrics)
             self.clock.restart(step)
             if step % config.log_interval and step != config.max_iters:  # else log_step says it
-                self.log.print(f"step {step - 1} | compile + first step {self.clock.compile_seconds:.1f} s")
+                self.log.print(f"step {step - 1} | {self.compile_note()}")
         return metrics
+
+    def compile_note(self) -> str:
+        return f"compile + first step {self.clock.compile_seconds:.1f} s; {compile_cache.summary()}"
 
     def log_step(self, metrics: dict) -> None:
         """One line for the last step: loss, learning rate, time, throughput, MFU, ETA."""
@@ -800,7 +788,7 @@ class Run:
         scalars = {"train/loss": loss, "train/lr": lr}
         seconds = self.clock.seconds_per_step(step)
         if seconds is None:  # only the compiling step since the last restart
-            line += f"compile + first step {self.clock.compile_seconds:.1f} s"
+            line += self.compile_note()
         else:
             tokens_per_s = self.config.tokens_per_step / seconds
             achieved = self.flops_per_token * tokens_per_s
@@ -903,6 +891,8 @@ def pretrained_model(init_from: str) -> str:
 def main(argv: list[str]) -> None:
     hardware.keep_freed_host_memory()
     config = configurator.load_config_or_exit(argv, complete=complete_config)
+    if warning := compile_cache.use(config.compile_cache):
+        print(warning, flush=True)
     try:
         sharding.initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
         train(config)

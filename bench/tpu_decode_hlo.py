@@ -3,7 +3,7 @@ decode for one TPU v5e chip on this CPU (libtpu's topology description, as compi
 list the operations that make arrays of cache size, with their layouts, and XLA's memory analysis.
 
     pip install --target /tmp/libtpu libtpu==0.0.42.1     # once; not a project dependency
-    PYTHONPATH=/tmp/libtpu python bench/tpu_decode_hlo.py 256 [--kv_cache_dtype=int8] [config flags]
+    PYTHONPATH=/tmp/libtpu python bench/tpu_decode_hlo.py 256 [--prompt_len=16] [--kv_cache_dtype=int8] [config flags]
 
 What to look for (issue 52, bench/NOTES.md): a `copy` or a materialised `dynamic-slice` of the cache
 inside the loop is bytes a step reads and writes on top of the roofline's, and so is an `entry copy` of
@@ -22,7 +22,13 @@ import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_HOST_BOUNDS", "1,1,1")):
+# ALLOW_MULTIPLE_LIBTPU_LOAD: libtpu's lockfile would refuse a second process compiling at the same time
+for key, value in (
+    ("TPU_SKIP_MDS_QUERY", "1"),
+    ("TPU_WORKER_HOSTNAMES", "localhost"),
+    ("TPU_HOST_BOUNDS", "1,1,1"),
+    ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+):
     os.environ.setdefault(key, value)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -39,11 +45,12 @@ from inference import generate, loader  # noqa: E402
 from weights import hf  # noqa: E402
 
 PROMPT, NEW = 16, 128  # bench.py's decode defaults
-SERVING_FLAGS = ("--weight_dtype", "--kv_cache_dtype")
+SERVING_FLAGS = ("--weight_dtype", "--kv_cache_dtype", "--prompt_len")
 
 
 def compile_for_v5e(batch: int, flags: list[str]):
     serving = dict(f[2:].split("=", 1) for f in flags if f.split("=")[0] in SERVING_FLAGS)
+    prompt = int(serving.get("prompt_len", PROMPT))
     config = configurator.load_config(
         [os.path.join(ROOT, "config/gpt2_124m.py"), *[f for f in flags if f.split("=")[0] not in SERVING_FLAGS]],
         complete=hf.with_model_keys,
@@ -62,7 +69,7 @@ def compile_for_v5e(batch: int, flags: list[str]):
         abstract,
         (
             params,
-            jax.ShapeDtypeStruct((batch, PROMPT), jnp.int32),
+            jax.ShapeDtypeStruct((batch, prompt), jnp.int32),
             rows,
             rows,
             rows,
@@ -70,7 +77,7 @@ def compile_for_v5e(batch: int, flags: list[str]):
             jax.ShapeDtypeStruct((1,), jnp.int32),
         ),
     )
-    length = min(PROMPT + NEW, config.block_size)
+    length = min(prompt + NEW, config.block_size)
     return config, generate.compile_programs(setup, inputs, length, (0.0, 0, 1.0), True, 50257)
 
 

@@ -280,7 +280,7 @@ def compile_for_v5e(flags: list[str]):
 
     config = configurator.load_config(flags, complete=train.complete_config)
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[:1]  # one chip
-    setup = train.make_setup(config, sharding.mesh_from_config(config, devices), 50257)
+    setup = train.make_setup(config, sharding.mesh_from_config(config, devices), config.vocab_size or 50257)
     print(f"attention: {setup.model_config.attention}, remat_policy: {config.remat_policy}, jax {jax.__version__}")
     return train.lower(setup).compile()
 

@@ -29,6 +29,7 @@ request's on_token and on_finish callbacks are called from the engine's thread.
 """
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -109,6 +110,10 @@ def prompt_buckets(block_size: int, smallest: int = 16) -> list[int]:
 # 8 x the bucket's length stays within ADMIT_TOKENS, so that a burst of arrivals costs one prefill, not 8.
 ADMIT_ROWS, ADMIT_TOKENS = (1, 8), 4096
 DECODE_STEPS = 8  # tokens per slot per decode program, by default
+# The start-up's programs compiled at once on an accelerator's host, whose cores have nothing else to do
+# then (XLA lets go of Python's lock while it compiles). Not on a CPU, where they are the cores the
+# compiler already uses: 14 programs on 2 cores took as long or longer 8 at a time (bench/NOTES.md).
+COMPILE_THREADS = 8
 
 
 def admit_rows(bucket: int, slots: int) -> list[int]:
@@ -229,35 +234,38 @@ class Engine:
             # one decode per cache prefix it reads (a step reads only the bucket its slots have filled;
             # the kernel, each block of slots' filled positions) and per number of slots it runs (the
             # busy ones, which take the lowest free slots)
-            self.step_programs = {
-                (reads, rows): decode_program(graphdef, self.vocab, self.decode_steps, reads, rows)
-                .lower(params, state, active)
-                .compile()
+            steps = {
+                (reads, rows): decode_program(graphdef, self.vocab, self.decode_steps, reads, rows).lower(
+                    params, state, active
+                )
                 for reads in self.cache_reads
                 for rows in self.row_buckets
             }
-            # the largest, for memory checks
-            self.step_program = self.step_programs[self.cache_reads[-1], self.slots]
-            self.admit_programs = {}  # (prompt bucket, rows): the program
+            admits = {}  # (prompt bucket, rows): the program
             for P in self.buckets:
                 for R in admit_rows(P, self.slots):
                     rows = lambda dtype: one(dtype, (R,))
-                    self.admit_programs[P, R] = (
-                        admit_program(graphdef, self.vocab)
-                        .lower(
-                            params,
-                            state,
-                            one(jnp.int32, (R, P)),
-                            rows(jnp.int32),
-                            rows(jnp.int32),
-                            rows(jnp.int32),
-                            rows(jnp.float32),
-                            rows(jnp.int32),
-                            rows(jnp.float32),
-                            rows(jnp.bool_),
-                        )
-                        .compile()
+                    admits[P, R] = admit_program(graphdef, self.vocab).lower(
+                        params,
+                        state,
+                        one(jnp.int32, (R, P)),
+                        rows(jnp.int32),
+                        rows(jnp.int32),
+                        rows(jnp.int32),
+                        rows(jnp.float32),
+                        rows(jnp.int32),
+                        rows(jnp.float32),
+                        rows(jnp.bool_),
                     )
+        # traced one after another (that holds Python's lock), compiled at once (COMPILE_THREADS)
+        threads = 1 if self.mesh.devices.flat[0].platform == "cpu" else COMPILE_THREADS
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            compiled = dict(
+                zip([*steps, *admits], pool.map(lambda p: p.compile(), [*steps.values(), *admits.values()]))
+            )
+        self.step_programs = {key: compiled[key] for key in steps}
+        self.admit_programs = {key: compiled[key] for key in admits}
+        self.step_program = self.step_programs[self.cache_reads[-1], self.slots]  # the largest, for memory checks
 
     # ------------------------------------------------------------------------- requests
 

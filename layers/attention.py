@@ -475,17 +475,22 @@ class Attend:
     def heads_major(self) -> bool:
         return self.name in HEADS_MAJOR
 
+    def tokens_major(self, a):
+        """q, k, v or y of this implementation's layout in the (B, T, heads, H) one."""
+        return a.swapaxes(1, 2) if self.heads_major else a
+
     def __call__(self, q, k, v, position_BxT, segments=None, dropout_key=None):
         return ATTENTION[self.name](q, k, v, position_BxT, segments, dropout_key, dropout_rate=self.dropout_rate)
 
 
-def choose_attention(config, T: int, dropout: bool = False, prefill: bool = False) -> Attend:
+def choose_attention(config, T: int, dropout: bool = False) -> Attend:
     """config.attention where it can run rows of T tokens on this mesh, else what can: ring attention
     when context_attention='ring' and the `context` axis splits the rows; the written-out attention when
     attention probabilities are dropped (dropout: a training step with a key) or splash cannot take T
     (not a multiple of 128, or no kernel in this JAX); XLA's for splash over rows split by `context`.
-    Splash trains heads-major; a prefill (whose keys and values go into the cache), int8/fp8
-    projections and int8 weights (a LoRA run's frozen base) use the (B, T, heads, H) layout."""
+    Splash runs heads-major (training and prefill: the projections make that layout, so only the keys
+    and values a prefill caches are transposed), but with int8/fp8 projections or int8 weights (a LoRA
+    run's frozen base) on the (B, T, heads, H) one."""
     seq_axis, seq_splits = sequence_axis()
     if config.context_attention == "ring" and seq_splits > 1 and T % seq_splits == 0:
         return Attend("ring")
@@ -494,7 +499,7 @@ def choose_attention(config, T: int, dropout: bool = False, prefill: bool = Fals
         return Attend("einsum", config.dropout)
     if name == "splash" and seq_splits > 1:
         return Attend("xla")
-    if name == "splash" and not prefill and config.quantization == "none" and config.weight_dtype != "int8":
+    if name == "splash" and config.quantization == "none" and config.weight_dtype != "int8":
         return Attend("splash_heads_major")
     return Attend(name, config.dropout)
 

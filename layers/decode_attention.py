@@ -99,9 +99,8 @@ def cached_attention(
     blocks_needed = -(-lengths_B.reshape(row_blocks, block_rows).max(axis=1) // block_positions)
     skip_rows, skip_positions = skipped_steps_block(blocks_needed)
 
-    def cache_block(i, j, lengths_ref, layer_ref, needed_ref, skip_rows_ref, skip_positions_ref):
-        past = j >= needed_ref[i]
-        return (layer_ref[0], jnp.where(past, skip_rows_ref[i], i), jnp.where(past, skip_positions_ref[i], j), 0)
+    def cache_block(i, j, lengths_ref, layer_ref, *needed_and_skipped):
+        return (layer_ref[0], *cache_block_index(i, j, *needed_and_skipped), 0)
 
     def row_block(i, j, *scalars):
         return i, 0, 0
@@ -158,6 +157,13 @@ def cached_attention(
         interpret=interpret,
     )(lengths_B, layer_1, blocks_needed, skip_rows, skip_positions, *operands)
     return o_BxNxKH, max_BxNxL[..., 0], sum_BxNxL[..., 0]
+
+
+def cache_block_index(i, j, blocks_needed, skip_rows, skip_positions):
+    """The (row block, position block) of the cache that grid step (i, j) names: its own up to the row
+    block's needed ones, then where skipped_steps_block points (the kernel's index map, minus the layer)."""
+    past = j >= blocks_needed[i]
+    return jnp.where(past, skip_rows[i], i), jnp.where(past, skip_positions[i], j)
 
 
 def skipped_steps_block(blocks_needed):

@@ -1,6 +1,9 @@
 """The token table in and out: the lookup (its backward sums repeated tokens' gradients in float32),
-the output layer's matmul (float32 logits, compute-dtype backward) and the logits' soft cap. jax only.
+the output layer's matmul (float32 logits, compute-dtype backward), the logits' soft cap, and the output
+layer with its cross-entropy taken in slices of tokens (output_layer_loss). jax only.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -61,3 +64,82 @@ def tanh_softcap(logits, cap: float):
 
 
 SOFTCAPS = {False: no_softcap, True: tanh_softcap}  # by logit_softcap > 0
+
+
+def _slices(a_NxK, chunks: int):
+    """(chunks, N / chunks, ...) of a's rows: slice c holds rows c, c + chunks, c + 2·chunks, ... (so
+    every device that holds a share of the rows keeps its share of each slice)."""
+    return a_NxK.reshape(a_NxK.shape[0] // chunks, chunks, *a_NxK.shape[1:]).swapaxes(0, 1)
+
+
+def _unslice(a_CxMxK):
+    return a_CxMxK.swapaxes(0, 1).reshape(-1, *a_CxMxK.shape[2:])
+
+
+def _slice_loss(x_MxD, w_DxV, y_M, cap: float, vocab_size: int):
+    """(the summed cross-entropy, how many targets, its float32 gradient by x @ w) of one slice of tokens:
+    the output layer as model.GPT.head takes it, a target < 0 adding exactly 0."""
+    z_MxV = jnp.dot(x_MxD, w_DxV, preferred_element_type=jnp.float32)
+    capped_MxV = SOFTCAPS[cap > 0](z_MxV, cap)
+    V = w_DxV.shape[1]
+    logits_MxV = capped_MxV if V == vocab_size else jnp.where(jnp.arange(V) < vocab_size, capped_MxV, -jnp.inf)
+    is_target_M = y_M >= 0
+    lse_M = jax.nn.logsumexp(logits_MxV, axis=-1)
+    target_M = jnp.take_along_axis(logits_MxV, jnp.where(is_target_M, y_M, 0)[:, None], axis=-1)[:, 0]
+    total = jnp.where(is_target_M, lse_M - target_M, 0.0).sum()
+    # d(lse - logits[y]) / dlogits = softmax - one-hot, through the cap's tanh: 1 - tanh² (from the capped
+    # logits before the padding's -inf, which would make 0·inf)
+    onehot_MxV = jnp.arange(V) == y_M[:, None]
+    dlogits_MxV = jnp.where(is_target_M[:, None], jnp.exp(logits_MxV - lse_M[:, None]) - onehot_MxV, 0.0)
+    if cap > 0:
+        dlogits_MxV = dlogits_MxV * (1.0 - jnp.square(capped_MxV / cap))
+    return total, is_target_M.sum(), dlogits_MxV
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def output_layer_loss(x_NxD, w_DxV, y_N, chunks: int, cap: float, vocab_size: int):
+    """(cross-entropy summed over the targets, how many there are) of the logits x @ w (float32, soft-capped
+    when cap > 0, the padding entries past vocab_size -inf), a target < 0 being none, taken `chunks`
+    slices of tokens at a time: only one slice's float32 logits exist at a time. Under differentiation
+    each slice's gradients by x and w are made in the same pass as its loss (the logits once, never
+    recomputed nor kept) and scaled by the loss's cotangent in the backward pass."""
+    total, count, _ = _sliced(x_NxD, w_DxV, y_N, chunks, cap, vocab_size, with_grads=False)
+    return total, count
+
+
+def _sliced(x_NxD, w_DxV, y_N, chunks, cap, vocab_size, with_grads: bool):
+    """The slices' summed loss, target count and (with_grads) the float32 gradients of the summed loss
+    by x (N, D) and w (D, V), the latter added up over the slices."""
+
+    def add_slice(sums, slice_):
+        x_MxD, y_M = slice_
+        total, count, dlogits_MxV = _slice_loss(x_MxD, w_DxV, y_M, cap, vocab_size)
+        if not with_grads:
+            return (sums[0] + total, sums[1] + count, sums[2]), None
+        # both matmuls in the compute dtype, accumulated in float32 (logits_matmul's backward rounds alike)
+        dlogits_MxV = dlogits_MxV.astype(x_MxD.dtype)
+        dx_MxD = jnp.dot(dlogits_MxV, w_DxV.T, preferred_element_type=jnp.float32)
+        dw_DxV = sums[2] + jnp.dot(x_MxD.T, dlogits_MxV, preferred_element_type=jnp.float32)
+        return (sums[0] + total, sums[1] + count, dw_DxV), dx_MxD
+
+    zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    dw_DxV = jnp.zeros(w_DxV.shape, jnp.float32) if with_grads else jnp.zeros((), jnp.float32)
+    (total, count, dw_DxV), dx_CxMxD = jax.lax.scan(
+        add_slice, (*zero, dw_DxV), (_slices(x_NxD, chunks), _slices(y_N, chunks))
+    )
+    return total, count, (_unslice(dx_CxMxD), dw_DxV) if with_grads else None
+
+
+def _output_layer_loss_forward(x_NxD, w_DxV, y_N, chunks, cap, vocab_size):
+    total, count, grads = _sliced(x_NxD, w_DxV, y_N, chunks, cap, vocab_size, with_grads=True)
+    # two scalars carry x's and w's dtypes to the backward pass (residuals must be arrays)
+    return (total, count), (grads, jnp.zeros((), x_NxD.dtype), jnp.zeros((), w_DxV.dtype))
+
+
+def _output_layer_loss_backward(chunks, cap, vocab_size, saved, cotangents):
+    (dx_NxD, dw_DxV), x_like, w_like = saved
+    g = cotangents[0]  # the count is an integer: no gradient
+    return (g * dx_NxD).astype(x_like.dtype), (g * dw_DxV).astype(w_like.dtype), None
+
+
+output_layer_loss.defvjp(_output_layer_loss_forward, _output_layer_loss_backward)

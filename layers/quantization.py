@@ -123,7 +123,8 @@ class Int8Weight:
     """A weight as int8 values q and a float32 scale per output channel: w ≈ q · scale, where scale
     has q's shape with the input axes (those a matmul sums over, leading) of size 1. It stands in
     for the weight's array in a model's parameters: layers.linear multiplies with it (weight[...]),
-    and model.py reshapes it (weight.reshape) as it reshapes a kernel."""
+    model.py reshapes it (weight.reshape) as it reshapes a kernel, and the heads-major projection's
+    einsums cast it (weight.astype: dequantized)."""
 
     q: jax.Array
     scale: jax.Array
@@ -153,6 +154,11 @@ class Int8Weight:
         while kept > 0 and math.prod(shape[kept - 1 :]) <= outputs:
             kept -= 1
         return Int8Weight(self.q.reshape(shape), self.scale.reshape((1,) * kept + tuple(shape[kept:])))
+
+    def astype(self, dtype) -> jax.Array:
+        """The weight q · scale as a plain array in `dtype`: for the einsums that take it whole (a
+        forward pass without a cache through splash, which projects q, k and v heads-major)."""
+        return (self.q.astype(jnp.float32) * self.scale).astype(dtype)
 
     def transpose(self, *axes) -> "Int8Weight":
         """q's axes reordered, and the scale's with them (it has q's rank)."""

@@ -252,14 +252,13 @@ def test_splash_on_the_chip_equals_the_written_out_attention_in_float32(H, segme
 
 
 def test_choose_attention_runs_the_configs_attention_where_it_can_and_the_fallback_where_not():
-    """One implementation per traced program, by the rules in one place: splash trains heads-major and
-    prefills (and int8 projections) on the (B, T, heads, H) layout; dropout and rows splash cannot
+    """One implementation per traced program, by the rules in one place: splash runs heads-major, int8
+    projections on the (B, T, heads, H) layout; dropout and rows splash cannot
     take go to the written-out attention; rows split over `context` run ring attention when asked,
     else XLA's over the gathered keys and values."""
     config = model.GPTConfig(attention="splash", dropout=0.1)
     choose = lambda T, **kw: attention.choose_attention(config, T, **kw).name
     assert choose(256) == "splash_heads_major" and attention.Attend("splash_heads_major").heads_major
-    assert choose(256, prefill=True) == "splash"
     assert choose(256, dropout=True) == "einsum" and choose(100) == "einsum"
     assert attention.choose_attention(model.GPTConfig(attention="splash", quantization="int8"), 256).name == "splash"
     assert attention.choose_attention(model.GPTConfig(attention="xla"), 100).name == "xla"

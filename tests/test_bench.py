@@ -5,11 +5,14 @@ import math
 import os
 import re
 
+import jax
+import jax.numpy as jnp
 import pytest
 from test_hf import LLAMA_JSON, write_config
 
 import bench
 import configurator
+from devices import profile
 from model import GPTConfig, flops_per_token
 from weights import hf
 
@@ -43,6 +46,11 @@ def test_train_record_is_consistent(tmp_path, capsys):
     assert math.isclose(record["mfu"], record["achieved_flops"] / record["peak_flops"])
     assert record["compile_s"] > 0 and math.isfinite(record["final_loss"])
     assert record["mfu_measured"] == record["mfu"]  # on a CPU the peak is the matmul measured in the run
+    # MaxText's count: causal attention is half the square, 6·L·T·d fewer FLOPs than the full count
+    assert record["flops_per_token"] - record["flops_per_token_causal_half"] == 6 * 2 * 32 * 32
+    assert math.isclose(
+        record["mfu_causal_half"], record["mfu"] * record["flops_per_token_causal_half"] / record["flops_per_token"]
+    )
     assert "measured" in record["measured_peak_source"]
     assert record["peak_memory_bytes"] > 0  # CPU: the compiler's plan, said so
     assert "compiler" in record["memory_source"]
@@ -62,6 +70,8 @@ def test_train_record_is_consistent(tmp_path, capsys):
         "tokens/s",
         "MFU",
         "MFU vs a matmul measured now",
+        "attention in full (PaLM, nanoGPT)",
+        "causal attention halved (MaxText)",
         "compile",
         "compiled step's need",
     ):
@@ -247,6 +257,13 @@ def test_profile_prints_the_steps_top_operations_read_back_from_its_trace(tmp_pa
     printed = capsys.readouterr().out
     assert "top operations by device time (3 traced steps" in printed
     assert all(op["name"] in printed for op in ops)
+    # where a step goes: the kinds add up to the traced time; a CPU runs no kernel, its attention is matmuls
+    summary = record["profile"]["step_summary"]
+    kinds = [summary[f"{kind}_ms"] for kind in ("matmul", "attention", "other", "idle")]
+    assert math.isclose(sum(kinds), summary["ms_per_step"]) and summary["attention_ms"] == 0
+    assert summary["matmul_ms"] > 0 and summary["matmul_flops_per_step"] > 0 and summary["kernels"] == []
+    assert summary["operations_not_in_the_program"] == 0
+    assert "where a step goes (3 traced steps" in printed and "no kernel on this cpu" in printed
 
 
 def test_an_operations_own_time_leaves_out_the_operations_inside_it():
@@ -283,3 +300,52 @@ def test_decode_profile_prints_each_batchs_top_operations_per_token_step(tmp_pat
         assert 0 < sum(op["share"] for op in ops) <= 1 + 1e-9
     printed = capsys.readouterr().out
     assert printed.count("top operations by device time (one generate call, per token step") == 2
+
+
+def test_a_step_summary_counts_its_programs_matmul_flops_per_run(tmp_path):
+    M, K, N = 64, 128, 32
+
+    def program(x_MxK, w_KxK, v_KxN):  # three runs of one matmul in a loop, then another
+        x_MxK = jax.lax.fori_loop(0, 3, lambda i, x_MxK: jnp.tanh(x_MxK @ w_KxK), x_MxK)
+        return x_MxK @ v_KxN
+
+    args = (jnp.ones((M, K)), jnp.ones((K, K)), jnp.ones((K, N)))
+    compiled = jax.jit(program).lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(2):
+            jax.block_until_ready(compiled(*args))
+    summary = profile.step_summary(profile.newest_trace(str(tmp_path)), 2, compiled.as_text())
+    assert summary["matmul_flops_per_step"] == 3 * 2 * M * K * K + 2 * M * K * N
+    kinds = [summary[f"{kind}_ms"] for kind in ("matmul", "attention", "other", "idle")]
+    assert math.isclose(sum(kinds), summary["ms_per_step"]) and summary["matmul_ms"] > 0
+
+
+def test_a_tpus_convolutions_count_the_multiply_adds_of_the_dots_they_stand_for():
+    # XLA:TPU's GPT-2 step (bench/tpu_train_hlo.py): the q/k/v projection btd,dgkh->bkgth, whose batch
+    # of 16 rows is a window of 16 sliding over 15 positions of padding on each side of 1
+    shapes = {"w": "bf16[768,12,64,1]{0,2,1,3:T(8,128)(2,1)}", "x": "bf16[16,1024,768,1]{2,1,3,0:T(8,128)(2,1)}"}
+    rest = "%w, %x), window={size=16x1 pad=15_15x0_0 rhs_reversal=1x0}, dim_labels=f1b0_0oi1->1b0f, metadata={}"
+    out = "bf16[12,64,16,1024]{1,3,0,2:T(8,128)(2,1)}"
+    assert profile.matmul_flops("convolution", out, rest, shapes) == 2 * (16 * 1024) * 768 * (12 * 64)
+    # the output layer's input gradient: (tokens, vocabulary) x (vocabulary, width), no window
+    shapes = {"g": "bf16[16384,50304]{1,0}", "w": "bf16[50304,768]{1,0}"}
+    rest = "%g, %w), dim_labels=bf_io->bf, metadata={}"
+    assert profile.matmul_flops("convolution", "bf16[16384,768]{1,0}", rest, shapes) == 2 * 16384 * 50304 * 768
+    # a real sliding window (3 taps, no padding: 8 - 3 + 1 outputs) counts each tap
+    shapes = {"x": "f32[2,8,4]", "k": "f32[3,4,5]"}
+    rest = "%x, %k), window={size=3}, dim_labels=b0f_0io->b0f"
+    assert profile.matmul_flops("convolution", "f32[2,6,5]", rest, shapes) == 2 * 2 * 6 * 5 * 4 * 3
+
+
+def test_pallas_kernels_are_attention_and_xlas_own_custom_calls_are_not():
+    hlo = """ENTRY %main.1 (p.1: bf16[16,12,1024,64], i.1: s32[16384]) -> bf16[16,12,1024,64] {
+  %p.1 = bf16[16,12,1024,64]{3,2,1,0} parameter(0)
+  %i.1 = s32[16384]{0} parameter(1)
+  %splash_mha_fwd_residuals.6 = (bf16[16,12,1024,64]{3,2,1,0}) custom-call(%p.1), custom_call_target="tpu_custom_call"
+  %custom-call.3 = s32[16384]{0} custom-call(%i.1), custom_call_target="AssumeGatherIndicesInBound"
+  ROOT %get-tuple-element.1 = bf16[16,12,1024,64]{3,2,1,0} get-tuple-element(%splash_mha_fwd_residuals.6), index=0
+}"""
+    described = profile.classify_operations(hlo)
+    assert described["splash_mha_fwd_residuals.6"] == ("attention", 0, "splash_mha_fwd_residuals")
+    assert described["custom-call.3"] == described["get-tuple-element.1"] == ("other", 0, "")

@@ -630,6 +630,37 @@ def test_count_params_of_a_llama_style_model():
     assert no_bias("swiglu") == no_bias("gelu")
 
 
+def test_flops_per_token_by_hand_with_attention_in_full_and_causal_half():
+    """Every matmul of a small multi-query SwiGLU model written out: 2 FLOPs per multiply-add forward,
+    twice that backward (the input's and the weight's gradients)."""
+    config = GPTConfig(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_kv_head=1,
+        mlp="swiglu",
+        mlp_hidden=96,
+        vocab_size=128,
+        block_size=32,
+        pos_embedding="rope",
+        norm="rmsnorm",
+        qk_norm=True,
+        bias=False,
+        tie_embeddings=False,
+    )
+    D, H, F, V, T = 64, 16, 96, 128, 32  # width, head size, SwiGLU hidden, vocabulary, context
+    # q, k, v (one head of 16 each), out; gate, up, down; the two RMSNorm scales (nanoGPT counts them)
+    per_layer = D * D + D * H + D * H + D * D + D * F + D * F + F * D + 2 * D
+    weights = 2 * per_layer + D + D * V  # + the final norm's scale and the output layer (the table is a lookup)
+    # each of the 4 query heads: q·k over T keys (2·H·T) and the weights times T values (2·H·T)
+    attention_square = 4 * (2 * H * T + 2 * H * T)
+    full = 3 * (2 * weights + 2 * attention_square)
+    assert full == 444_288
+    assert model.flops_per_token(config) == full
+    # MaxText's causal count: each query sees T/2 keys on average
+    assert model.flops_per_token(config, causal_half=True) == full - 3 * 2 * attention_square // 2 == 419_712
+
+
 @pytest.mark.parametrize("name", ["gpt2", *VARIANTS])
 def test_flops_per_token_counts_the_matmul_weights_of_the_real_model(name):
     """6 FLOPs per weight that multiplies (every parameter but the lookup tables: wpe, and wte
@@ -738,6 +769,23 @@ def test_int8_grouped_query_cache_attends_as_its_dequantized_keys_and_values():
                 p = np.exp(scores - scores.max())
                 expected = (p / p.sum()) @ v_seen[:, n // (N // K)]
                 np.testing.assert_allclose(out[b, t, n], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_prefill_through_splash_gives_the_written_out_attentions_logits_and_cache(style):
+    """A prefill through splash (interpreted here) runs heads-major, as training does, and transposes
+    only the keys and values it caches: the last tokens' logits and the cache of the written-out
+    attention's prefill, GPT-2 and grouped-query Llama-style, rows ending at different tokens."""
+    config = dataclasses.replace(TINY if style == "gpt2" else LLAMA, block_size=256)
+    idx, last_B = tokens((2, 128)), jnp.array([127, 40])
+    (logits, cache), (want_logits, want_cache) = (
+        randomize(make(config, attention=name)).prefill(idx, 160, last_B) for name in ("splash", "einsum")
+    )
+    assert attention.choose_attention(make(config, attention="splash").config, 128).heads_major
+    np.testing.assert_allclose(logits, want_logits, atol=1e-5)
+    for name in ("k", "v"):
+        assert getattr(cache, name).shape == (config.n_layer, 2, 160, config.kv_heads * config.n_embd // config.n_head)
+        np.testing.assert_allclose(getattr(cache, name), getattr(want_cache, name), atol=1e-5)
 
 
 def test_int8_cache_written_a_token_at_a_time_holds_what_prefill_writes():
@@ -1194,3 +1242,20 @@ def test_the_llama_350m_config_is_llama_style_at_about_350m_parameters():
         False,
     )
     assert gpt.n_embd // gpt.n_head == 128 and 1 < gpt.kv_heads < gpt.n_head and gpt.attention == "splash"
+
+
+def test_the_llama_164m_mqa_config_has_the_single_chip_records_shape():
+    # issue 66: the shape of the published v5e record (its command built from config/llama_350m.py's flags)
+    config = load_config([str(ROOT / "config" / "llama_164m_mqa.py")])
+    gpt = model_setup.model_config(config, config.vocab_size, "tpu")
+    assert model.count_params(gpt) == 163_595_264
+    assert (gpt.n_layer, gpt.n_embd, gpt.n_head, gpt.kv_heads, gpt.mlp_hidden_size, gpt.padded_vocab_size) == (
+        8,
+        1024,
+        4,
+        1,
+        3072,
+        32768,
+    )
+    assert (gpt.qk_norm, gpt.logit_softcap, gpt.tie_embeddings, gpt.block_size) == (True, 15.0, False, 2048)
+    assert config.batch_size * config.gradient_accumulation_steps == 64

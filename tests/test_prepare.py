@@ -28,6 +28,7 @@ from data import writer  # noqa: E402
 from data.fineweb import prepare as fineweb  # noqa: E402
 from data.openwebtext import prepare as openwebtext  # noqa: E402
 from data.text import prepare as text_prep  # noqa: E402
+from data.text import train_tokenizer  # noqa: E402
 
 EOT = tokenizer.GPT2_EOT
 DOCS = [
@@ -499,3 +500,19 @@ def test_every_prepare_help_gives_its_description_whole():
         ).stdout
         description = " ".join(help_text.split("\n\n")[1].split())  # after the usage lines
         assert description.endswith("."), (script, description)
+
+
+def test_a_tokenizer_learned_from_a_corpus_prepares_it_and_gives_back_its_text(tmp_path, capsys):
+    root = tmp_path / "in"
+    write_docs(root / "a.parquet", DOCS)
+    train_tokenizer.main([f"--input_dir={root}", f"--out_dir={tmp_path / 'tok'}", "--vocab_size=300"])
+    tok = tokenizer.hf_tokenizer(tmp_path / "tok")
+    assert tok.vocab_size == 300 and tok.decode([tok.eot_token]) == "<|endoftext|>"
+    assert "300 tokens" in capsys.readouterr().out
+    assert tok.decode(tok.encode_ordinary("never seen: Ωμέγα 🚀")) == "never seen: Ωμέγα 🚀"  # bytes underneath
+    text_prep.prepare(root, tmp_path / "out", val_fraction=0.3, num_proc=1, tokenizer=str(tmp_path / "tok"))
+    train, val = read_dataset(tmp_path / "out")
+    assert sorted(train + val) == sorted(DOCS)
+    # --max_bytes: the documents up to the one that reaches it
+    sizes = [len(d.encode()) for d in train_tokenizer.documents(root, "text", 200)]
+    assert sum(sizes) >= 200 > sum(sizes[:-1])

@@ -1,11 +1,16 @@
 """Tests of layers/quantization.py: int8 and fp8 matmuls and int8 weights within their rounding bounds,
 straight-through gradients."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import model
+from flax import nnx
+from inference import loader
 from layers import quantization
 
 
@@ -151,3 +156,24 @@ def test_int8_weight_errs_by_at_most_half_a_step_of_its_channels_grid(shape, inp
     exact = x.astype(np.float64) @ w_IxO
     float32_rounding = 1e-5 * (np.abs(x) @ np.abs(w_IxO))
     assert np.all(np.abs(got - exact) <= np.abs(x) @ half_step_IxO + float32_rounding)
+
+
+def test_int8_weights_through_splash_give_the_written_out_attentions_logits():
+    """A forward pass without a cache (prompt scoring, sample.py --kv_cache=False) with served int8
+    weights through splash (interpreted here), whose projections take the whole kernels heads-major
+    (weight.astype): the logits of the written-out attention's path with the same weights, for a
+    grouped-query model with biases (the heads-major path raised AttributeError on an Int8Weight)."""
+    idx = jax.random.randint(jax.random.key(1), (2, 128), 0, 64)
+
+    def logits(attention):
+        config = model.GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+        graphdef, params = nnx.split(model.GPT(dataclasses.replace(config, attention=attention), jax.random.key(0)))
+        int8_params = loader.int8_weights(nnx.to_pure_dict(params))
+        assert any(isinstance(p, quantization.Int8Weight) for p in jax.tree.leaves(int8_params, is_leaf=is_int8))
+        return nnx.merge(graphdef, int8_params)(idx)
+
+    np.testing.assert_allclose(logits("splash"), logits("einsum"), atol=1e-5)
+
+
+def is_int8(p) -> bool:
+    return isinstance(p, quantization.Int8Weight)

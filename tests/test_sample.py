@@ -1,6 +1,10 @@
 """sample.py: the command line on Hugging Face files and on a trained checkpoint."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -15,6 +19,7 @@ from inference import loader
 from weights import checkpoint
 
 CHARS = "".join(chr(0x100 + i) for i in range(65))  # a 65-symbol character vocabulary
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_command_line_on_hugging_face_files_with_a_prompt_file(tmp_path, capsys):
@@ -99,3 +104,29 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
     )
     out, err = capsys.readouterr()
     assert out.startswith(CHARS[:4]) and len(out.split("\n")[0]) == 24  # on past the context (16)
+
+
+def test_a_second_run_loads_its_programs_from_the_compile_cache_and_an_empty_one_is_off(tmp_path):
+    """sample.py twice on one --compile_cache, in processes of their own: the second loads every program the
+    first compiled, and says so; --compile_cache= compiles them all again. The text is the same each time."""
+    hf_dir = write_hf_gpt2(
+        tmp_path / "gpt2", random_hf_gpt2(n_layer=1, n_embd=32, vocab_size=50257, n_positions=32), n_head=4
+    )
+
+    def sample_with(cache: str) -> tuple[str, int, str]:
+        flags = ["--start=Hello", "--num_samples=1", "--max_new_tokens=4", "--temperature=0"]
+        done = subprocess.run(
+            [sys.executable, "sample.py", f"--init_from={hf_dir}", *flags, f"--compile_cache={cache}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        programs, said = re.search(r"compile [\d.]+ s; (\d+) programs \((.*)\)$", done.stderr).groups()
+        return done.stdout, int(programs), said
+
+    text, programs, said = sample_with(str(tmp_path / "cache"))
+    assert text.startswith("Hello") and programs >= 2 and said == "0 from the cache"
+    assert sample_with(str(tmp_path / "cache")) == (text, programs, f"{programs} from the cache")
+    assert sample_with("") == (text, programs, "compilation cache off")

@@ -66,18 +66,17 @@ def free_port() -> int:
 
 def start_server(*flags, script: str | None = None, compile_cache: str | None = None) -> tuple:
     """(url, process) of serve.py with these flags on a free port, once /health says 200 (`script`: Python
-    that runs serve.main in serve.py's place; `compile_cache`: a folder for JAX's persistent compilation cache,
-    which servers of the same model and slots share). A thread reads its output as it comes (output_of, logged)."""
+    that runs serve.main in serve.py's place; `compile_cache`: its --compile_cache, a folder that servers of
+    the same model and slots share; default the session's, conftest.py's). A thread reads its output as it
+    comes (output_of, logged)."""
     port = free_port()
     command = [os.path.join(ROOT, "serve.py")] if script is None else ["-c", script]
-    # every program cached, however quick its compile (JAX's default: those of a second or more)
-    cache = {"JAX_COMPILATION_CACHE_DIR": compile_cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    cache = [] if compile_cache is None else [f"--compile_cache={compile_cache}"]
     process = subprocess.Popen(
-        [sys.executable, *command, *flags, f"--port={port}"],
+        [sys.executable, *command, *flags, *cache, f"--port={port}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=None if compile_cache is None else {**os.environ, **cache},
     )
     process.lines = []
     process.reader = threading.Thread(target=lambda: process.lines.extend(process.stdout), daemon=True)
@@ -903,6 +902,26 @@ def test_programs_xla_cannot_compile_end_the_server_with_one_line(run, monkeypat
         r"\(XLA:CPU refused it: RESOURCE_EXHAUSTED\); try --slots=2, or --kv_cache_dtype=int8, .*",
         server.failure,
     ), server.failure
+
+
+def test_a_second_start_loads_its_programs_from_the_cache_and_is_ready_sooner(run, tmp_path):
+    """The same server started twice on one --compile_cache: the first compiles its programs, the second
+    loads every one of them, and its ready line comes sooner after the process started."""
+    ready = re.compile(
+        r"ready (?P<ready>[\d.]+) s after start: .*; compiled (?P<programs>\d+) programs "
+        r"\((?P<loaded>\d+) from the cache\) in (?P<compile>[\d.]+) s"
+    )
+
+    def start() -> tuple[str, dict]:
+        process = start_server(f"--out_dir={run}", "--slots=8", "--log_interval=0", compile_cache=tmp_path)[1]
+        line = logged(process, "ready ")
+        stopped(process)
+        return line, {key: float(value) for key, value in ready.search(line).groupdict().items()}
+
+    (first_line, first), (second_line, second) = start(), start()
+    assert first["programs"] >= 6 and first["loaded"] == 0, first_line  # 4 admits, a decode, the empty cache
+    assert second["programs"] == second["loaded"] == first["programs"], second_line
+    assert second["compile"] < first["compile"] and second["ready"] < first["ready"], (first_line, second_line)
 
 
 def wait_until_idle(url: str) -> dict:

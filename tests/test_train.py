@@ -32,6 +32,8 @@ import train
 from configurator import Config, ConfigError
 from data import dataset, tokenizer
 from devices import hardware
+from layers import embedding
+from layers.embedding import output_layer_loss
 from training import optimizer
 from weights import checkpoint
 
@@ -262,7 +264,10 @@ def test_the_log_never_shows_mfu_above_100_percent_and_always_the_compile_time(t
     out = capsys.readouterr().out
     printed = [float(m) for m in re.findall(r"mfu ([\d.]+)%", out)]
     assert len(printed) == 3 and max(printed) <= 100.0
-    assert re.search(r"\nstep 0 \| compile \+ first step \d+\.\d s\n", out)
+    assert re.search(
+        r"\nstep 0 \| compile \+ first step \d+\.\d s; \d+ programs \((\d+ from the cache|compilation cache off)\)\n",
+        out,
+    )
 
 
 def test_learning_rate_schedule():
@@ -870,9 +875,10 @@ def test_document_masking_starts_documents_where_the_datasets_tokenizer_does(tmp
 
 @pytest.mark.parametrize("mesh_shape", [dict(data=1), dict(data=2, fsdp=2, tensor=2)], ids=["one device", "8 devices"])
 def test_loss_in_slices_of_tokens_equals_the_whole_logits_loss_and_gradients(mesh_shape):
-    """loss_chunks=4 (the logits four slices of tokens at a time, recomputed in the backward pass) gives
-    the loss and gradients of the logits taken whole, in float32: tied and untied output layers, a
-    padded vocabulary, the soft-cap, and targets that are none (-1)."""
+    """loss_chunks=4 (the output layer and loss four slices of tokens at a time, each slice's gradients
+    made with its loss: layers/embedding.output_layer_loss) gives the loss and gradients of the logits
+    taken whole, in float32: tied and untied output layers, a padded vocabulary, the soft-cap, and targets
+    that are none (-1)."""
     mesh = sharding.make_mesh(**mesh_shape, devices=jax.devices()[: math.prod(mesh_shape.values())])
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.integers(0, 65, (8, 32)), jnp.int32)
@@ -899,6 +905,34 @@ def test_loss_in_slices_of_tokens_equals_the_whole_logits_loss_and_gradients(mes
         np.testing.assert_allclose(sliced, whole, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(sliced_grads), jax.tree.leaves(whole_grads), strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, float(np.abs(b).max())))
+
+
+def test_the_sliced_output_layer_makes_its_logits_once_and_agrees_in_bfloat16():
+    """Differentiated, output_layer_loss runs three matmuls with the output layer's matrix (the logits, and
+    the gradients by x and w), none again in the backward pass; in bfloat16 its loss and gradients stay
+    within bfloat16's rounding of the whole logits' (the soft-capped path, as model.GPT.head takes it)."""
+    rng = np.random.default_rng(0)
+    N, D, V, vocab = 64, 32, 80, 70
+    x = jnp.asarray(rng.normal(size=(N, D)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(D, V)) / np.sqrt(D), jnp.bfloat16)
+    y = jnp.asarray(np.where(rng.random(N) < 0.2, -1, rng.integers(0, vocab, N)), jnp.int32)
+
+    def sliced(x, w):
+        return output_layer_loss(x, w, y, 4, 5.0, vocab)[0]
+
+    def whole(x, w):
+        logits = 5.0 * jnp.tanh(embedding.logits_matmul(x, w) / 5.0)
+        logits = jnp.where(jnp.arange(V) < vocab, logits, -jnp.inf)
+        return train.summed_cross_entropy(logits, y)[0]
+
+    text = jax.jit(jax.grad(sliced, argnums=(0, 1))).lower(x, w).as_text()
+    assert text.count("stablehlo.dot_general") == 3
+    (loss, grads), (reference, reference_grads) = (jax.value_and_grad(f, argnums=(0, 1))(x, w) for f in (sliced, whole))
+    np.testing.assert_allclose(loss, reference, rtol=1e-5)
+    for a, b in zip(grads, reference_grads, strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=0, atol=2**-7 * np.abs(b).max())
 
 
 def test_loss_chunks_must_divide_the_rows():
