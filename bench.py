@@ -66,7 +66,8 @@ class Options:
     decode_batch: str = "1,8"  # decode: comma-separated batch sizes
     prompt_len: int = 16  # decode: prompt tokens per row
     new_tokens: int = 0  # decode: tokens generated per row; 0 = 128, or what fits in block_size
-    weight_dtype: str = "auto"  # decode: the weights as sample.py/serve.py hold them: 'auto' | 'int8'
+    weight_dtype: str = "auto"  # decode: the weights as sample.py/serve.py hold them: 'auto' | 'int8'; train with
+    #                             --lora_rank: the frozen base's (QLoRA)
     kv_cache_dtype: str = "auto"  # decode: 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
     profile: str = ""  # trace into this directory (jax.profiler, Perfetto): train: PROFILE_STEPS more steps,
     #                    decode: one more generate call per batch; print the operations that took the most device time
@@ -634,6 +635,8 @@ def run(argv: list[str]) -> dict:
 def measure(argv: list[str]) -> dict:
     """Parse flags, benchmark, print the table, append the JSON record."""
     options, config = configurator.load_with_options_or_exit(argv, Options, complete=hf.with_model_keys)
+    if config.lora_rank and options.mode == "train":  # --weight_dtype=int8 is then the frozen base's (QLoRA)
+        config = dataclasses.replace(config, weight_dtype=options.weight_dtype)
     if options.json:
         configurator.check_writable(options.json, "json")
     devices = jax.devices()[: options.devices or None]

@@ -32,7 +32,7 @@ from devices import hardware
 from devices.hardware import GiB
 from devices.memory import compiler_memory, parse_out_of_memory, size
 from inference import engine
-from layers import pipeline
+from layers import lora, pipeline
 from model import describe_params, flops_per_token
 from training import compiled_step
 from training.compiled_step import AotError
@@ -51,7 +51,8 @@ class Options:
     serve: bool = False
     slots: int = 8  # decode slots: rows of the KV cache, split over the batch mesh axes
     context: int = 0  # tokens per slot; 0 = block_size
-    weight_dtype: str = "auto"  # 'auto' (the compute dtype) | 'int8' (weight-only, as sample.py/serve.py)
+    weight_dtype: str = "auto"  # 'auto' (the compute dtype) | 'int8' (weight-only, as sample.py/serve.py;
+    #                             with --lora_rank the train step's frozen base, QLoRA-style)
     kv_cache_dtype: str = "auto"  # 'auto' (the compute dtype) | 'bfloat16' | 'float32' | 'int8'
     decode_attention: str = "auto"  # 'auto' | 'xla' | 'pallas': as serve.py's (the kernel on one TPU chip)
     chip: str = ""  # with a cpu:N topology: take HBM and bandwidth of this chip of devices/hardware.py (H100, ...)
@@ -99,6 +100,16 @@ def tpu_topology_name(name: str) -> str:
     for i in range(chips.bit_length() - 1):  # double the sides in turn: 2x2x1, 2x2x2, 2x2x4, ...
         shape[i % dims] *= 2
     return f"{generation}:{'x'.join(map(str, sorted(shape, key=lambda n: (n == 1, n))))}"
+
+
+def small_slice_bounds(topology_name: str) -> dict:
+    """A slice smaller than a host (v5e:1x1, v5e:2x1: one or two chips on a VM) is one host of exactly
+    its chips: libtpu's default host, 2x2x1, does not divide it ('not divisible by the given (or
+    default) chips_per_host_bounds')."""
+    dims = [int(n) for n in topology_name.partition(":")[2].split("x")]
+    if math.prod(dims) >= 4:
+        return {}
+    return {"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))}
 
 
 def host_topology(topology: str) -> tuple[str, int | None]:
@@ -169,6 +180,7 @@ def make_target(topology: str, num_slices: int = 1, hbm_gib: float = 0.0) -> Tar
         chip = hardware.TPU_GENERATIONS[topology_name.partition(":")[0]]
         hbm, chip_flops = chip.hbm_bytes, chip.bf16_flops
         extra = {"chip_config_name": "megacore"} if topology_name.startswith("v4") else {}
+        extra |= small_slice_bounds(topology_name)
         devices = topologies.get_topology_desc(
             platform="tpu", topology_name=topology_name, num_slices=num_slices, **extra
         ).devices
@@ -291,6 +303,7 @@ def estimate_memory(setup: train.Setup) -> dict:
         mlp_in=(2 if swiglu else 1) * F,
     )
     params = per_device_bytes(setup.abstract_state["params"])  # 4 B per parameter / its shards
+    trained = per_device_bytes(lora.split(setup.abstract_state["params"])[0])  # LoRA: the adapters only
     logits = 2 * tokens * m.padded_vocab_size / mesh["tensor"] * 4  # float32, + their gradient
     rerun = activation_bytes("none", **widths) * tokens if c.remat_policy != "none" else 0
     state, update = state_terms(c)
@@ -301,13 +314,13 @@ def estimate_memory(setup: train.Setup) -> dict:
         "parameters": params,
         state: per_device_bytes(setup.abstract_state) - params,  # AdamW 8 B per parameter, Muon 4
         "batch": per_device_bytes(train.batch_struct(setup)),
-        "gradients": params * (2 if c.gradient_accumulation_steps > 1 else 1),  # + the running sum
+        "gradients": trained * (2 if c.gradient_accumulation_steps > 1 else 1),  # + the running sum
         "activations": int(layers_kept * activation_bytes(c.remat_policy, **widths) * tokens),
         # live at different times: the loss's backward, then one remat'd layer's re-run
         "logits or a re-run layer": int(max(logits, rerun)),
         # the update and the new moments (Muon: new momentum, its orthogonalised copy and
         # Newton-Schulz's products), before they replace the old
-        update: 3 * params,
+        update: 3 * trained,
         "in host memory (offload)": on_host,  # part of the two state terms above, not on the device
     }
 
@@ -323,11 +336,10 @@ def bubble(setup: train.Setup) -> float:
 
 
 def estimated_temporaries(e: dict, config: configurator.Config) -> int:
-    """The backward pass and the optimizer update (with one gradient tree, the size of the
-    parameters) come one after the other: the larger counts."""
-    return max(
-        e["gradients"] + e["activations"] + e["logits or a re-run layer"], e["parameters"] + e[state_terms(config)[1]]
-    )
+    """The backward pass and the optimizer update (with one gradient tree, the size of the trained
+    parameters: all, or a LoRA run's adapters) come one after the other: the larger counts."""
+    gradient = min(e["parameters"], e["gradients"])
+    return max(e["gradients"] + e["activations"] + e["logits or a re-run layer"], gradient + e[state_terms(config)[1]])
 
 
 def flops_per_step(setup: train.Setup) -> float:
@@ -578,6 +590,8 @@ def aot_vocab_size(config: configurator.Config) -> int:
 
 def main(argv: list[str]) -> None:
     options, config = configurator.load_with_options_or_exit(argv, Options, complete=hf.with_model_keys)
+    if config.lora_rank and not options.serve:  # --weight_dtype=int8 is then the frozen base's (QLoRA)
+        config = dataclasses.replace(config, weight_dtype=options.weight_dtype)
     if not options.topology:
         sys.exit("error: --topology is required: cpu:8, gpu, gpu:2, v5e-256, v5e:16x16, v4-8, ...")
     try:

@@ -47,7 +47,8 @@ class Config:
     out_dir: str = "out"  # checkpoints, TensorBoard events, the effective config
     init_from: str = "scratch"  # 'scratch' | 'resume' (latest checkpoint in out_dir) | a Hugging Face
     #                             model: a directory, or a hub name ('gpt2', 'HuggingFaceTB/SmolLM2-135M');
-    #                             its config.json sets the model keys
+    #                             its config.json sets the model keys | another run's out_dir (its newest
+    #                             checkpoint) | a PEFT LoRA adapter directory (on the base it names)
     overwrite_out_dir: bool = False  # a fresh run into an out_dir that holds checkpoints: delete
     #                                  them first (else it is refused)
     seed: int = 1337  # the batch and the dropout mask of step s depend only on (seed, s)
@@ -106,6 +107,14 @@ class Config:
     #                               skip it; 0 = dropless (every token reaches its experts)
     router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch; 1.0 when balanced)
     router_z_loss_coef: float = 0.001  # weight of the router z-loss (ST-MoE)
+    # LoRA (layers/lora.py): train low-rank adapters beside the blocks' matrices, the base model frozen
+    lora_rank: int = 0  # r of every adapter; 0 = off (full fine-tuning)
+    lora_alpha: float = 16.0  # adapters' outputs are scaled by lora_alpha / lora_rank (PEFT's convention)
+    lora_targets: str = "all"  # which matrices get one: comma-separated q, k, v, o (attention), gate, up,
+    #                            down (MLP; GPT-2's c_fc is up, c_proj down), or 'all' (QLoRA's advice)
+    lora_dropout: float = 0.0  # dropout on the adapters' input while training (PEFT's lora_dropout)
+    weight_dtype: str = "auto"  # the frozen base of a LoRA run: 'auto' (the compute dtype) | 'int8'
+    #                             (the blocks' matrices as int8 with a scale per output channel: QLoRA-style)
     # optimizer: AdamW, linear warmup then cosine decay, as nanoGPT/GPT-2
     optimizer: str = "adamw"  # 'adamw' | 'muon' (Muon on the blocks' weight matrices, AdamW with
     #                           learning_rate, weight_decay, beta1, beta2 on embeddings, head, norms, biases)
@@ -230,6 +239,7 @@ class Config:
         check_choice("mlp", self.mlp, ("gelu", "swiglu", "relu2"))
         if self.n_experts > 0:
             self._check_experts()
+        self._check_lora()
         if self.logit_softcap < 0:
             raise ConfigError(
                 f"logit_softcap must be >= 0 (0 = off; modded-nanogpt uses 30 or 15), got {self.logit_softcap}"
@@ -274,6 +284,34 @@ class Config:
             raise ConfigError(
                 f"moe_dense_layers ({self.moe_dense_layers}) must be below n_layer "
                 f"({self.n_layer}): at least one layer has the experts"
+            )
+
+    def _check_lora(self) -> None:
+        targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        unknown = [t for t in targets if t not in LORA_TARGETS] if self.lora_targets.strip() != "all" else []
+        problem = (
+            f"lora_rank must be >= 0 (0 = off), got {self.lora_rank}"
+            if self.lora_rank < 0
+            else f"lora_alpha must be > 0, got {self.lora_alpha}"
+            if self.lora_alpha <= 0
+            else f"lora_dropout must be in [0, 1), got {self.lora_dropout}"
+            if not 0.0 <= self.lora_dropout < 1.0
+            else f"lora_targets: unknown {', '.join(map(repr, unknown))}"
+            if unknown
+            else "lora_targets names no matrix"
+            if not targets
+            else None
+        )
+        if problem:
+            raise ConfigError(
+                f"{problem}; LoRA takes e.g. --lora_rank=16 --lora_alpha=32 --lora_targets=q,v (targets: "
+                f"{', '.join(LORA_TARGETS)}, or 'all') --lora_dropout=0.05"
+            )
+        check_choice("weight_dtype", self.weight_dtype, ("auto", "int8"))
+        if self.lora_rank == 0 and self.weight_dtype != "auto":
+            raise ConfigError(
+                "weight_dtype='int8' freezes the base model as int8, which only LoRA adapters can train "
+                "around: add --lora_rank (e.g. 16), or leave weight_dtype='auto'"
             )
 
     def _check_optimizer(self) -> None:
@@ -409,6 +447,7 @@ class Config:
 
 
 EVAL_TASKS = ("hellaswag", "choice", "perplexity")  # evals/scoring.py's
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # layers/lora.py's TARGETS
 
 # Every key's role, which decides what a run that continues a checkpoint (init_from='resume'), and
 # sample.py, eval.py and export_hf.py, do with it:
@@ -449,6 +488,9 @@ ROLES = {
         "moe_hidden",
         "moe_dense_layers",
         "capacity_factor",
+        "lora_rank",
+        "lora_alpha",
+        "lora_targets",
     ),
     "compute": (
         "dtype",
@@ -458,6 +500,7 @@ ROLES = {
         "quantization",
         "context_attention",
         "loss_chunks",
+        "weight_dtype",
     ),
     "optimizer": (
         "optimizer",
@@ -478,6 +521,7 @@ ROLES = {
         "dropout",
         "router_aux_loss_coef",
         "router_z_loss_coef",
+        "lora_dropout",
     ),
     "data": ("dataset", "data_dir", "seed", "overfit_batch", "document_masking", "packing"),
     "run": (

@@ -2,6 +2,7 @@
 
     python export_hf.py --out_dir=out-shakespeare-char --to=exported/shakespeare-char
     python export_hf.py --out_dir=out-llama --to=exported/llama --dtype=bfloat16
+    python export_hf.py --out_dir=out-lora --to=exported/adapter --adapter_only=True   # a LoRA run
 
 writes config.json, model.safetensors (or shards with model.safetensors.index.json),
 generation_config.json and the tokenizer's files, so that transformers'
@@ -12,6 +13,11 @@ has no class for are refused. Every kind of vocabulary gets a tokenizer.json, so
 `sample.py --init_from=DIR` reads the export with the ids it was trained on: a Hugging Face
 run's own files, GPT-2's BPE (also as vocab.json + merges.txt), and a char-level run's character
 table as a word-level `tokenizers` model of single characters.
+
+A LoRA run exports merged: its adapters folded into the base's weights, a plain model. With
+--adapter_only=True it exports its adapters alone as a PEFT adapter directory (adapter_config.json +
+adapter_model.safetensors, weights/peft.py) that `peft.PeftModel.from_pretrained(base, DIR)` loads
+onto the base model (base_model_name_or_path: the run's base; a nanomax run as base: export that too).
 """
 
 import dataclasses
@@ -25,7 +31,7 @@ import numpy as np
 import configurator
 from data import chat_template
 from inference.loader import load_checkpoint
-from weights import hf
+from weights import checkpoint, hf, peft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +40,7 @@ class ExportConfig:
     to: str = ""  # the new Hugging Face directory (must not exist, or be empty)
     dtype: str = "float32"  # 'float32' | 'bfloat16': how the weights are stored
     max_shard_gb: float = 5.0  # larger models are split into shards of at most this size
+    adapter_only: bool = False  # a LoRA run: write its adapters as a PEFT adapter directory, not the merged model
 
     def __post_init__(self):
         if not self.to.strip():
@@ -47,6 +54,8 @@ def export(cfg: ExportConfig, log=print) -> list:
     """Writes cfg.to from the newest intact checkpoint in cfg.out_dir; returns its file names."""
     if jax.process_count() > 1:
         raise hf.HFError("export_hf.py runs as a single process: run it on one host")
+    if cfg.adapter_only:
+        return export_adapter(cfg, log)
     setup, params, step, tok = load_checkpoint(cfg.out_dir)
     c = setup.model_config
     hf.check_architecture(c)  # before anything is converted
@@ -72,6 +81,29 @@ def export(cfg: ExportConfig, log=print) -> list:
         f"exported step {step} of {os.path.abspath(cfg.out_dir)} ({config['architectures'][0]}, {n_params:,} "
         f"parameters, {cfg.dtype}) to {os.path.abspath(cfg.to)}: {', '.join(files)}"
     )
+    return files
+
+
+def export_adapter(cfg: ExportConfig, log=print) -> list:
+    """Writes cfg.to as a PEFT adapter directory from the newest intact checkpoint of a LoRA run."""
+    setup, adapters, step, _ = load_checkpoint(cfg.out_dir, adapters_only=True)
+    c = setup.model_config
+    if not c.lora_rank:
+        raise configurator.ConfigError(
+            f"--adapter_only=True exports a LoRA run's adapters, and {os.path.abspath(cfg.out_dir)} trained the "
+            f"whole model (lora_rank=0): leave --adapter_only out to export it"
+        )
+    base = (checkpoint.newest_meta(cfg.out_dir) or {}).get("lora_base", {}).get("init_from", "")
+    tensors, config = peft.to_peft(jax.tree.map(np.asarray, adapters), c, base)
+    files = peft.write(cfg.to, tensors, config)
+    n_params = sum(t.size for t in tensors.values())
+    log(
+        f"exported the LoRA adapters of step {step} of {os.path.abspath(cfg.out_dir)} (rank {c.lora_rank} on "
+        f"{', '.join(config['target_modules'])}, {n_params:,} parameters) to {os.path.abspath(cfg.to)}: "
+        f"{', '.join(files)}; their base: {base}"
+    )
+    if checkpoint.is_run_dir(base):
+        log(f"note: the base is a nanomax run: export it too (export_hf.py --out_dir={base}) for PEFT to load onto")
     return files
 
 

@@ -11,10 +11,11 @@ V vocabulary, L layers, S the KV cache's capacity; BT is batch and time flattene
 GPT-2 is the default; `pos_embedding='rope'`, `norm='rmsnorm'`, `mlp='swiglu'`, `n_kv_head`, `bias=False`
 and `tie_embeddings=False` give Llama-style models, `n_experts` a mixture of experts. Each switch is a
 small function or module in layers/, picked once by name from a table (ROTATIONS, HEAD_NORMS, NORMS,
-MLPS, SOFTCAPS, ATTENTION), or a parameter that is there or not (wpe, lm_head_kernel, the biases): the
-forward pass has no branches on them. How attention runs (XLA, written out, splash or cuDNN kernels,
-ring) is chosen once per traced program by layers/attention.choose_attention; the forward pass reads
-projection -> norm and rotation -> attention -> projection whatever runs underneath.
+MLPS, SOFTCAPS, ATTENTION), or a parameter that is there or not (wpe, lm_head_kernel, the biases, the
+LoRA adapters beside the blocks' matrices that lora_rank adds: layers/lora.py): the forward pass has no
+branches on them. How attention runs (XLA, written out, splash or cuDNN kernels, ring) is chosen once
+per traced program by layers/attention.choose_attention; the forward pass reads projection -> norm and
+rotation -> attention -> projection whatever runs underneath.
 
 Packed rows (several examples in one row) carry segment ids (B, T): attention never crosses a segment
 and positions restart at 0 in each. `GPT.prefill` and `GPT.decode` run tokens for generation against a
@@ -28,12 +29,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from layers import pipeline, quantization
+from layers import lora, pipeline, quantization
 from layers.attention import REMAT_POLICIES, Attend, Segments, choose_attention, permuted_segments
-from layers.blocks import HEAD_NORMS, MLPS, NORMS, constrain, dropout, linear, normal, param, residual_init
+from layers.blocks import HEAD_NORMS, MLPS, NORMS, constrain, linear, residual_init
 from layers.embedding import SOFTCAPS, embedding_lookup, logits_matmul
 from layers.kv_cache import Filled, InPlaceLayer, KVCache, Prefix, init_cache
 from layers.moe import MoE
+from layers.params import dropout, normal, param
 from layers.rope import ROTATIONS
 
 
@@ -87,6 +89,13 @@ class GPTConfig:
     layers_per_stage: int = 0  # 0 = n_layer / stages (GPipe); fewer: the circular schedule
     kv_cache_dtype: str = "auto"  # decoding's KV cache: 'auto' (the compute dtype) | 'bfloat16' | 'float32' |
     #                               'int8' (one float32 scale per token and key/value head)
+    # LoRA (layers/lora.py): low-rank adapters beside the blocks' dense matrices; 0 = none
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_rank
+    lora_targets: str = "all"  # comma-separated lora.TARGETS (q, k, v, o, gate, up, down), or 'all'
+    lora_dropout: float = 0.0  # dropout on the adapters' input, in training
+    weight_dtype: str = "auto"  # 'int8': the blocks' matrices are quantization.Int8Weight (a LoRA run's frozen
+    #                             base), which the projections read in the (B, T, heads, H) layout only
 
     @property
     def padded_vocab_size(self) -> int:
@@ -132,6 +141,11 @@ class Attention(nnx.Module):
         qkv_bias = config.bias or config.qkv_bias
         self.qkv_bias = param(jnp.zeros((G + 2, K, H)), ("qkv", "heads", "head_dim")) if qkv_bias else None
         self.out_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
+        # LoRA adapters (None unless targeted): q's output is the N query heads, k's and v's the K groups
+        self.q_lora = lora.adapter(config, "q", key, (D,), ("embed",), (N, H), ("heads", "head_dim"))
+        self.k_lora = lora.adapter(config, "k", key, (D,), ("embed",), (K, H), ("heads", "head_dim"))
+        self.v_lora = lora.adapter(config, "v", key, (D,), ("embed",), (K, H), ("heads", "head_dim"))
+        self.o_lora = lora.adapter(config, "o", key, (N, H), ("heads", "head_dim"), (D,), ("embed",))
         self.config = config
 
     def __call__(self, x_BTxD, position_BxT, segments: Segments | None, attend: Attend, dropout_key=None):
@@ -139,9 +153,10 @@ class Attention(nnx.Module):
         own segment when packed) through `attend`. Returns the output and the keys and values, which a
         prefill stores: (B, T, K, H), or (B, K, T, H) when attend.heads_major."""
         k_probs, k_out = jax.random.split(dropout_key) if dropout_key is not None else (None, None)
-        q, k, v = self._qkv(x_BTxD, position_BxT, attend.heads_major)
+        k_lora = lora.dropout_key(dropout_key)
+        q, k, v = self._qkv(x_BTxD, position_BxT, attend.heads_major, k_lora)
         y = attend(q, k, v, position_BxT, segments, k_probs)
-        return dropout(self._out(y, attend.heads_major), self.config.dropout, k_out), (k, v)
+        return dropout(self._out(y, attend.heads_major, k_lora), self.config.dropout, k_out), (k, v)
 
     def decode(self, x_BTxD, start_B, cache: KVCache | InPlaceLayer):
         """T new tokens per row, at positions start_B[b] + [0, T), against one layer of the cache: its
@@ -152,12 +167,15 @@ class Attention(nnx.Module):
         new = cache.encode(k, v)
         return self._out(cache.attend(q, new, start_B), heads_major=False), new
 
-    def _qkv(self, x_BTxD, position_BxT, heads_major: bool):
-        """q (B, T, N, H) and k, v (B, T, K, H), or each (B, heads, T, H) when heads_major; qk_norm gives
-        q and k unit RMS per head, then RoPE turns them by position (GPT-2 does neither)."""
+    def _qkv(self, x_BTxD, position_BxT, heads_major: bool, lora_key=None):
+        """q (B, T, N, H) and k, v (B, T, K, H), or each (B, heads, T, H) when heads_major, with their
+        LoRA adapters' outputs added; qk_norm gives q and k unit RMS per head, then RoPE turns them by
+        position (GPT-2 does neither)."""
         config = self.config
         project = self._project_heads_major if heads_major else self._project
         q, k, v = project(x_BTxD, *position_BxT.shape)
+        adapters = (self.q_lora, self.k_lora, self.v_lora)
+        q, k, v = (lora.add(a, x_BTxD, y, lora_key, heads_major) for a, y in zip(adapters, (q, k, v)))
         normalize, rotate = HEAD_NORMS[config.qk_norm], ROTATIONS[config.pos_embedding]
         q, k = (rotate(normalize(a, config), position_BxT, config, token_axis=2 if heads_major else 1) for a in (q, k))
         return q, k, v
@@ -189,13 +207,17 @@ class Attention(nnx.Module):
             k_BxKxTxH, v_BxKxTxH = k_BxKxTxH + bias_CxKxH[G, :, None, :], v_BxKxTxH + bias_CxKxH[G + 1, :, None, :]
         return q_BxKxGxTxH.reshape(B, K * G, T, H), k_BxKxTxH, v_BxKxTxH  # (K, G) flattens to head k·G + g
 
-    def _out(self, y, heads_major: bool):
-        """The output projection (B·T, D) of y (B, T, N, H), or of (B, N, T, H) read as it is."""
+    def _out(self, y, heads_major: bool, lora_key=None):
+        """The output projection (B·T, D) of y (B, T, N, H), or of (B, N, T, H) read as it is, with its
+        LoRA adapter's output added (which reads heads-major y as (B, T, N, H))."""
         N, H, D = self.out_kernel.shape
         if heads_major:
             y_BxTxD = jnp.einsum("bnth,nhd->btd", y, self.out_kernel[...].astype(y.dtype)).reshape(-1, D)
-            return y_BxTxD if self.out_bias is None else y_BxTxD + self.out_bias[...].astype(y.dtype)
-        return linear(y.reshape(-1, N * H), self.out_kernel.reshape(N * H, D), self.out_bias, self.config.quantization)
+            y_BTxD = y_BxTxD if self.out_bias is None else y_BxTxD + self.out_bias[...].astype(y.dtype)
+            return lora.add(self.o_lora, y.swapaxes(1, 2).reshape(-1, N * H), y_BTxD, lora_key)
+        y_BTxNH = y.reshape(-1, N * H)
+        y_BTxD = linear(y_BTxNH, self.out_kernel.reshape(N * H, D), self.out_bias, self.config.quantization)
+        return lora.add(self.o_lora, y_BTxNH, y_BTxD, lora_key)
 
 
 class Block(nnx.Module):
@@ -501,6 +523,13 @@ def active_params(config: GPTConfig) -> int:
     return count_params(config) - idle_expert_params(config)
 
 
+def adapter_params(config: GPTConfig) -> int:
+    """Parameters of the LoRA adapters (0 without them): what a LoRA run trains."""
+    abstract = nnx.eval_shape(lambda: GPT(config, jax.random.key(0)))
+    adapters, _ = lora.split(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(adapters)) if config.lora_rank else 0
+
+
 def describe_params(config: GPTConfig) -> str:
     """'124,475,904 parameters', or for a mixture of experts also the ones a token uses."""
     total = f"{count_params(config):,} parameters"
@@ -518,8 +547,11 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None, causal_half: 
     Elementwise work is not counted: norms, activations, qk_norm (~3 FLOPs per q/k element) and
     logit_softcap (~3 per logit) are well under 1% of a step's FLOPs. A mixture of experts counts
     its active parameters (the router and the experts_per_token experts a token goes to); its
-    one-hot dispatch and combine einsums are overhead, left out like the rest.
+    one-hot dispatch and combine einsums are overhead, left out like the rest. With LoRA the frozen
+    weights count 4 (no weight gradient) and the adapters 6.
     """
     T = seq_len or config.block_size
+    used = matmul_params(config) - idle_expert_params(config)
+    frozen = used - adapter_params(config) if config.lora_rank else 0
     attention = (6 if causal_half else 12) * config.n_layer * T * config.n_embd
-    return 6 * (matmul_params(config) - idle_expert_params(config)) + attention
+    return 6 * used - 2 * frozen + attention

@@ -32,12 +32,14 @@ from data.tokenizer import model_tokenizer, same_vocabulary, tokenizer_from_desc
 from devices import hardware, memory
 from evals import scoring
 from inference import generate
-from layers import attention
+from inference.loader import int8_weights
+from layers import attention, lora
 from layers.embedding import output_layer_loss
-from model import GPT, GPTConfig, flops_per_token
+from layers.quantization import Int8Weight
+from model import GPT, GPTConfig, cast_for_inference, flops_per_token
 from training import compiled_step, monitor
 from training.optimizer import groups_summary, learning_rate, make_optimizer, state_shardings
-from weights import checkpoint, hf
+from weights import checkpoint, hf, peft
 from weights.checkpoint import CheckpointError
 
 
@@ -62,6 +64,7 @@ class Setup:
     abstract_state: dict  # the same tree of ShapeDtypeStructs (with shardings)
     compute_shardings: dict  # the same, all in device memory: where the step computes with it
     document_start: int | None = None  # the id each document starts with, where document_masking splits rows
+    base_params: dict | None = None  # a LoRA run: the frozen base's parameters as loaded (float32 structs)
 
     @property
     def abstract_params(self):  # as common.model_setup.ModelSetup has them (checkpoint.load_pretrained)
@@ -92,11 +95,17 @@ def make_setup(config: Config, mesh, vocab_size: int, document_start: int | None
             "a tokenizer that has them (GPT-2's, a Hugging Face one), or set document_masking=False"
         )
     model = model_setup(config, mesh, vocab_size)
-    param_shardings, abstract_params = model.param_shardings, model.abstract_params
+    if config.lora_rank and not lora.has_adapters(model.abstract_params):  # else every weight would train
+        raise configurator.ConfigError(
+            f"lora_targets={config.lora_targets!r} names no matrix this model has (GPT-2's MLP has no gate; "
+            f"a mixture of experts' experts take no adapters): choose among q, k, v, o, up, down"
+        )
+    param_shardings, abstract_params = frozen_shardings(config, model.param_shardings, model.abstract_params)
     optimizer = make_optimizer(config)
-    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+    trainable, _ = lora.split(abstract_params)  # LoRA: only the adapters have optimizer state
+    abstract_opt_state = jax.eval_shape(optimizer.init, trainable)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt_shardings = state_shardings(optimizer, abstract_opt_state, param_shardings, replicated)
+    opt_shardings = state_shardings(optimizer, abstract_opt_state, lora.split(param_shardings)[0], replicated)
     compute = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
     shardings = {
         name: jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), tree)
@@ -106,9 +115,41 @@ def make_setup(config: Config, mesh, vocab_size: int, document_start: int | None
     }
     abstract = {"params": abstract_params, "opt_state": abstract_opt_state, "step": jax.ShapeDtypeStruct((), jnp.int32)}
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    base = lora.base_of(model.abstract_params) if config.lora_rank else None
     return Setup(
-        config, model.model_config, mesh, model.graphdef, optimizer, shardings, abstract, compute, document_start
+        config, model.model_config, mesh, model.graphdef, optimizer, shardings, abstract, compute, document_start, base
     )
+
+
+def frozen(config: Config, params):
+    """The parameters as a run keeps them: a LoRA run's base frozen as the forward pass reads it, in the
+    compute dtype (model.cast_for_inference: the forward computes exactly what it computes on float32
+    weights; bfloat16 halves them), its blocks' matrices int8 with weight_dtype='int8' (QLoRA-style);
+    the adapters float32. Other runs' as they are."""
+    if not config.lora_rank:
+        return params
+    adapters, base = lora.split(params)
+    base = cast_for_inference(base, jnp.dtype(config.dtype))
+    return lora.join(adapters, int8_weights(base) if config.weight_dtype == "int8" else base)
+
+
+def frozen_shardings(config: Config, param_shardings, abstract_params) -> tuple:
+    """(shardings, abstract parameters) as `frozen` keeps them. An int8 matrix's values are sharded like
+    the matrix; its scales (size 1 on the input axes) only along the output axes."""
+    if not config.lora_rank:
+        return param_shardings, abstract_params
+    shapes = jax.eval_shape(lambda p: frozen(config, p), abstract_params)
+
+    def sharding_of(named, shape):
+        if not isinstance(shape, Int8Weight):
+            return named
+        spec = (*named.spec, *(None,) * (len(shape.q.shape) - len(named.spec)))
+        scale_spec = jax.sharding.PartitionSpec(*(a if n > 1 else None for a, n in zip(spec, shape.scale.shape)))
+        return Int8Weight(named, jax.sharding.NamedSharding(named.mesh, scale_spec))
+
+    shardings = jax.tree.map(sharding_of, param_shardings, shapes)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+    return shardings, abstract
 
 
 def offloaded_parts(config: Config, mesh) -> tuple:
@@ -130,17 +171,22 @@ def on_device(tree, shardings):
     return jax.device_put(tree, shardings)
 
 
-def init_state(setup: Setup, params=None) -> dict:
+def init_state(setup: Setup, params=None, adapters=None) -> dict:
     """A fresh train state, created directly in its sharded layout (never whole on one device):
-    for `params` (pretrained weights, already sharded) or from a random initialization."""
+    for `params` (pretrained weights, already sharded) or from a random initialization. A LoRA run's
+    adapters start fresh, or as `adapters` (a PEFT adapter's, NumPy arrays) give them."""
 
-    def init(params):
-        if params is None:
-            params = nnx.to_pure_dict(nnx.state(GPT(setup.model_config, jax.random.key(setup.config.seed))))
-        return {"params": params, "opt_state": setup.optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+    def init(pretrained, adapters):
+        params = nnx.to_pure_dict(nnx.state(GPT(setup.model_config, jax.random.key(setup.config.seed))))
+        if pretrained is not None:  # with LoRA, adapters on it
+            adapters = lora.split(params)[0] if adapters is None else adapters
+            params = lora.join(adapters, pretrained) if setup.config.lora_rank else pretrained
+        params = frozen(setup.config, params)
+        opt_state = setup.optimizer.init(lora.split(params)[0])
+        return {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
 
     with sharding.activate(setup.mesh):
-        return jax.jit(init, out_shardings=setup.state_shardings)(params)
+        return jax.jit(init, out_shardings=setup.state_shardings)(params, adapters)
 
 
 def document_segments(setup: Setup, x_BxT):
@@ -268,17 +314,25 @@ def make_train_step(setup: Setup):
     def train_step(state, batch):
         x_AxBxT, y_AxBxT, packed_AxBxT = (*batch, None)[:3]
         params = on_device(state["params"], setup.compute_shardings["params"])  # offload: from the host
+        # LoRA: gradients, optimizer and updates for the adapters only; the base rides along, frozen
+        trainable, frozen_base = lora.split(params)
+        base = frozen_base  # as the loss reads it
         step_key = jax.random.fold_in(jax.random.key(config.seed), state["step"])
-        grad_fn = jax.value_and_grad(lambda p, *args: training_loss(setup, p, *args), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, *args: training_loss(setup, lora.join(p, base), *args), has_aux=True)
         n_micro = x_AxBxT.shape[0]
         # The loss is the mean over the step's targets, however they fall into micro-batches.
         n_targets = jnp.maximum((y_AxBxT >= 0).sum(), 1)
 
         kept_apart = shards_kept_apart(setup)
-        grad_shardings = jax.tree.map(lambda s: sharding.without_axes(s, kept_apart), setup.compute_shardings["params"])
+        trainable_shardings, base_shardings = lora.split(setup.compute_shardings["params"])
+        grad_shardings = jax.tree.map(lambda s: sharding.without_axes(s, kept_apart), trainable_shardings)
 
         # With fsdp kept apart the loop computes with whole parameters, gathered here once for every micro-step.
-        loop_params = jax.lax.with_sharding_constraint(params, grad_shardings) if "fsdp" in kept_apart else params
+        loop_params = trainable
+        if "fsdp" in kept_apart:
+            loop_params = jax.lax.with_sharding_constraint(trainable, grad_shardings)
+            whole = jax.tree.map(lambda s: sharding.without_axes(s, kept_apart), base_shardings)
+            base = jax.lax.with_sharding_constraint(frozen_base, whole)
 
         def micro_step_grads(x_BxT, y_BxT, packed_BxT, key):
             (_, (loss, router)), grads = grad_fn(loop_params, x_BxT, y_BxT, key, packed_BxT, n_targets, n_micro)
@@ -290,27 +344,25 @@ def make_train_step(setup: Setup):
 
         def micro_step(grad_sum, inputs):
             x_BxT, y_BxT, packed_BxT, i = inputs
-            key = jax.random.fold_in(step_key, i) if config.dropout > 0 else None
+            key = jax.random.fold_in(step_key, i) if config.dropout > 0 or config.lora_dropout > 0 else None
             grads, (loss, router) = micro_step_grads(x_BxT, y_BxT, packed_BxT, key)
             return jax.tree.map(jnp.add, grad_sum, grads), (loss, router)
 
         # Gradient accumulation as a scan: one compiled loop, not one dispatch per micro-step.
-        zeros = jax.tree.map(lambda p: jnp.zeros((shards, *p.shape) if kept_apart else p.shape, p.dtype), params)
+        zeros = jax.tree.map(lambda p: jnp.zeros((shards, *p.shape) if kept_apart else p.shape, p.dtype), loop_params)
         grads, (losses, router) = jax.lax.scan(micro_step, zeros, (x_AxBxT, y_AxBxT, packed_AxBxT, jnp.arange(n_micro)))
         if kept_apart:  # the shards' partial sums, reduced once for the step
-            grads = jax.lax.with_sharding_constraint(
-                jax.tree.map(lambda g: g.sum(0), grads), setup.compute_shardings["params"]
-            )
+            grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g.sum(0), grads), trainable_shardings)
         loss, grad_norm = losses.sum(), optax.tree.norm(grads)
         # Offloaded optimizer state comes to the device only now, after the backward passes.
         old_opt_state = on_device(state["opt_state"], setup.compute_shardings["opt_state"])
-        updates, opt_state = setup.optimizer.update(grads, old_opt_state, params)
+        updates, opt_state = setup.optimizer.update(grads, old_opt_state, trainable)
         # A non-finite step leaves parameters and optimizer state as they were, so a NaN
         # can never reach a checkpoint; nan_policy decides whether training goes on.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_state = {
-            "params": keep_if_bad(optax.apply_updates(params, updates), params),
+            "params": lora.join(keep_if_bad(optax.apply_updates(trainable, updates), trainable), frozen_base),
             "opt_state": schedules_from(opt_state, keep_if_bad(opt_state, old_opt_state)),
             "step": state["step"] + 1,
         }
@@ -372,23 +424,30 @@ def lower(setup: Setup):
 
 
 def start_state(setup: Setup, tok, log) -> tuple:
-    """(checkpoint manager, train state, the checkpoint's meta or None): resumed from out_dir, or
-    fresh (from scratch or from pretrained weights) in an out_dir that holds no other run. The
-    out_dir lock is held."""
+    """(checkpoint manager, train state, the checkpoint's meta or None, a LoRA run's record of its base
+    or None): resumed from out_dir, or fresh (from scratch or from pretrained weights) in an out_dir that
+    holds no other run. The out_dir lock is held."""
     config = setup.config
     if config.init_from != "resume":
         checkpoint.start_fresh(config, log)
         manager = checkpoint.checkpoint_manager(config)
-        pretrained = (
-            None if config.init_from == "scratch" else checkpoint.load_pretrained(setup, hf.resolve(config.init_from))
-        )  # a Hugging Face model: fine-tune it
-        return manager, init_state(setup, pretrained), None
+        if config.init_from == "scratch":
+            return manager, init_state(setup), None, None
+        # a Hugging Face model or another run's checkpoint: fine-tune it, whole or (LoRA) its adapters,
+        # fresh ones or a PEFT adapter directory's
+        source = pretrained_model(config.init_from)
+        abstract = setup.base_params if config.lora_rank else setup.abstract_params
+        pretrained = checkpoint.load_base(setup, source, abstract, log)
+        record = checkpoint.base_record(source, pretrained) if config.lora_rank else None
+        adapters = peft.from_peft(config.init_from, setup.model_config) if source != config.init_from else None
+        return manager, init_state(setup, pretrained, adapters), None, record
 
     def abstract_for(meta):  # checked from the checkpoint's meta, before its arrays are read
         checkpoint.check_model(checkpoint.saved_config(meta), config)
         check_checkpoint_tokenizer(meta, config, tok)
         check_optimizer_state(setup, meta["config"])
-        return {k: setup.abstract_state[k] for k in ("params", "opt_state")}
+        # a LoRA run's checkpoint holds the adapters: its base is read from where its record says
+        return {"params": lora.split(setup.abstract_state["params"])[0], "opt_state": setup.abstract_state["opt_state"]}
 
     manager = checkpoint.checkpoint_manager(config)
     try:
@@ -397,19 +456,31 @@ def start_state(setup: Setup, tok, log) -> tuple:
     except BaseException:
         manager.close()
         raise
+    record = restored.meta.get("lora_base")
+    params = restored.items["params"]
+    if record:
+        try:
+            base = checkpoint.load_base(setup, record["init_from"], setup.base_params, log)
+            checkpoint.check_base(record, base, f"the checkpoint in {os.path.abspath(config.out_dir)}")
+        except BaseException:
+            manager.close()
+            raise
+        to_state = jax.jit(lambda p: frozen(config, p), out_shardings=setup.state_shardings["params"])
+        params = to_state(lora.join(params, base))
     changes = configurator.changes_since(config, restored.meta["config"])
     if changes:
         log(f"resuming step {restored.step} with changes from the checkpoint's run: {', '.join(changes)}")
     step = checkpoint.step_array(restored.step, setup.state_shardings["step"])
-    return manager, {**restored.items, "step": step}, restored.meta
+    return manager, {**restored.items, "params": params, "step": step}, restored.meta, record
 
 
-def check_checkpoint_tokenizer(meta: dict, config: Config, tok) -> None:
-    """The dataset's tokenizer is the vocabulary the checkpoint was trained on."""
+def check_checkpoint_tokenizer(meta: dict, config: Config, tok, out_dir: str = "") -> None:
+    """The dataset's tokenizer is the vocabulary the checkpoint (in out_dir: by default the run's) was
+    trained on."""
     saved = meta.get("tokenizer")  # absent in checkpoints older than the check
     if saved and tok and vocabulary_identity(saved) != vocabulary_identity(tok.describe()):
         raise CheckpointError(
-            f"the checkpoint in {os.path.abspath(config.out_dir)} was trained on a vocabulary of "
+            f"the checkpoint in {os.path.abspath(out_dir or config.out_dir)} was trained on a vocabulary of "
             f"{tokenizer_from_description(saved).summary()}, but "
             f"{dataset.dataset_dir(config)}/meta.json describes {tok.summary()}: resume with the dataset "
             f"it was trained on, or train this one from the start in another --out_dir"
@@ -428,7 +499,9 @@ def check_optimizer_state(setup: Setup, saved: dict) -> None:
             changed_config = dataclasses.replace(config, **{k: saved[k] for k in keys})
         except configurator.ConfigError:  # not a config on its own: can't tell
             return ours
-        return jax.tree.structure(jax.eval_shape(make_optimizer(changed_config).init, setup.abstract_state["params"]))
+        return jax.tree.structure(
+            jax.eval_shape(make_optimizer(changed_config).init, lora.split(setup.abstract_state["params"])[0])
+        )
 
     ours = jax.tree.structure(setup.abstract_state["opt_state"])
     changed = [k for k in configurator.ROLES["optimizer"] if saved[k] != getattr(config, k)]
@@ -498,6 +571,11 @@ def train(config: Config, devices=None) -> list[tuple[int, float]]:
     tasks = scoring.load_tasks(config.eval_tasks, config.eval_tasks_limit)  # read now: a bad file fails early
     if tasks and tok is None:
         raise scoring.EvalError("eval_tasks need the dataset's tokenizer, and this dataset has no meta.json")
+    if config.lora_rank and config.init_from == "scratch":
+        raise configurator.ConfigError(
+            "lora_rank > 0 trains adapters on a frozen model, and init_from='scratch' has none: set --init_from "
+            "to a trained model (a Hugging Face directory or hub name, or a nanomax run's out_dir)"
+        )
     mesh = sharding.mesh_from_config(config, devices)
     setup = make_setup(config, mesh, vocab_size, dataset.document_start(tok))
     train_step, eval_step = jit_train_step(setup), jit_eval_step(setup)
@@ -528,7 +606,11 @@ def check_pretrained_tokenizer(config: Config, tok) -> None:
     vocabulary (a model whose tokenizer is unknown, without tokenizer.json, is taken as it is)."""
     if config.init_from in ("scratch", "resume") or tok is None:
         return
-    directory = hf.resolve(config.init_from)
+    source = pretrained_model(config.init_from)
+    if checkpoint.is_run_dir(source):  # another run's checkpoint: its vocabulary is in its meta
+        check_checkpoint_tokenizer(checkpoint.newest_meta(source) or {}, config, tok, source)
+        return
+    directory = hf.resolve(source)
     pretrained = hf.read_config(directory)
     theirs = model_tokenizer(directory, pretrained.model_type, pretrained.keys["vocab_size"])
     if theirs is not None and not same_vocabulary(tok, theirs):
@@ -545,9 +627,9 @@ def train_loop(
     """Evaluate every eval_interval steps (and at the end), save, train, log; stop at max_iters
     or on a signal. The out_dir lock is held."""
     config = setup.config
-    manager, state, resumed = start_state(setup, tok, print if jax.process_index() == 0 else lambda *a: None)
+    manager, state, resumed, base = start_state(setup, tok, print if jax.process_index() == 0 else lambda *a: None)
     lock.claim()
-    run = Run(setup, splits, tok, manager, state, tasks, best_val=best_val_loss(resumed))
+    run = Run(setup, splits, tok, manager, state, tasks, best_val=best_val_loss(resumed), base=base)
     monitor.print_summary(run.log, setup, splits, run.peak_text)
     if memory_line:  # the pre-flight check's numbers, on stdout and in TensorBoard's text
         run.log.print(memory_line)
@@ -597,7 +679,9 @@ class Run:
     """The loop's state between steps: the train state and step, what is logged, the best
     validation loss, the non-finite steps, and the decisions about them."""
 
-    def __init__(self, setup: Setup, splits: dict, tok, manager, state: dict, tasks=(), best_val=float("inf")):
+    def __init__(
+        self, setup: Setup, splits: dict, tok, manager, state: dict, tasks=(), best_val=float("inf"), base=None
+    ):
         self.setup, self.config, self.splits, self.tok, self.manager = setup, setup.config, splits, tok, manager
         self.tasks, self.scorer = tasks, scoring.make_scorer(setup) if tasks else None
         self.state = state
@@ -609,7 +693,7 @@ class Run:
         self.flops_per_token = flops_per_token(setup.model_config)
         self.rows = sharding.local_batch_rows(setup.batch_sharding, self.config.batch_size)
         self.profile_start, self.profile_stop = monitor.parse_profile_steps(self.config.profile_steps)
-        self.meta = checkpoint.checkpoint_meta(setup, tok)
+        self.meta = checkpoint.checkpoint_meta(setup, tok) | ({"lora_base": base} if base else {})
         self.history, self.best_val, self.n_skipped = [], best_val, 0
         self.pending_finite = []  # per-step "loss and gradients were finite" flags, read at log time
 
@@ -656,7 +740,8 @@ class Run:
             )
         best = min(self.best_val, float("inf") if val_loss is None else val_loss)
         meta = self.meta | {"val_loss": val_loss, "best_val_loss": best if math.isfinite(best) else None}
-        checkpoint.save(self.manager, self.state, meta, val_loss)
+        # a LoRA run saves its adapters (and their optimizer state); the base is named in meta['lora_base']
+        checkpoint.save(self.manager, {**self.state, "params": lora.split(self.state["params"])[0]}, meta, val_loss)
 
     def save_and_wait(self, val_loss: float | None) -> None:
         self.check_finite()
@@ -782,8 +867,25 @@ def _write_atomically(path: str, text: str) -> None:
 
 def complete_config(values: dict) -> dict:
     """configurator's `complete` hook for training: the model keys not given come from a Hugging Face
-    model's config.json (init_from=DIR or a hub name), or from the checkpoint resumed."""
-    return checkpoint.with_checkpoint_keys(hf.with_model_keys(values))
+    model's config.json (init_from=DIR or a hub name), or from the checkpoint resumed or fine-tuned;
+    for a PEFT adapter directory, from its base, and the LoRA keys from the adapter."""
+    init_from = values.get("init_from", "scratch")
+    if not peft.is_adapter_dir(init_from):
+        return checkpoint.with_checkpoint_keys(hf.with_model_keys(values))
+    adapter = peft.lora_keys(init_from)
+    conflicts = [f"{k}={values[k]!r} (its: {v!r})" for k, v in adapter.items() if k in values and values[k] != v]
+    if conflicts:
+        raise configurator.ConfigError(
+            f"init_from={init_from} is a LoRA adapter, and {', '.join(conflicts)} would be another: drop "
+            f"{'this key' if len(conflicts) == 1 else 'these keys'} (its adapter_config.json sets them)"
+        )
+    base = {**values, **adapter, "init_from": pretrained_model(init_from)}
+    return {**checkpoint.with_checkpoint_keys(hf.with_model_keys(base)), "init_from": init_from}
+
+
+def pretrained_model(init_from: str) -> str:
+    """The model init_from fine-tunes: a PEFT adapter directory's base, or what it names itself."""
+    return peft.read_config(init_from)["base_model_name_or_path"] if peft.is_adapter_dir(init_from) else init_from
 
 
 def main(argv: list[str]) -> None:

@@ -6,6 +6,7 @@ and serve.py load through here, into the model that common/model_setup.py places
     setup, params, tok = load_hf("gpt2", mesh)
 """
 
+import dataclasses
 import os
 import sys
 
@@ -18,10 +19,11 @@ from common.model_setup import ModelSetup, model_setup
 from configurator import ROLES, Config
 from data import dataset
 from data.tokenizer import load_tokenizer, model_tokenizer, tokenizer_from_description
+from layers import lora
 from layers.kv_cache import init_cache
 from layers.quantization import Int8Weight
 from model import GPTConfig, cast_for_inference
-from weights import checkpoint, hf
+from weights import checkpoint, hf, peft
 
 # What rebuilds a checkpoint's model: its model and compute keys, and where an older checkpoint's
 # vocabulary is (newer ones carry it).
@@ -42,11 +44,15 @@ def one_device_mesh():
     return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
 
-def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none", kv_cache_dtype: str = "auto"):
+def load_checkpoint(
+    out_dir: str, mesh=None, quantization: str = "none", kv_cache_dtype: str = "auto", adapters_only: bool = False
+):
     """(setup, parameters, step, tokenizer) of the newest intact checkpoint in out_dir. Its model
     and compute keys and its vocabulary come with it, but for how the matmuls and the attention
     compute: those are chosen here, for these devices (quantization='auto': as it trained), and
-    the KV cache's dtype."""
+    the KV cache's dtype. A LoRA run's checkpoint comes with the base its record names (refused if
+    that base has changed), its adapters merged into the base's matrices: a plain model
+    (adapters_only: its adapters alone, no base read, and the setup of the model with them)."""
     mesh = mesh or one_device_mesh()
     setups = []
 
@@ -61,7 +67,7 @@ def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none", kv_cach
         setups.append(
             model_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config), kv_cache_dtype)
         )
-        return {"params": setups[-1].abstract_params}
+        return {"params": lora.split(setups[-1].abstract_params)[0]}  # a LoRA run's: its adapters
 
     manager = checkpoint.checkpoint_manager(Config(out_dir=out_dir), read_only=True)
     try:
@@ -70,7 +76,9 @@ def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none", kv_cach
         )
     finally:
         manager.close()
-    setup = setups[-1]
+    setup, params = setups[-1], restored.items["params"]
+    if restored.meta.get("lora_base") and not adapters_only:
+        setup, params = merged_on_base(setup, params, restored.meta["lora_base"], out_dir)
     if restored.meta.get("tokenizer"):
         tok = tokenizer_from_description(restored.meta["tokenizer"], search_dirs=[os.path.join(out_dir, "tokenizer")])
     else:  # checkpoints written before the vocabulary was stored with them
@@ -80,12 +88,27 @@ def load_checkpoint(out_dir: str, mesh=None, quantization: str = "none", kv_cach
             f"{dataset.dataset_dir(setup.config)}/meta.json, which must be the one it was trained on",
             file=sys.stderr,
         )
-    return setup, restored.items["params"], restored.step, tok
+    return setup, params, restored.step, tok
+
+
+def merged_on_base(setup: ModelSetup, adapters: dict, record: dict, out_dir: str) -> tuple:
+    """(setup, parameters) of a model without adapters: a LoRA checkpoint's adapters merged into the base
+    its record names."""
+    base = checkpoint.load_base(setup, record["init_from"], lora.base_of(setup.abstract_params))
+    checkpoint.check_base(record, base, f"the checkpoint in {os.path.abspath(out_dir)}")
+    params = lora.join(adapters, base)
+    plain = dataclasses.replace(setup.config, lora_rank=0, weight_dtype="auto")
+    plain_setup = model_setup(plain, setup.mesh, setup.model_config.vocab_size, setup.model_config.kv_cache_dtype)
+    merged = jax.jit(lambda p: lora.merge(p, setup.model_config), out_shardings=plain_setup.param_shardings)(params)
+    return plain_setup, merged
 
 
 def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "float32", kv_cache_dtype: str = "auto"):
     """(setup, parameters, tokenizer) of a Hugging Face model: a directory, or a hub name
-    (downloaded into the Hugging Face cache if it is not there yet)."""
+    (downloaded into the Hugging Face cache if it is not there yet); or of a PEFT LoRA adapter directory,
+    merged into the base model its adapter_config.json names."""
+    if peft.is_adapter_dir(name):
+        return load_adapter(name, mesh, quantization, dtype, kv_cache_dtype)
     mesh, quantization = mesh or one_device_mesh(), "none" if quantization == "auto" else quantization
     directory = hf.resolve(name)
     model = hf.read_config(directory)
@@ -108,6 +131,16 @@ def load_hf(name: str, mesh=None, quantization: str = "none", dtype: str = "floa
             f"exported from with --out_dir=RUN"
         )
     return setup, checkpoint.load_pretrained(setup, directory), tok
+
+
+def load_adapter(directory: str, mesh=None, quantization="none", dtype="float32", kv_cache_dtype="auto"):
+    """(setup, parameters, tokenizer) of a PEFT adapter directory's adapters merged into its base."""
+    base = peft.read_config(directory)["base_model_name_or_path"]
+    setup, params, tok = load_hf(base, mesh, quantization, dtype, kv_cache_dtype)
+    with_adapters = dataclasses.replace(setup.model_config, **peft.lora_keys(directory))
+    adapters = peft.from_peft(directory, with_adapters)
+    merge = jax.jit(lambda p, a: lora.merge(lora.join(a, p), with_adapters), out_shardings=setup.param_shardings)
+    return setup, merge(params, adapters), tok
 
 
 def default_dtype(dtype: str) -> str:

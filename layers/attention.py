@@ -489,7 +489,8 @@ def choose_attention(config, T: int, dropout: bool = False) -> Attend:
     attention probabilities are dropped (dropout: a training step with a key) or splash cannot take T
     (not a multiple of 128, or no kernel in this JAX); XLA's for splash over rows split by `context`.
     Splash runs heads-major (training and prefill: the projections make that layout, so only the keys
-    and values a prefill caches are transposed), but with int8/fp8 projections on the (B, T, heads, H) one."""
+    and values a prefill caches are transposed), but with int8/fp8 projections or int8 weights (a LoRA
+    run's frozen base) on the (B, T, heads, H) one."""
     seq_axis, seq_splits = sequence_axis()
     if config.context_attention == "ring" and seq_splits > 1 and T % seq_splits == 0:
         return Attend("ring")
@@ -498,7 +499,7 @@ def choose_attention(config, T: int, dropout: bool = False) -> Attend:
         return Attend("einsum", config.dropout)
     if name == "splash" and seq_splits > 1:
         return Attend("xla")
-    if name == "splash" and config.quantization == "none":
+    if name == "splash" and config.quantization == "none" and config.weight_dtype != "int8":
         return Attend("splash_heads_major")
     return Attend(name, config.dropout)
 

@@ -1,5 +1,5 @@
-"""The building blocks of model.py's GPT, and of layers/moe.py's experts: parameters with logical axis
-names, sharding constraints by those names, dropout, linear layers (int8/fp8 operands through
+"""The building blocks of model.py's GPT, and of layers/moe.py's experts: sharding constraints by logical
+axis names (layers/params.py makes parameters that carry them), linear layers (int8/fp8 operands through
 layers/quantization.py), the norms and the MLPs. `config` is a model.GPTConfig (its fields are read by
 name; this file does not import model.py, so layers/moe.py can use it too).
 """
@@ -12,18 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import spmd
 
-from layers import quantization
-
-
-def param(value, logical_axes) -> nnx.Param:
-    """A float32 parameter whose `out_sharding` metadata holds logical axis names."""
-    # eager_sharding=False: logical names can't be applied at creation; sharding.py turns
-    # them into mesh shardings for the out_shardings of the jitted initializer instead.
-    return nnx.Param(value.astype(jnp.float32), out_sharding=logical_axes, eager_sharding=False)
-
-
-def normal(key, shape, std):
-    return std * jax.random.normal(key, shape, jnp.float32)
+from layers import lora, quantization
+from layers.params import dropout, normal, param
 
 
 def residual_init(key, shape, config):
@@ -71,13 +61,6 @@ def sequence_axis() -> tuple[str | None, int]:
     if mesh.empty or len(axes) != 1 or mesh.shape.get(axes[0], 1) == 1:
         return None, 1
     return axes[0], mesh.shape[axes[0]]
-
-
-def dropout(x, rate: float, key):
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 def linear(x_BTxI, kernel_IxO, bias, quantize: str = "none"):
@@ -178,7 +161,8 @@ ACTIVATIONS = {"gelu": gelu, "relu2": relu_squared}
 
 
 class MLP(nnx.Module):
-    """GPT-2's: proj(gelu(fc(x))); mlp='relu2': proj(relu(fc(x))²), same two matrices."""
+    """GPT-2's: proj(gelu(fc(x))); mlp='relu2': proj(relu(fc(x))²), same two matrices (each with its
+    LoRA adapter when targeted: `up`, `down`)."""
 
     def __init__(self, config, key):
         D, F = config.n_embd, config.mlp_hidden_size
@@ -187,17 +171,20 @@ class MLP(nnx.Module):
         self.proj_kernel = param(residual_init(k_proj, (F, D), config), ("mlp", "embed"))
         self.fc_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
         self.proj_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
+        self.up_lora = lora.adapter(config, "up", key, (D,), ("embed",), (F,), ("mlp",))
+        self.down_lora = lora.adapter(config, "down", key, (F,), ("mlp",), (D,), ("embed",))
         self.config = config
 
     def __call__(self, x_BTxD, dropout_key=None):
-        q = self.config.quantization
-        h_BTxF = ACTIVATIONS[self.config.mlp](linear(x_BTxD, self.fc_kernel, self.fc_bias, q))
-        y_BTxD = linear(constrain(h_BTxF, ("tokens", "mlp")), self.proj_kernel, self.proj_bias, q)
+        q, k_lora = self.config.quantization, lora.dropout_key(dropout_key)
+        h_BTxF = lora.add(self.up_lora, x_BTxD, linear(x_BTxD, self.fc_kernel, self.fc_bias, q), k_lora)
+        h_BTxF = constrain(ACTIVATIONS[self.config.mlp](h_BTxF), ("tokens", "mlp"))
+        y_BTxD = lora.add(self.down_lora, h_BTxF, linear(h_BTxF, self.proj_kernel, self.proj_bias, q), k_lora)
         return dropout(y_BTxD, self.config.dropout, dropout_key)
 
 
 class SwiGLU(nnx.Module):
-    """Llama's: proj(silu(gate(x)) * fc(x)), a gated unit with three matrices."""
+    """Llama's: proj(silu(gate(x)) * fc(x)), a gated unit with three matrices (LoRA: `gate`, `up`, `down`)."""
 
     def __init__(self, config, key):
         D, F = config.n_embd, config.mlp_hidden_size
@@ -208,13 +195,19 @@ class SwiGLU(nnx.Module):
         self.gate_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
         self.fc_bias = param(jnp.zeros(F), ("mlp",)) if config.bias else None
         self.proj_bias = param(jnp.zeros(D), ("norm",)) if config.bias else None
+        self.gate_lora = lora.adapter(config, "gate", key, (D,), ("embed",), (F,), ("mlp",))
+        self.up_lora = lora.adapter(config, "up", key, (D,), ("embed",), (F,), ("mlp",))
+        self.down_lora = lora.adapter(config, "down", key, (F,), ("mlp",), (D,), ("embed",))
         self.config = config
 
     def __call__(self, x_BTxD, dropout_key=None):
-        q = self.config.quantization
-        gate_BTxF = jax.nn.silu(linear(x_BTxD, self.gate_kernel, self.gate_bias, q))
-        h_BTxF = gate_BTxF * linear(x_BTxD, self.fc_kernel, self.fc_bias, q)
-        y_BTxD = linear(constrain(h_BTxF, ("tokens", "mlp")), self.proj_kernel, self.proj_bias, q)
+        q, k_lora = self.config.quantization, lora.dropout_key(dropout_key)
+        gate_BTxF = lora.add(self.gate_lora, x_BTxD, linear(x_BTxD, self.gate_kernel, self.gate_bias, q), k_lora)
+        h_BTxF = jax.nn.silu(gate_BTxF) * lora.add(
+            self.up_lora, x_BTxD, linear(x_BTxD, self.fc_kernel, self.fc_bias, q), k_lora
+        )
+        h_BTxF = constrain(h_BTxF, ("tokens", "mlp"))
+        y_BTxD = lora.add(self.down_lora, h_BTxF, linear(h_BTxF, self.proj_kernel, self.proj_bias, q), k_lora)
         return dropout(y_BTxD, self.config.dropout, dropout_key)
 
 

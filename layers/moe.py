@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from layers import quantization
-from layers.blocks import ACTIVATIONS, MLPS, constrain, dropout, normal, param, residual_init
+from layers.blocks import ACTIVATIONS, MLPS, constrain, residual_init
+from layers.params import dropout, normal, param
 
 
 def expert_capacity(config, tokens_per_row: int) -> int:

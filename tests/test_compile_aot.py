@@ -306,6 +306,14 @@ def test_tpu_names(name, topology):
     assert compile_aot.tpu_topology_name(name) == topology
 
 
+def test_a_slice_smaller_than_a_host_is_one_host_of_its_chips():
+    """libtpu's default host (2x2x1) does not divide v5e:1x1 or v5e:2x1: those name their own bounds
+    (checked with libtpu 0.0.42.1: v5e-1 and v6e-1 compile; CI has no libtpu)."""
+    assert compile_aot.small_slice_bounds("v5e:1x1") == {"chips_per_host_bounds": (1, 1, 1)}
+    assert compile_aot.small_slice_bounds("v5e:2x1") == {"chips_per_host_bounds": (2, 1, 1)}
+    assert compile_aot.small_slice_bounds("v5e:2x2") == {} and compile_aot.small_slice_bounds("v4:2x2x1") == {}
+
+
 @pytest.mark.parametrize(
     "name, message",
     [

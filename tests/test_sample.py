@@ -16,6 +16,7 @@ import train
 from configurator import Config
 from data.tokenizer import gpt2_tokenizer
 from inference import loader
+from weights import checkpoint
 
 CHARS = "".join(chr(0x100 + i) for i in range(65))  # a 65-symbol character vocabulary
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,8 +50,10 @@ def test_command_line_on_hugging_face_files_with_a_prompt_file(tmp_path, capsys)
         sample.main([f"--init_from={tmp_path}", "--start=hi"])
 
 
-def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, capsys):
-    """train.py's init_from=<dir>: with learning rate 0 the saved parameters are the loaded ones."""
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, capsys, lora_rank):
+    """train.py's init_from=<dir>: with learning rate 0 the saved parameters are the loaded ones (LoRA: the
+    checkpoint's adapters, merged at load into the base its record names, change nothing)."""
     tensors = random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=65, n_positions=32)
     hf_dir = write_hf_gpt2(tmp_path / "hf", tensors, n_head=4)
     data = tmp_path / "data" / "chars"
@@ -64,6 +67,7 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
         data_dir=str(tmp_path / "data"),
         dataset="chars",
         quantization="int8",
+        lora_rank=lora_rank,
         out_dir=str(tmp_path / "out"),
         n_layer=2,
         n_head=4,
@@ -79,6 +83,9 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
         tensorboard=False,
     )
     train.train(config, jax.devices()[:1])
+    if lora_rank:  # the checkpoint names its base, and holds the adapters only
+        meta = checkpoint.newest_meta(config.out_dir)
+        assert meta["lora_base"]["init_from"] == hf_dir and all("lora_" in p for p in meta["checksums"]["params"])
     setup, params, step, tok = loader.load_checkpoint(config.out_dir)
     assert setup.model_config.quantization == "none"  # trained quantized or not: chosen when sampling
     _, loaded = load(hf_dir, block_size=16)

@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 import configurator
 from common.progress import format_seconds
 from configurator import Config
-from model import describe_params, flops_per_token
+from model import adapter_params, count_params, describe_params, flops_per_token
 
 
 class Logger:
@@ -172,6 +172,13 @@ def print_summary(log, setup, splits: dict, peak: str) -> None:
         f"{flops_per_token(setup.model_config) / 1e6:,.2f} MFLOP/token (train), vocab "
         f"{setup.model_config.vocab_size} (padded {setup.model_config.padded_vocab_size})"
     )
+    if config.lora_rank:
+        trained, total = adapter_params(setup.model_config), count_params(setup.model_config)
+        base = "int8 blocks" if config.weight_dtype == "int8" else config.dtype
+        log.print(
+            f"LoRA: rank {config.lora_rank} on {config.lora_targets}: {trained:,} parameters train "
+            f"({trained / total:.2%} of the model), the base frozen in {base}"
+        )
     state_bytes = sum(
         math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(setup.abstract_state)
     )

@@ -61,9 +61,10 @@ def learning_rate(config: Config, step, peak: float | None = None):
 
 
 def decays(path, _) -> bool:
-    """AdamW's weight decay on matrices and embeddings; never on biases or norm scales."""
+    """AdamW's weight decay on matrices and embeddings (LoRA's adapters too: towards the base model);
+    never on biases or norm scales."""
     name = path[-1].key
-    return name.endswith("kernel") or name in ("wte", "wpe")
+    return name.endswith("kernel") or name in ("wte", "wpe", "lora_a", "lora_b")
 
 
 def _muon_dimension_numbers(path, leaf):

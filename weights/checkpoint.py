@@ -3,7 +3,8 @@ one run at a time its only writer.
 
     out_dir/lock                   held (flock) by the run writing here; the OS releases it when
                                    that process ends, however it ends (kill -9 included)
-    out_dir/checkpoints/<step>/    params, opt_state and meta (step, val loss, config, vocabulary):
+    out_dir/checkpoints/<step>/    params (a LoRA run's: its adapters), opt_state and meta (step, val loss,
+                                   config, vocabulary; a LoRA run's base: where, and its weights' hash):
                                    Orbax writes a temporary folder and renames it when complete
     out_dir/checkpoints-damaged/   steps found unreadable at resume, moved aside, never deleted
 
@@ -16,6 +17,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -33,7 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from configurator import ROLES, Config, resume_values
+from configurator import ROLES, Config, ConfigError, resume_values
 from weights import hf
 
 
@@ -460,13 +462,17 @@ def saved_config(meta: dict) -> dict:
     return {**meta["config"], "vocab_size": meta.get("vocab_size") or meta["config"].get("vocab_size", 0)}
 
 
-def check_model(saved_values: dict, config: Config) -> None:
+# The model keys of the base model a LoRA run adapts (the others say what its adapters are).
+BASE_MODEL_KEYS = tuple(k for k in ROLES["model"] if not k.startswith("lora_"))
+
+
+def check_model(saved_values: dict, config: Config, keys=ROLES["model"]) -> None:
     """Every model key of the run equals the checkpoint's (train.py's command line takes them from
     there; a run started another way must give the same)."""
-    saved = {k: saved_values.get(k, getattr(Config, k)) for k in ROLES["model"]}  # older checkpoints: defaults
-    ours = {k: getattr(config, k) for k in ROLES["model"]}
+    saved = {k: saved_values.get(k, getattr(Config, k)) for k in keys}  # older checkpoints: defaults
+    ours = {k: getattr(config, k) for k in keys}
     ours["vocab_size"] = config.vocab_size or saved["vocab_size"]  # 0: the dataset's, checked with its tokenizer
-    differ = [f"{k}: checkpoint {saved[k]!r}, config {ours[k]!r}" for k in ROLES["model"] if saved[k] != ours[k]]
+    differ = [f"{k}: checkpoint {saved[k]!r}, config {ours[k]!r}" for k in keys if saved[k] != ours[k]]
     if differ:
         raise CheckpointError(
             "the checkpoint's model differs from the config ("
@@ -477,17 +483,33 @@ def check_model(saved_values: dict, config: Config) -> None:
 
 def with_checkpoint_keys(values: dict) -> dict:
     """configurator's `complete` hook for init_from='resume': the model and compute keys not given
-    come from the newest checkpoint in out_dir (configurator.resume_values)."""
-    if values.get("init_from") != "resume":
+    come from the newest checkpoint in out_dir (configurator.resume_values). For init_from=another
+    run's out_dir (a base to fine-tune), the base model's keys not given come from its checkpoint."""
+    init_from = values.get("init_from", "scratch")
+    if init_from != "resume" and not is_run_dir(init_from):
         return values
-    saved = newest_saved_config(values.get("out_dir", Config.out_dir))
-    return values if saved is None else resume_values(values, saved)
+    saved = newest_saved_config(values.get("out_dir", Config.out_dir) if init_from == "resume" else init_from)
+    if saved is None or init_from == "resume":
+        return values if saved is None else resume_values(values, saved)
+    base = {k: v for k, v in saved.items() if k in BASE_MODEL_KEYS}
+    conflicts = [f"{k}={values[k]!r} (its: {base[k]!r})" for k in base if k in values and values[k] != base[k]]
+    if conflicts:
+        raise ConfigError(
+            f"init_from={init_from} fine-tunes that run's model, and {', '.join(conflicts)} would be another "
+            f"one: drop {'this key' if len(conflicts) == 1 else 'these keys'}"
+        )
+    return {**base, **values}
 
 
-def newest_saved_config(out_dir: str) -> dict | None:
-    """The config stored with the newest checkpoint whose meta reads back, None if there is none.
-    Read as the plain JSON file Orbax's JsonSave writes: this runs before JAX starts (a multi-process
-    run may not touch JAX before jax.distributed.initialize)."""
+def is_run_dir(path: str) -> bool:
+    """A nanomax run's out_dir (it has checkpoints/), as init_from may name one to fine-tune."""
+    return os.path.isdir(os.path.join(path, "checkpoints"))
+
+
+def newest_meta(out_dir: str) -> dict | None:
+    """The meta stored with the newest checkpoint that reads back, None if there is none. Read as the
+    plain JSON file Orbax's JsonSave writes: this runs before JAX starts (a multi-process run may not
+    touch JAX before jax.distributed.initialize)."""
     directory = checkpoint_dir(out_dir)
     steps = (
         sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True) if os.path.isdir(directory) else []
@@ -496,16 +518,23 @@ def newest_saved_config(out_dir: str) -> dict | None:
         try:
             with open(os.path.join(directory, str(step), "meta", "metadata"), encoding="utf-8") as f:
                 meta = json.load(f)
-            return saved_config(meta)
+            saved_config(meta)
+            return meta
         except (OSError, ValueError, KeyError, TypeError):
             continue  # damaged: restore_latest names it, and takes the next one
     return None
 
 
-def load_pretrained(setup, directory: str) -> dict:
-    """Parameters from the Hugging Face model in `directory`, in the run's shardings: each
-    process reads from the files only the blocks its devices hold, so the whole model is never
-    on one device (nor, unless replicated, in one process)."""
+def newest_saved_config(out_dir: str) -> dict | None:
+    """The config stored with the newest checkpoint whose meta reads back, None if there is none."""
+    meta = newest_meta(out_dir)
+    return None if meta is None else saved_config(meta)
+
+
+def load_pretrained(setup, directory: str, abstract_params=None) -> dict:
+    """Parameters from the Hugging Face model in `directory`, in the run's shardings (of
+    abstract_params: by default the setup's): each process reads from the files only the blocks its
+    devices hold, so the whole model is never on one device (nor, unless replicated, in one process)."""
     try:
         model = hf.read_config(directory)
         # vocab_size=0 in the config means "the dataset's": the model's own is compared
@@ -526,7 +555,58 @@ def load_pretrained(setup, directory: str) -> dict:
             abstract.shape, abstract.sharding, lambda index: weights.read(path, abstract.shape, index)
         )
 
-    return jax.tree_util.tree_map_with_path(load, setup.abstract_params)
+    return jax.tree_util.tree_map_with_path(load, setup.abstract_params if abstract_params is None else abstract_params)
+
+
+# ----------------------------------------------------------------------------- a LoRA run's base
+
+
+def load_base(setup, init_from: str, abstract_params: dict, log=print) -> dict:
+    """The float32 parameters (abstract_params: their shapes and shardings, no adapters) of the model a
+    run fine-tunes: the newest checkpoint of a nanomax run's out_dir, or a Hugging Face model."""
+    if not is_run_dir(init_from):
+        return load_pretrained(setup, hf.resolve(init_from), abstract_params)
+
+    def abstract_for(meta):
+        saved = saved_config(meta)
+        if saved.get("lora_rank"):
+            raise CheckpointError(
+                f"init_from={init_from} is a LoRA run: export its merged model with export_hf.py and fine-tune "
+                f"that (LoRA on LoRA is not built)"
+            )
+        check_model(saved, setup.config, BASE_MODEL_KEYS)
+        return {"params": abstract_params}
+
+    manager = checkpoint_manager(Config(out_dir=init_from), read_only=True)
+    try:
+        restored = restore_latest(manager, init_from, abstract_for, log=log, move_damaged=False)
+    finally:
+        manager.close()
+    return restored.items["params"]
+
+
+def base_hash(params: dict) -> str:
+    """A fingerprint of a model's weights: sha256 of their exact bit sums (checksums_of), the same
+    whatever the sharding and whichever files or checkpoint they were read from."""
+    text = json.dumps(sorted(checksums_of(params).items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def base_record(init_from: str, params: dict) -> dict:
+    """What a LoRA run's checkpoints say of the base its adapters were trained on."""
+    where = init_from if not os.path.isdir(init_from) else os.path.abspath(init_from)
+    return {"init_from": where, "hash": base_hash(params)}
+
+
+def check_base(record: dict, params: dict, what: str) -> None:
+    """The base loaded for a LoRA checkpoint is the one its adapters were trained on."""
+    found = base_hash(params)
+    if found != record["hash"]:
+        raise CheckpointError(
+            f"{what} holds LoRA adapters trained on the base model at {record['init_from']} with weights "
+            f"{record['hash']}, but the weights there now are {found}: restore that base, or train new "
+            f"adapters on this one in another --out_dir"
+        )
 
 
 def step_array(step: int, sharding) -> jax.Array:

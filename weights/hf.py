@@ -265,8 +265,8 @@ def with_model_keys(values: dict, default_block_size: int = configurator.Config.
     """configurator's `complete` hook: when init_from names a Hugging Face model, its config.json
     sets the model keys (see fill_model_keys)."""
     init_from = values.get("init_from", "scratch")
-    if init_from in ("scratch", "resume"):
-        return values
+    if init_from in ("scratch", "resume") or os.path.isdir(os.path.join(init_from, "checkpoints")):
+        return values  # nothing to fill in, or a nanomax run's out_dir (checkpoint.with_checkpoint_keys)
     configurator.check_init_from(init_from)
     directory = resolve(init_from)
     return fill_model_keys(values, read_config(directory), directory, default_block_size)
