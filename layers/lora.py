@@ -161,13 +161,6 @@ def delta(adapter_params: dict, scale: float):
     ).reshape(*a.shape[:-1], *b.shape[2:])
 
 
-def _as_float(kernel):
-    """A base matrix as float32; an Int8Weight (weight_dtype='int8') dequantized."""
-    if hasattr(kernel, "q"):
-        return kernel.q.astype(jnp.float32) * kernel.scale
-    return kernel.astype(jnp.float32)
-
-
 def merge(params: dict, config) -> dict:
     """The parameters with every adapter folded into its matrix, W + (alpha / r) · A @ B in float32 (an
     int8 W dequantized first), and no adapters: a model without
@@ -185,7 +178,7 @@ def merge(params: dict, config) -> dict:
         merged = {k: v for k, v in module.items() if not k.endswith("_lora")}
         for target in targets:
             name = KERNELS[target]
-            merged[name] = _as_float(merged[name])
+            merged[name] = merged[name].astype(jnp.float32)  # an Int8Weight dequantized
             d = delta(module[f"{target}_lora"], scale)
             if name == "qkv_kernel":
                 merged[name] = _add_to_qkv(merged[name], d, target)
