@@ -44,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 import sharding
+from common import compile_cache
 from devices import hardware
 from inference import generate
 from layers import kv_cache
@@ -215,7 +216,7 @@ class Engine:
         start = time.perf_counter()
         self._compile()
         self.compile_s = time.perf_counter() - start
-        self.compiles_before_serving = _compile_count()
+        self.compiles_before_serving = compile_cache.counts().programs
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.started = time.perf_counter()  # stats()' counters count from here
         self.thread.start()
@@ -314,7 +315,7 @@ class Engine:
                     "idle": self.seconds["idle"]
                     + (0.0 if self.idle_since is None else time.perf_counter() - self.idle_since),
                 },
-                "compiles_while_serving": _compile_count() - self.compiles_before_serving,
+                "compiles_while_serving": compile_cache.counts().programs - self.compiles_before_serving,
             }
 
     # ------------------------------------------------------------------------- the loop
@@ -676,18 +677,3 @@ def _pinned(state: dict) -> dict:
         name: jax.tree.map(lambda a: constrain(a, axes), value) if name == "cache" else constrain(value, (None,))
         for name, value in state.items()
     }
-
-
-def _compile_count() -> int:
-    return _COMPILES[0]
-
-
-_COMPILES = [0]  # XLA compilations in this process, counted through jax.monitoring
-
-
-def _count_compile(event: str, *args, **kwargs) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-        _COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compile)
