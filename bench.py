@@ -47,7 +47,14 @@ import train
 from common import model_setup
 from data import dataset
 from devices import hardware, memory
-from devices.profile import format_step_summary, newest_trace, operation_lines, operation_name, step_summary
+from devices.profile import (
+    INSTRUCTION,
+    format_step_summary,
+    newest_trace,
+    operation_lines,
+    operation_name,
+    step_summary,
+)
 from inference import generate, loader
 from model import active_params, count_params, describe_params, flops_per_token
 from training import optimizer
@@ -289,9 +296,9 @@ def hlo_operations(hlo_text: str) -> dict[str, str]:
     which names the operations as the trace does."""
     described = {}
     for line in hlo_text.splitlines():
-        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\(", line)
+        match = INSTRUCTION.match(line)
         if match:
-            name, shape, kind = match.groups()
+            name, shape, kind, _ = match.groups()
             source = re.search(r'op_name="([^"]*)"', line)
             origin = source.group(1).removeprefix("jit(train_step)/") if source else ""
             described[name] = f"{re.sub(r'{[^}]*}', '', shape)} {kind}" + (f" ({origin})" if origin else "")
