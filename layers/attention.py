@@ -261,12 +261,19 @@ def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_Bx
 # and of the fused backward kernel (dq, dk and dv in one pass: ~1 ms a layer faster than the two
 # kernels at GPT-2's shape). GPT-2's heads (64) at T=1024: 4.0 ms, where 512 everywhere took 5.0,
 # 256 6.5, 128 15.7 and XLA's attention 8.6; Llama-style heads (128, GQA 16/8) at T=2048: 6.2 ms,
-# XLA's 24.3. A block longer than T is cut to T; one that does not divide T is halved until it does.
+# XLA's 24.3; heads of 256 (multi-query, 4/1) at T=2048, 4 rows: 1.99 ms, 2.11 with 128's backward tiles
+# (2026-12-07). A block longer than T is cut to T; one that does not divide T is halved until it does.
 SPLASH_BLOCKS = {
     64: dict(forward=(512, 512, 512), backward=(1024, 1024, 1024)),
     128: dict(forward=(1024, 1024, 512), backward=(1024, 1024, 512)),
+    256: dict(forward=(1024, 1024, 512), backward=(512, 512, 512)),
 }
 SPLASH_MULTIPLE = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
+# Rows longer than this go to the kernel padded to a multiple of it, so that its tiles stay this long
+# (896 tokens would otherwise be cut to tiles of 128, each grid step's fixed cost ~0.45 us against
+# ~0.03 us of products for GPT-2's heads: a v5e's prefill of 8 x 896 spent 25 of its 38.5 ms there).
+# Causal: the padding's keys come after every real query, which never sees them.
+SPLASH_PAD = 512
 # Keys and values of heads narrower than the 128 lanes go to the kernel as (H, T) tiles (SEQ_MINOR):
 # as (T, H) each row is padded to 128 lanes in memory (GPT-2's 64: twice their bytes, in the layers'
 # saved activations too). On a TPU v5e GPT-2's layer took 3.84 ms so, 4.03 as (T, H) (the probe above);
@@ -281,6 +288,11 @@ SPLASH_RESIDUALS = "splash_residuals"
 def splash_fits(T: int) -> bool:
     """Whether the splash kernel takes rows of T tokens (else the caller writes attention out)."""
     return splash is not None and T % SPLASH_MULTIPLE == 0
+
+
+def splash_length(T: int) -> int:
+    """The row length the kernel runs rows of T tokens at: T, or T padded to a multiple of SPLASH_PAD."""
+    return T if T <= SPLASH_PAD else -(-T // SPLASH_PAD) * SPLASH_PAD
 
 
 def splash_block_sizes(T: int, head_size: int):
@@ -327,11 +339,18 @@ def splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_Bx
     n // G, this model's layout), and with segment ids a query sees only its own segment's keys. Under a
     mesh it runs per shard (shard_map): rows split as the logical 'batch' axis says, heads as 'heads'
     says where that divides the key/value heads, each device's whole rows (the caller sends rows split
-    over `context` elsewhere). Off a TPU (tests) the kernel runs in Pallas's interpret mode: correct, slow."""
+    over `context` elsewhere). Rows are padded to splash_length. Off a TPU (tests) the kernel runs in
+    Pallas's interpret mode: correct, slow."""
+    T, H = q_BxNxTxH.shape[2], q_BxNxTxH.shape[3]
+    if splash_length(T) != T:
+        pad = [(0, 0), (0, 0), (0, splash_length(T) - T), (0, 0)]
+        q_BxNxTxH, k_BxKxTxH, v_BxKxTxH = (jnp.pad(a, pad) for a in (q_BxNxTxH, k_BxKxTxH, v_BxKxTxH))
+        ids_BxT = None if segment_ids_BxT is None else jnp.pad(segment_ids_BxT, pad[1:3])
+        y = splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT, block_sizes)
+        return y[:, :, :T]
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else getattr(mesh, "abstract_device", None)
     interpret = (device.platform if device is not None else jax.default_backend()) != "tpu"
-    T, H = q_BxNxTxH.shape[2], q_BxNxTxH.shape[3]
     blocks = block_sizes or splash_block_sizes(T, H)
     ids_BxT = jnp.zeros((q_BxNxTxH.shape[0], T), jnp.int32) if segment_ids_BxT is None else segment_ids_BxT
     local = functools.partial(_splash_local, blocks=blocks, interpret=interpret, segmented=segment_ids_BxT is not None)

@@ -118,6 +118,26 @@ def test_block_sizes_divide_the_row_and_rows_the_kernel_cannot_take_are_said():
     assert attention.splash_fits(1024) and not attention.splash_fits(64) and not attention.splash_fits(1000)
 
 
+def test_rows_past_one_tile_are_padded_to_whole_tiles_and_the_padding_is_never_seen():
+    """896 tokens (a long prompt) would be cut to tiles of 128 (slow on a TPU); the kernel runs 1,024 with
+    tiles of 512, and the real queries' outputs and gradients are the written-out attention's."""
+    assert [attention.splash_length(T) for T in (256, 512, 640, 896, 1024, 1152)] == [256, 512, 1024, 1024, 1024, 1536]
+    assert attention.splash_block_sizes(attention.splash_length(896), 64).block_q == 512
+    q, k, v = qkv(1, 640, 4, 2, 64, seed=11)
+    ids = two_documents_a_row(1, 640)
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+    ours = jax.value_and_grad(loss(lambda q, k, v: attention.splash_attention(q, k, v, ids)), argnums=(0, 1, 2))(
+        q, k, v
+    )
+    theirs = jax.value_and_grad(
+        loss(lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT=ids)), argnums=(0, 1, 2)
+    )(q, k, v)
+    np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
+    for a, b in zip(ours[1], theirs[1], strict=True):
+        assert a.shape == b.shape == q.shape[:2] + a.shape[2:]
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-4)
+
+
 @pytest.mark.parametrize("policy", ["dots_saveable", "dots_with_no_batch_dims_saveable"])
 def test_remat_keeps_the_kernels_output_and_log_sum_exp(policy):
     """Under remat the backward pass needs splash's output and log-sum-exp: the policies keep them
