@@ -72,11 +72,14 @@ class EngineHost:
                     target=worker_main,
                     name=f"http-{i}",
                     daemon=True,
-                    args=(s.cfg, s.tok, s.name, s.context, s.created, sock, to_engine, from_engine),
+                    args=(s.cfg, s.name, s.context, s.created, sock, to_engine, from_engine),
                 )
                 process.start()
                 to_engine.close(), from_engine.close()  # the worker's ends
                 self.links.append(Link(s, process, from_worker, to_worker))
+                # The tokenizer (GPT-2's pickles to 0.6 MB) goes as the link's first message, not among the
+                # arguments: start() would wait for a worker's imports to read that much (~5 s each on a TPU VM).
+                self.links[-1].send(("tokenizer", s.tok))
         finally:
             signal.signal(signal.SIGINT, interrupt)
         sock.close()
@@ -351,7 +354,8 @@ class WorkerUvicorn(http_server.StoppingUvicorn):
         await super().startup(sockets)
 
 
-def worker_main(cfg, tok, name, context, created, sock, to_engine, from_engine) -> None:
+def worker_main(cfg, name, context, created, sock, to_engine, from_engine) -> None:
+    _, tok = from_engine.recv()  # ("tokenizer", tok): the engine's first message (EngineHost.start_workers)
     remote = RemoteServer(cfg, tok, name, context, created, to_engine, from_engine)
     uv = WorkerUvicorn(uvicorn.Config(app.make_app(remote), log_level="warning", timeout_graceful_shutdown=30), remote)
     remote.engine_gone = lambda: setattr(uv, "should_exit", True)
