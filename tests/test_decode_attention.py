@@ -226,12 +226,17 @@ def test_refuses_what_it_cannot_block():
         decode_attention.cached_attention(q, k8, k8, 0, jnp.zeros(6, jnp.int32), 2, block_rows=2, interpret=True)
 
 
+CHIP_HEADS = {"gpt2": (12, 12, 64), "llama_350m": (8, 4, 128)}  # (N, K, H): grouped queries in the second
+
+
 @pytest.mark.tpu
+@pytest.mark.parametrize("heads", CHIP_HEADS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-def test_compiled_on_the_chip_matches_the_reference(dtype):
-    """Mosaic's kernel on a TPU at GPT-2's shapes (N = K = 12, H = 64), rows of many lengths, a cache
-    of more rows than queries, blocks of 8 rows and of 1."""
-    N, K, H, L, R, S = 12, 12, 64, 3, 24, 256
+def test_compiled_on_the_chip_matches_the_reference(dtype, heads):
+    """Mosaic's kernel on a TPU at GPT-2's heads and at config/llama_350m.py's (two query heads per key
+    and value head, 128 wide), rows of many lengths, a cache of more rows than queries, blocks of 8
+    rows and of 1."""
+    (N, K, H), L, R, S = CHIP_HEADS[heads], 3, 24, 256
     lengths_B = jnp.array([0, 1, 80, 127, 128, 129, 255, 256] + [17] * 8, jnp.int32)
     cache = make_cache(jax.random.key(6), L, R, S, K, H, dtype, lengths_B)
     cache = jax.tree.map(jnp.nan_to_num, cache)  # the reference reads the rows past B
