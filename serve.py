@@ -152,7 +152,9 @@ class Server:
 
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
-        mesh = loader.decode_mesh(cfg.mesh_data, cfg.mesh_tensor)
+        imported, start = compile_cache.seconds_since_start(), time.perf_counter()  # the imports, mostly
+        mesh = loader.decode_mesh(cfg.mesh_data, cfg.mesh_tensor)  # starts the devices' runtime
+        runtime, start = time.perf_counter() - start, time.perf_counter()
         if cfg.init_from == "resume":
             setup, params, step, self.tok = loader.load_checkpoint(
                 cfg.out_dir, mesh, cfg.quantization, cfg.kv_cache_dtype
@@ -180,7 +182,8 @@ class Server:
         print(
             f"loaded {source} as '{self.name}' ({self.tok.summary()}, {setup.model_config.dtype}, "
             f"context {self.context}); {loader.memory_summary(setup, self.params)}; "
-            f"{compile_cache.seconds_since_start():.1f} s after start",
+            f"{compile_cache.seconds_since_start():.1f} s after start (imports {imported:.1f} s, the devices' "
+            f"runtime {runtime:.1f} s, loading {time.perf_counter() - start:.1f} s)",
             flush=True,
         )
 
