@@ -38,6 +38,11 @@ def two_documents_a_row(B, T):
     return jnp.asarray([[0] * (37 + 50 * b) + [1] * (T - 37 - 50 * b) for b in range(B)], jnp.int32)
 
 
+def sin_loss_and_gradients(attend, q, k, v):
+    """sum(sin(attend(q, k, v))) and its gradients with respect to q, k and v."""
+    return jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v))), argnums=(0, 1, 2))(q, k, v)
+
+
 def small_blocks(T):
     """128-token tiles everywhere: several per row, some skipped above the diagonal."""
     return attention.splash.BlockSizes(
@@ -73,9 +78,8 @@ def test_splash_head_size_128_with_the_tables_blocks():
     blocks = attention.splash_block_sizes(384, 128)
     assert (blocks.block_q, blocks.block_kv, blocks.block_kv_compute, blocks.block_q_dkv) == (384, 384, 384, 384)
     q, k, v = qkv(1, 384, 2, 1, 128, seed=3)
-    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-    ours = jax.value_and_grad(loss(attention.splash_attention), argnums=(0, 1, 2))(q, k, v)
-    theirs = jax.value_and_grad(loss(attention.causal_attention), argnums=(0, 1, 2))(q, k, v)
+    ours = sin_loss_and_gradients(attention.splash_attention, q, k, v)
+    theirs = sin_loss_and_gradients(attention.causal_attention, q, k, v)
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
     for a, b in zip(ours[1], theirs[1], strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-4)
@@ -89,13 +93,8 @@ def test_splash_head_size_64_with_the_tables_blocks_and_keys_and_values_seq_mino
     assert attention.splash_block_sizes(256, 128).k_layout == attention.splash.QKVLayout.HEAD_DIM_MINOR
     q, k, v = qkv(2, 256, 4, 2, 64, seed=5)
     ids = two_documents_a_row(2, 256)
-    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-    ours = jax.value_and_grad(loss(lambda q, k, v: attention.splash_attention(q, k, v, ids)), argnums=(0, 1, 2))(
-        q, k, v
-    )
-    theirs = jax.value_and_grad(
-        loss(lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT=ids)), argnums=(0, 1, 2)
-    )(q, k, v)
+    ours = sin_loss_and_gradients(lambda q, k, v: attention.splash_attention(q, k, v, ids), q, k, v)
+    theirs = sin_loss_and_gradients(lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT=ids), q, k, v)
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
     for a, b in zip(ours[1], theirs[1], strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-4)
@@ -125,13 +124,8 @@ def test_rows_past_one_tile_are_padded_to_whole_tiles_and_the_padding_is_never_s
     assert attention.splash_block_sizes(attention.splash_length(896), 64).block_q == 512
     q, k, v = qkv(1, 640, 4, 2, 64, seed=11)
     ids = two_documents_a_row(1, 640)
-    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-    ours = jax.value_and_grad(loss(lambda q, k, v: attention.splash_attention(q, k, v, ids)), argnums=(0, 1, 2))(
-        q, k, v
-    )
-    theirs = jax.value_and_grad(
-        loss(lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT=ids)), argnums=(0, 1, 2)
-    )(q, k, v)
+    ours = sin_loss_and_gradients(lambda q, k, v: attention.splash_attention(q, k, v, ids), q, k, v)
+    theirs = sin_loss_and_gradients(lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT=ids), q, k, v)
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
     for a, b in zip(ours[1], theirs[1], strict=True):
         assert a.shape == b.shape == q.shape[:2] + a.shape[2:]
