@@ -33,8 +33,7 @@ from devices import hardware, memory
 from evals import scoring
 from inference import generate
 from inference.loader import int8_weights
-from layers import attention, lora
-from layers.embedding import output_layer_loss
+from layers import attention, embedding, lora
 from layers.quantization import Int8Weight
 from model import GPT, GPTConfig, cast_for_inference, flops_per_token
 from training import compiled_step, monitor
@@ -216,11 +215,13 @@ def balanced_rows(setup: Setup, x_BxT, y_BxT, segment_ids_BxT):
     return x_BxT, y_BxT, segment_ids_BxT, order_T
 
 
-def summed_cross_entropy(logits_BxTxV, y_BxT):
+def summed_cross_entropy(logits_BxTxV, y_BxT, cap: float = 0.0):
     """(cross-entropy summed over the targets, how many there are): a target < 0 is none (a
-    fine-tuning set's prompt tokens, padding) and adds exactly 0, whatever its logits."""
+    fine-tuning set's prompt tokens, padding) and adds exactly 0, whatever its logits. `cap`: the
+    logit_softcap the logits were capped with (their log-sum-exp then takes one pass)."""
     is_target = y_BxT >= 0
-    losses_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, jnp.where(is_target, y_BxT, 0))
+    target_logits = jnp.take_along_axis(logits_BxTxV, jnp.where(is_target, y_BxT, 0)[..., None], axis=-1)[..., 0]
+    losses_BxT = embedding.logsumexp(logits_BxTxV, cap) - target_logits
     return jnp.where(is_target, losses_BxT, 0.0).sum(), is_target.sum()
 
 
@@ -232,10 +233,10 @@ def summed_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None, packed_BxT
     x_BTxD, stats, w_DxV = gpt.features(x_BxT, dropout_key, ids_BxT, order_T)
     chunks, mc = setup.config.loss_chunks, setup.model_config
     if chunks == 1:
-        total, count = summed_cross_entropy(gpt.head(x_BTxD, w_DxV), y_BxT.reshape(-1))
+        total, count = summed_cross_entropy(gpt.head(x_BTxD, w_DxV), y_BxT.reshape(-1), mc.logit_softcap)
     else:
         w_DxV, y_N = w_DxV.astype(x_BTxD.dtype), y_BxT.reshape(-1)
-        total, count = output_layer_loss(x_BTxD, w_DxV, y_N, chunks, mc.logit_softcap, mc.vocab_size)
+        total, count = embedding.output_layer_loss(x_BTxD, w_DxV, y_N, chunks, mc.logit_softcap, mc.vocab_size)
     return total, count, stats
 
 

@@ -907,6 +907,37 @@ def test_loss_in_slices_of_tokens_equals_the_whole_logits_loss_and_gradients(mes
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * max(1.0, float(np.abs(b).max())))
 
 
+@pytest.mark.parametrize("cap", [15.0, 60.0])
+def test_the_capped_logits_cross_entropy_takes_no_max_and_equals_optaxs(cap):
+    """Soft-capped logits (the padding's -inf among them) go through a log-sum-exp without the max
+    subtracted: loss and gradient equal optax's max-shifted cross-entropy to float32's rounding, even
+    with every logit at the cap over a 50,304-entry vocabulary (the sum's worst case)."""
+    rng = np.random.default_rng(0)
+    N, V, vocab = 12, 50304, 50257
+    raw = rng.normal(size=(N, V)) * 4 * cap
+    raw[0] = 1e6  # tanh saturates: every logit of row 0 is the cap
+    y = jnp.asarray(np.where(rng.random(N) < 0.25, -1, rng.integers(0, vocab, N)), jnp.int32)
+
+    def capped(raw):
+        logits = cap * jnp.tanh(raw / cap)
+        return jnp.where(jnp.arange(V) < vocab, logits, -jnp.inf)
+
+    def ours(raw):
+        return train.summed_cross_entropy(capped(raw), y, cap)[0]
+
+    def reference(raw):
+        per_token = optax.softmax_cross_entropy_with_integer_labels(capped(raw), jnp.where(y >= 0, y, 0))
+        return jnp.where(y >= 0, per_token, 0.0).sum()
+
+    raw = jnp.asarray(raw, jnp.float32)
+    (loss, grad), (expected, expected_grad) = (jax.value_and_grad(f)(raw) for f in (ours, reference))
+    assert np.isfinite(loss) and np.all(np.isfinite(grad))
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    np.testing.assert_allclose(grad, expected_grad, rtol=0, atol=1e-6)
+    assert "applies stablehlo.maximum" in jax.jit(reference).lower(raw).as_text()
+    assert "applies stablehlo.maximum" not in jax.jit(ours).lower(raw).as_text()  # one pass: no max
+
+
 def test_the_sliced_output_layer_makes_its_logits_once_and_agrees_in_bfloat16():
     """Differentiated, output_layer_loss runs three matmuls with the output layer's matrix (the logits, and
     the gradients by x and w), none again in the backward pass; in bfloat16 its loss and gradients stay
