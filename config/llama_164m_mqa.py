@@ -32,6 +32,9 @@ dropout = 0.0
 pad_vocab_to_multiple = 64  # 32768 is a multiple already
 dtype = "bfloat16"
 remat_policy = "dots_with_no_batch_dims_saveable"
+# Its 8 layers written out rather than scanned: a v5e step then has no slicing of stacked activations,
+# 874 ms against 988 (bench/NOTES.md), for a compile of 84 s.
+scan_layers = False
 
 batch_size = 4
 gradient_accumulation_steps = 16  # 4 x 2048 x 16 = 131,072 tokens per step

@@ -261,12 +261,15 @@ def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_Bx
 # and of the fused backward kernel (dq, dk and dv in one pass: ~1 ms a layer faster than the two
 # kernels at GPT-2's shape). GPT-2's heads (64) at T=1024: 4.0 ms, where 512 everywhere took 5.0,
 # 256 6.5, 128 15.7 and XLA's attention 8.6; Llama-style heads (128, GQA 16/8) at T=2048: 6.2 ms,
-# XLA's 24.3; heads of 256 (multi-query, 4/1) at T=2048, 4 rows: 1.99 ms, 2.11 with 128's backward tiles
-# (2026-12-07). A block longer than T is cut to T; one that does not divide T is halved until it does.
+# XLA's 24.3; heads of 256 (multi-query, 4/1) at T=2048, 4 rows: 1.99 ms, 2.11 with 128's backward tiles.
+# The forward alone: heads of 256 0.94 ms with a 256-key compute step, 1.01 with 512 (the record config's
+# whole step 1.7 ms faster); GPT-2's 1.52 ms with (1024, 1024, 512), 1.65 with 512s, but its step gained
+# only 0.4 of 129 ms and long prompts' prefill was measured with 512s, so GPT-2 keeps them (2026-12-07).
+# A block longer than T is cut to T; one that does not divide T is halved until it does.
 SPLASH_BLOCKS = {
     64: dict(forward=(512, 512, 512), backward=(1024, 1024, 1024)),
     128: dict(forward=(1024, 1024, 512), backward=(1024, 1024, 512)),
-    256: dict(forward=(1024, 1024, 512), backward=(512, 512, 512)),
+    256: dict(forward=(1024, 1024, 256), backward=(512, 512, 512)),
 }
 SPLASH_MULTIPLE = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
 # Rows longer than this go to the kernel padded to a multiple of it, so that its tiles stay this long
