@@ -289,13 +289,16 @@ SPLASH_RESIDUALS = "splash_residuals"
 
 
 def splash_fits(T: int) -> bool:
-    """Whether the splash kernel takes rows of T tokens (else the caller writes attention out)."""
-    return splash is not None and T % SPLASH_MULTIPLE == 0
+    """Whether the splash kernel takes rows of T tokens (else the caller writes attention out): rows of
+    at least one 128-lane tile; shorter ones are cheaper written out than padded."""
+    return splash is not None and T >= SPLASH_MULTIPLE
 
 
 def splash_length(T: int) -> int:
-    """The row length the kernel runs rows of T tokens at: T, or T padded to a multiple of SPLASH_PAD."""
-    return T if T <= SPLASH_PAD else -(-T // SPLASH_PAD) * SPLASH_PAD
+    """The row length the kernel runs rows of T tokens at: T padded to a multiple of 128, or past
+    SPLASH_PAD tokens to a multiple of SPLASH_PAD."""
+    multiple = SPLASH_MULTIPLE if T <= SPLASH_PAD else SPLASH_PAD
+    return -(-T // multiple) * multiple
 
 
 def splash_block_sizes(T: int, head_size: int):
@@ -509,7 +512,7 @@ def choose_attention(config, T: int, dropout: bool = False) -> Attend:
     """config.attention where it can run rows of T tokens on this mesh, else what can: ring attention
     when context_attention='ring' and the `context` axis splits the rows; the written-out attention when
     attention probabilities are dropped (dropout: a training step with a key) or splash cannot take T
-    (not a multiple of 128, or no kernel in this JAX); XLA's for splash over rows split by `context`.
+    (under 128 tokens, or no kernel in this JAX); XLA's for splash over rows split by `context`.
     Splash runs heads-major (training and prefill: the projections make that layout, so only the keys
     and values a prefill caches are transposed), but with int8/fp8 projections or int8 weights (a LoRA
     run's frozen base) on the (B, T, heads, H) one."""

@@ -114,16 +114,19 @@ def test_block_sizes_divide_the_row_and_rows_the_kernel_cannot_take_are_said():
         )
         assert all(T % b == 0 and b % 128 == 0 and b <= T for b in sizes), (T, sizes)
         assert blocks.block_kv % blocks.block_kv_compute == 0 and blocks.block_kv_dkv % blocks.block_kv_dkv_compute == 0
-    assert attention.splash_fits(1024) and not attention.splash_fits(64) and not attention.splash_fits(1000)
+    assert attention.splash_fits(1024) and attention.splash_fits(1000) and not attention.splash_fits(64)
 
 
-def test_rows_past_one_tile_are_padded_to_whole_tiles_and_the_padding_is_never_seen():
-    """896 tokens (a long prompt) would be cut to tiles of 128 (slow on a TPU); the kernel runs 1,024 with
-    tiles of 512, and the real queries' outputs and gradients are the written-out attention's."""
-    assert [attention.splash_length(T) for T in (256, 512, 640, 896, 1024, 1152)] == [256, 512, 1024, 1024, 1024, 1536]
+@pytest.mark.parametrize("T", [200, 640])
+def test_rows_are_padded_to_whole_tiles_and_the_padding_is_never_seen(T):
+    """Rows the tiles do not divide go to the kernel padded: 200 tokens to 256, 896 (a long prompt) to
+    1,024 with tiles of 512 rather than cut to tiles of 128 (slow on a TPU). The real queries' outputs
+    and gradients are the written-out attention's."""
+    lengths = [attention.splash_length(T) for T in (128, 200, 256, 512, 640, 896, 1000, 1024, 1152)]
+    assert lengths == [128, 256, 256, 512, 1024, 1024, 1024, 1024, 1536]
     assert attention.splash_block_sizes(attention.splash_length(896), 64).block_q == 512
-    q, k, v = qkv(1, 640, 4, 2, 64, seed=11)
-    ids = two_documents_a_row(1, 640)
+    q, k, v = qkv(1, T, 4, 2, 64, seed=11)
+    ids = two_documents_a_row(1, T)
     ours = sin_loss_and_gradients(lambda q, k, v: attention.splash_attention(q, k, v, ids), q, k, v)
     theirs = sin_loss_and_gradients(lambda q, k, v: attention.causal_attention(q, k, v, segment_ids_BxT=ids), q, k, v)
     np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
@@ -274,6 +277,7 @@ def test_choose_attention_runs_the_configs_attention_where_it_can_and_the_fallba
     choose = lambda T, **kw: attention.choose_attention(config, T, **kw).name
     assert choose(256) == "splash_heads_major" and attention.Attend("splash_heads_major").heads_major
     assert choose(256, dropout=True) == "einsum" and choose(100) == "einsum"
+    assert choose(200) == "splash_heads_major"  # padded to 256
     assert attention.choose_attention(model.GPTConfig(attention="splash", quantization="int8"), 256).name == "splash"
     assert attention.choose_attention(model.GPTConfig(attention="xla"), 100).name == "xla"
     context_split = sharding.make_mesh(1, 1, 1, jax.devices()[:2], context=2)
