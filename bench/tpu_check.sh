@@ -36,6 +36,7 @@ run() {  # run COMMAND...: logged, skipped past the budget
 
 GPT2="config/gpt2_124m.py"
 LLAMA="config/llama_350m.py --batch_size=4"
+RECORD="config/llama_164m_mqa.py"  # the published single-chip record's shape
 TRAIN="--gradient_accumulation_steps=1"
 STEPS=""  # bench.py's timed steps: its defaults
 DECODE="--decode_batch=1,16,64,256"
@@ -43,7 +44,7 @@ SLOTS=256
 TESTS=(env NANOMAX_TEST_PLATFORM=tpu timeout 300 "$PY" -m pytest -p no:cacheprovider -n 0 -m tpu -q)
 if [ -n "${DRY_RUN:-}" ]; then  # the same runs at shapes a CPU does in seconds
   TINY="--n_layer=2 --n_head=4 --n_embd=128 --block_size=256 --dtype=float32"
-  GPT2="$GPT2 $TINY"; LLAMA="$LLAMA $TINY --n_kv_head=2"; STEPS="--steps=2 --warmup=1"
+  GPT2="$GPT2 $TINY"; LLAMA="$LLAMA $TINY --n_kv_head=2"; RECORD="$RECORD $TINY --n_kv_head=1 --batch_size=2 --gradient_accumulation_steps=2"; STEPS="--steps=2 --warmup=1"
   DECODE="--decode_batch=1,4"; SLOTS=4
   TESTS=(echo "(the chip's tests skip on a CPU)"); AGREE="--n_layer=2 --steps=3 --compare=xla,einsum"
 fi
@@ -86,6 +87,8 @@ part agree && run timeout 120 "$PY" bench/attention_agreement.py config/shakespe
     --dtype=float32 --document_masking=True ${AGREE:-}
 part train && run timeout 150 "$PY" bench.py $LLAMA $TRAIN $B
 part train && run timeout 150 "$PY" bench.py $GPT2 --batch_size=16 $TRAIN --profile=/tmp/nanomax-tpu-check-trace $B
+part train && run timeout 200 "$PY" bench.py $GPT2 --batch_size=16 $TRAIN --scan_layers=False $B
+part train && run timeout 200 "$PY" bench.py $RECORD $B
 part decode && run timeout 200 "$PY" bench.py $GPT2 --mode=decode $DECODE --profile=/tmp/nanomax-tpu-check-trace $B
 part decode && run timeout 150 "$PY" bench.py $GPT2 --mode=decode $DECODE --weight_dtype=int8 $B
 part decode && run timeout 150 "$PY" bench.py $GPT2 --mode=decode $DECODE --kv_cache_dtype=int8 $B
