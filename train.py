@@ -215,16 +215,6 @@ def balanced_rows(setup: Setup, x_BxT, y_BxT, segment_ids_BxT):
     return x_BxT, y_BxT, segment_ids_BxT, order_T
 
 
-def summed_cross_entropy(logits_BxTxV, y_BxT, cap: float = 0.0):
-    """(cross-entropy summed over the targets, how many there are): a target < 0 is none (a
-    fine-tuning set's prompt tokens, padding) and adds exactly 0, whatever its logits. `cap`: the
-    logit_softcap the logits were capped with (their log-sum-exp then takes one pass)."""
-    is_target = y_BxT >= 0
-    target_logits = jnp.take_along_axis(logits_BxTxV, jnp.where(is_target, y_BxT, 0)[..., None], axis=-1)[..., 0]
-    losses_BxT = embedding.logsumexp(logits_BxTxV, cap) - target_logits
-    return jnp.where(is_target, losses_BxT, 0.0).sum(), is_target.sum()
-
-
 def summed_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None, packed_BxT=None):
     """(cross-entropy summed over the batch's targets, how many there are, router stats), the model's
     logits taken whole, or loss_chunks slices of tokens at a time (layers/embedding.output_layer_loss)."""
@@ -233,7 +223,7 @@ def summed_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None, packed_BxT
     x_BTxD, stats, w_DxV = gpt.features(x_BxT, dropout_key, ids_BxT, order_T)
     chunks, mc = setup.config.loss_chunks, setup.model_config
     if chunks == 1:
-        total, count = summed_cross_entropy(gpt.head(x_BTxD, w_DxV), y_BxT.reshape(-1), mc.logit_softcap)
+        total, count, _ = embedding.summed_cross_entropy(gpt.head(x_BTxD, w_DxV), y_BxT.reshape(-1), mc.logit_softcap)
     else:
         w_DxV, y_N = w_DxV.astype(x_BTxD.dtype), y_BxT.reshape(-1)
         total, count = embedding.output_layer_loss(x_BTxD, w_DxV, y_N, chunks, mc.logit_softcap, mc.vocab_size)

@@ -262,9 +262,8 @@ def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_Bx
 # kernels at GPT-2's shape). GPT-2's heads (64) at T=1024: 4.0 ms, where 512 everywhere took 5.0,
 # 256 6.5, 128 15.7 and XLA's attention 8.6; Llama-style heads (128, GQA 16/8) at T=2048: 6.2 ms,
 # XLA's 24.3; heads of 256 (multi-query, 4/1) at T=2048, 4 rows: 1.99 ms, 2.11 with 128's backward tiles.
-# The forward alone: heads of 256 0.94 ms with a 256-key compute step, 1.01 with 512 (the record config's
-# whole step 1.7 ms faster); GPT-2's 1.52 ms with (1024, 1024, 512), 1.65 with 512s, but its step gained
-# only 0.4 of 129 ms and long prompts' prefill was measured with 512s, so GPT-2 keeps them (2026-12-07).
+# The forward alone (2026-12-07): heads of 256 0.94 ms with a 256-key compute step, 1.01 with 512.
+# GPT-2's 1.52 ms with (1024, 1024, 512), 1.65 with 512s, but its whole step did not move (bench/NOTES.md).
 # A block longer than T is cut to T; one that does not divide T is halved until it does.
 SPLASH_BLOCKS = {
     64: dict(forward=(512, 512, 512), backward=(1024, 1024, 1024)),
@@ -348,8 +347,8 @@ def splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, segment_ids_Bx
     over `context` elsewhere). Rows are padded to splash_length. Off a TPU (tests) the kernel runs in
     Pallas's interpret mode: correct, slow."""
     T, H = q_BxNxTxH.shape[2], q_BxNxTxH.shape[3]
-    if splash_length(T) != T:
-        pad = [(0, 0), (0, 0), (0, splash_length(T) - T), (0, 0)]
+    if (padded := splash_length(T)) != T:
+        pad = [(0, 0), (0, 0), (0, padded - T), (0, 0)]
         q_BxNxTxH, k_BxKxTxH, v_BxKxTxH = (jnp.pad(a, pad) for a in (q_BxNxTxH, k_BxKxTxH, v_BxKxTxH))
         ids_BxT = None if segment_ids_BxT is None else jnp.pad(segment_ids_BxT, pad[1:3])
         y = splash_attention_heads_major(q_BxNxTxH, k_BxKxTxH, v_BxKxTxH, ids_BxT, block_sizes)

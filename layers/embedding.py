@@ -1,6 +1,7 @@
 """The token table in and out: the lookup (its backward sums repeated tokens' gradients in float32),
-the output layer's matmul (float32 logits, compute-dtype backward), the logits' soft cap, and the output
-layer with its cross-entropy taken in slices of tokens (output_layer_loss). jax only.
+the output layer's matmul (float32 logits, compute-dtype backward), the logits' soft cap, the
+cross-entropy, and the output layer with its cross-entropy taken in slices of tokens (output_layer_loss).
+jax only.
 """
 
 import functools
@@ -80,6 +81,16 @@ def logsumexp(logits_NxV, cap: float):
     return jax.nn.logsumexp(logits_NxV, axis=-1)
 
 
+def summed_cross_entropy(logits_NxV, y_N, cap: float = 0.0):
+    """(cross-entropy summed over the targets, how many there are, each row's log-sum-exp): a target < 0
+    is none (a fine-tuning set's prompt tokens, padding) and adds exactly 0, whatever its logits. `cap`:
+    the logit_softcap the logits were capped with (their log-sum-exp then takes one pass)."""
+    is_target_N = y_N >= 0
+    lse_N = logsumexp(logits_NxV, cap)
+    target_N = jnp.take_along_axis(logits_NxV, jnp.where(is_target_N, y_N, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(is_target_N, lse_N - target_N, 0.0).sum(), is_target_N.sum(), lse_N
+
+
 def _slices(a_NxK, chunks: int):
     """(chunks, N / chunks, ...) of a's rows: slice c holds rows c, c + chunks, c + 2·chunks, ... (so
     every device that holds a share of the rows keeps its share of each slice)."""
@@ -97,17 +108,15 @@ def _slice_loss(x_MxD, w_DxV, y_M, cap: float, vocab_size: int):
     capped_MxV = SOFTCAPS[cap > 0](z_MxV, cap)
     V = w_DxV.shape[1]
     logits_MxV = capped_MxV if V == vocab_size else jnp.where(jnp.arange(V) < vocab_size, capped_MxV, -jnp.inf)
+    total, count, lse_M = summed_cross_entropy(logits_MxV, y_M, cap)
     is_target_M = y_M >= 0
-    lse_M = logsumexp(logits_MxV, cap)
-    target_M = jnp.take_along_axis(logits_MxV, jnp.where(is_target_M, y_M, 0)[:, None], axis=-1)[:, 0]
-    total = jnp.where(is_target_M, lse_M - target_M, 0.0).sum()
     # d(lse - logits[y]) / dlogits = softmax - one-hot, through the cap's tanh: 1 - tanh² (from the capped
     # logits before the padding's -inf, which would make 0·inf)
     onehot_MxV = jnp.arange(V) == y_M[:, None]
     dlogits_MxV = jnp.where(is_target_M[:, None], jnp.exp(logits_MxV - lse_M[:, None]) - onehot_MxV, 0.0)
     if cap > 0:
         dlogits_MxV = dlogits_MxV * (1.0 - jnp.square(capped_MxV / cap))
-    return total, is_target_M.sum(), dlogits_MxV
+    return total, count, dlogits_MxV
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

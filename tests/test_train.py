@@ -923,7 +923,7 @@ def test_the_capped_logits_cross_entropy_takes_no_max_and_equals_optaxs(cap):
         return jnp.where(jnp.arange(V) < vocab, logits, -jnp.inf)
 
     def ours(raw):
-        return train.summed_cross_entropy(capped(raw), y, cap)[0]
+        return embedding.summed_cross_entropy(capped(raw), y, cap)[0]
 
     def reference(raw):
         per_token = optax.softmax_cross_entropy_with_integer_labels(capped(raw), jnp.where(y >= 0, y, 0))
@@ -954,7 +954,7 @@ def test_the_sliced_output_layer_makes_its_logits_once_and_agrees_in_bfloat16():
     def whole(x, w):
         logits = 5.0 * jnp.tanh(embedding.logits_matmul(x, w) / 5.0)
         logits = jnp.where(jnp.arange(V) < vocab, logits, -jnp.inf)
-        return train.summed_cross_entropy(logits, y)[0]
+        return embedding.summed_cross_entropy(logits, y)[0]
 
     text = jax.jit(jax.grad(sliced, argnums=(0, 1))).lower(x, w).as_text()
     assert text.count("stablehlo.dot_general") == 3
