@@ -256,14 +256,12 @@ def ring_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, position_BxT, segment_ids_Bx
     )
 
 
-# Splash's tiles by head size, measured on a TPU v5e (one layer's forward + backward; .tpu probe of
-# 2026-12-05, ../shared/TPU.md): (query block, key block, key block per compute step) of the forward
-# and of the fused backward kernel (dq, dk and dv in one pass: ~1 ms a layer faster than the two
-# kernels at GPT-2's shape). GPT-2's heads (64) at T=1024: 4.0 ms, where 512 everywhere took 5.0,
-# 256 6.5, 128 15.7 and XLA's attention 8.6; Llama-style heads (128, GQA 16/8) at T=2048: 6.2 ms,
-# XLA's 24.3; heads of 256 (multi-query, 4/1) at T=2048, 4 rows: 1.99 ms, 2.11 with 128's backward tiles.
-# The forward alone (2026-12-07): heads of 256 0.94 ms with a 256-key compute step, 1.01 with 512.
-# GPT-2's 1.52 ms with (1024, 1024, 512), 1.65 with 512s, but its whole step did not move (bench/NOTES.md).
+# Splash's tiles by head size: (query block, key block, key block per compute step) of the forward and
+# of the fused backward kernel (dq, dk and dv in one pass: ~1 ms a layer faster than the two kernels at
+# GPT-2's shape). Each the fastest of those probed on a TPU v5e, one layer at a time (bench/NOTES.md):
+# GPT-2's heads (64) at T=1024 took 4.0 ms forward and backward, against 5.0 with 512 everywhere and
+# 8.6 with XLA's attention; Llama-style heads (128, GQA 16/8) at T=2048 6.2 ms, XLA's 24.3. Longer
+# forward tiles for GPT-2's heads sped up the kernel alone but neither a training step nor a prefill.
 # A block longer than T is cut to T; one that does not divide T is halved until it does.
 SPLASH_BLOCKS = {
     64: dict(forward=(512, 512, 512), backward=(1024, 1024, 1024)),
