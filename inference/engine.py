@@ -228,7 +228,10 @@ class Engine:
         cfg, graphdef = self.config, self.graphdef
         one = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params)
-        with sharding.activate(self.mesh):
+        # Traced one after another (that holds Python's lock), each compiled (or read from the compile cache)
+        # in the pool as soon as it is traced, while the next is: XLA lets go of the lock.
+        threads = 1 if self.mesh.devices.flat[0].platform == "cpu" else COMPILE_THREADS
+        with sharding.activate(self.mesh), concurrent.futures.ThreadPoolExecutor(threads) as pool:
             self.state = empty_state_program(cfg, self.slots, S)()
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
             active = one(jnp.bool_, (self.slots,))
@@ -236,8 +239,10 @@ class Engine:
             # the kernel, each block of slots' filled positions) and per number of slots it runs (the
             # busy ones, which take the lowest free slots)
             steps = {
-                (reads, rows): decode_program(graphdef, self.vocab, self.decode_steps, reads, rows).lower(
-                    params, state, active
+                (reads, rows): pool.submit(
+                    decode_program(graphdef, self.vocab, self.decode_steps, reads, rows)
+                    .lower(params, state, active)
+                    .compile
                 )
                 for reads in self.cache_reads
                 for rows in self.row_buckets
@@ -245,17 +250,10 @@ class Engine:
             admits = {}  # (prompt bucket, rows): the program
             for P in self.buckets:
                 for R in admit_rows(P, self.slots):
-                    admits[P, R] = admit_program(graphdef, self.vocab).lower(
-                        params, state, *admit_inputs(P, R, replicated)
-                    )
-        # traced one after another (that holds Python's lock), compiled at once (COMPILE_THREADS)
-        threads = 1 if self.mesh.devices.flat[0].platform == "cpu" else COMPILE_THREADS
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            compiled = dict(
-                zip([*steps, *admits], pool.map(lambda p: p.compile(), [*steps.values(), *admits.values()]))
-            )
-        self.step_programs = {key: compiled[key] for key in steps}
-        self.admit_programs = {key: compiled[key] for key in admits}
+                    lowered = admit_program(graphdef, self.vocab).lower(params, state, *admit_inputs(P, R, replicated))
+                    admits[P, R] = pool.submit(lowered.compile)
+            self.step_programs = {key: program.result() for key, program in steps.items()}
+            self.admit_programs = {key: program.result() for key, program in admits.items()}
         self.step_program = self.step_programs[self.cache_reads[-1], self.slots]  # the largest, for memory checks
 
     # ------------------------------------------------------------------------- requests
