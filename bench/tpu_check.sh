@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The TPU checks of issues 50-52 in one go (about 12 minutes on one v5e chip), from the repo root,
+# The TPU checks of issues 50-52 and 65-66 (longer than one 10-minute device call: PARTS splits them), from the repo root,
 # with the project's requirements-dev.txt and JAX's TPU build installed:
 #     OUT=bench-tpu bash bench/tpu_check.sh
 # In order of what is least measured: the chip's own tests, serving through a unix socket (a
@@ -87,7 +87,8 @@ part agree && run timeout 120 "$PY" bench/attention_agreement.py config/shakespe
     --dtype=float32 --document_masking=True ${AGREE:-}
 part train && run timeout 150 "$PY" bench.py $LLAMA $TRAIN $B
 part train && run timeout 150 "$PY" bench.py $GPT2 --batch_size=16 $TRAIN --profile=/tmp/nanomax-tpu-check-trace $B
-part train && run timeout 200 "$PY" bench.py $GPT2 --batch_size=16 $TRAIN --scan_layers=False $B
+part train && run timeout 200 "$PY" bench.py $GPT2 --batch_size=16 $TRAIN --scan_layers=False --remat_policy=none $B
+part train && run timeout 330 "$PY" bench.py $LLAMA $TRAIN --scan_layers=False --remat_policy=none $B
 part train && run timeout 200 "$PY" bench.py $RECORD $B
 part decode && run timeout 200 "$PY" bench.py $GPT2 --mode=decode $DECODE --profile=/tmp/nanomax-tpu-check-trace $B
 part decode && run timeout 150 "$PY" bench.py $GPT2 --mode=decode $DECODE --weight_dtype=int8 $B
