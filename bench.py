@@ -435,8 +435,10 @@ def bench_decode(config, options: Options, devices) -> dict:
     rng = np.random.default_rng(0)
     P = options.prompt_len
     # A prefill is a forward pass over the prompts: a third of a train step's FLOPs per token (2N +
-    # 4·L·P·d, attention counted over the whole P x P square as training's MFU counts it).
-    prefill_flops_per_token = flops_per_token(mc, P) / 3
+    # 4·L·P·d, attention counted over the whole P x P square as training's MFU counts it), less the
+    # output layer's 2·V·d for all but each row's last token: the only one it runs for.
+    output_layer_flops = 2 * mc.padded_vocab_size * mc.n_embd
+    prefill_flops_per_token = flops_per_token(mc, P) / 3 - output_layer_flops * (1 - 1 / P)
     # Every batch's programs (those generate() runs) compiled and checked against the memory first,
     # so a batch that cannot fit is refused before any is timed.
     batches = []
@@ -542,7 +544,7 @@ def format_decode(r: dict) -> str:
             if r["peak_bandwidth"]
             else r["bandwidth_source"]
         ),
-        f"  prefill: {r['prefill_flops_per_token'] / 1e6:,.1f} MFLOPs per prompt token (2N + 4·L·P·d); peak "
+        f"  prefill: {r['prefill_flops_per_token'] / 1e6:,.1f} MFLOPs per prompt token (2N + 4·L·P·d, the output layer once a row); peak "
         + (f"{r['peak_flops'] / 1e12:,.3f} TFLOP/s ({r['peak_source']})" if r["peak_flops"] else r["peak_source"]),
         f"  {'batch':>5} {'prefill ms':>10} {'prefill tok/s':>13} {'MFU':>6} {'ms/token step':>14} "
         f"{'tokens/s':>10} {'MiB/step':>9} {'GB/s':>8} {'roofline':>8} {'compile s':>9}",

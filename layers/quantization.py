@@ -41,6 +41,10 @@ MODES = ("none", "int8", "fp8")
 QUANTIZE_WEIGHT_GRADIENT = False
 
 INT8_MAX = 127.0
+# XLA on a TPU v5e makes a product of fewer rows with int8 weights a multiply-reduce on the vector
+# units, which convert the weights to float32 and read them at ~445 GB/s; with 8 rows it is a
+# matmul on the matrix unit (GPT-2 decoding one row: 0.436 -> 0.402 ms a token, bench/NOTES.md).
+MATRIX_UNIT_ROWS = 8
 FORWARD_FP8, GRADIENT_FP8 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
@@ -168,6 +172,10 @@ class Int8Weight:
         """x @ w in x's dtype: the int8 values cast to it (exact: |q| <= 127), the product kept in
         float32, scaled by the float32 scale and rounded to x's dtype once (in bfloat16, rounding the
         product and the scale first added 9% to the logits' rms change from int8 on the quickstart)."""
+        rows = x_NxI.shape[0]
+        if rows < MATRIX_UNIT_ROWS:  # decoding a row or a few: zero rows added, then dropped
+            padded_NxI = jnp.pad(x_NxI, ((0, MATRIX_UNIT_ROWS - rows), (0, 0)))
+            return self.matmul(padded_NxI, mode)[:rows]
         q = self.q.astype(x_NxI.dtype)
         if mode == "none":
             y = jnp.matmul(x_NxI, q, preferred_element_type=jnp.float32)

@@ -134,6 +134,18 @@ def test_int8_weight_in_bfloat16_rounds_once():
     assert y.dtype == jnp.bfloat16 and np.array_equal(np.asarray(y, np.float32), np.asarray(expected, np.float32))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_weight_times_a_few_rows_equals_those_rows_of_a_full_product(rows):
+    """Fewer rows than the matrix unit takes are padded with zero rows and the padding dropped: each
+    row's product is the one it has in a larger batch, and the output keeps the input's rows."""
+    x, w = operands(1.0)
+    x = x.astype(jnp.bfloat16)
+    weight = quantization.Int8Weight.of(w, (0,))
+    y = weight.matmul(x[:rows])
+    assert y.shape == (rows, w.shape[1])
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(weight.matmul(x)[:rows], np.float32))
+
+
 @pytest.mark.parametrize("shape, input_axes", [((96, 64), (0,)), ((4, 24, 64), (0, 1))])
 def test_int8_weight_errs_by_at_most_half_a_step_of_its_channels_grid(shape, input_axes):
     """A served int8 weight: every element within half a step of its output channel's grid, the
