@@ -13,8 +13,9 @@ GET / is the chat page (serving/web/: HTML, CSS and JavaScript, no build step). 
 
 Routes: POST /v1/completions and POST /v1/chat/completions (with "stream": true, Server-Sent
 Events ending in `data: [DONE]`; completions' echo with logprobs scores the prompt's tokens too),
-GET /v1/models, GET /health (200 with the engine's numbers once its programs are compiled; 503 while
-compiling or stopping, and once the engine has failed, with why: serve.py then exits 1), and vLLM's
+GET /v1/models, GET /health (200 with the engine's numbers once the programs that serve every request
+are compiled, the faster variants compiling after; 503 while compiling or stopping, and once the
+engine has failed, with why: serve.py then exits 1), and vLLM's
 GET /tokenizer_info, POST /tokenize and POST /detokenize, so that lm-evaluation-harness's
 local-completions model runs against the server with nothing else.
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
@@ -221,6 +222,8 @@ class Server:
                     decode_attention=self.cfg.decode_attention,
                     after_tokens=self.after_tokens,
                     on_failure=engine_failed,
+                    compile_later=True,  # ready on the programs that serve every request, the faster ones after
+                    fits=self.fits if self.cfg.memory_check else None,
                 )
         except (configurator.ConfigError, engine.EngineError) as error:
             return fail(error)
@@ -237,7 +240,8 @@ class Server:
             f"({e.kv_bytes_per_token:,} bytes per token), weights {e.weight_bytes / 2**20:,.1f} MiB; "
             f"{len(e.buckets)} prompt buckets ({', '.join(map(str, e.buckets))}); decode attention: "
             f"{'the kernel' if e.reads_filled else 'XLA over prefix buckets'}; "
-            f"compiled {compile_cache.summary(compiled_before)} in {e.compile_s:.1f} s",
+            f"compiled {compile_cache.summary(compiled_before)} in {e.compile_s:.1f} s"
+            f"{f', {e.programs_later} faster ones compile while serving' if e.programs_later else ''}",
             flush=True,
         )
 
@@ -249,6 +253,16 @@ class Server:
         return memory.check(
             "serving", need, devices, self.cfg.memory_limit_gib, memory.serving_remedies(self.cfg, len(jax.devices()))
         )
+
+    def fits(self, program) -> str | None:
+        """Why a program the engine compiled while serving can't run on these devices (check_memory's
+        limit), or None."""
+        devices = list(self.setup.mesh.devices.flat)
+        need = memory.needed([program], devices[0].platform)
+        limit, source = memory.available(devices, self.cfg.memory_limit_gib)
+        if limit is not None and need > limit:
+            return f"it needs {memory.size(need)} per device, more than the {memory.size(limit)} available ({source})"
+        return None
 
     def failed(self) -> str | None:
         """Why the engine is gone, once it is: it could not start, its loop failed, or its thread is gone."""

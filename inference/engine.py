@@ -18,7 +18,10 @@ One call makes several tokens per slot because the host's part of a step (a prog
 fetching its tokens, handing them out) cost about as much as the step itself on a TPU (bench/NOTES.md).
 
 Every program is compiled ahead of time at start-up (an admit per prompt bucket and row count, a
-decode per row bucket and attend bucket), so serving never compiles. Sampling settings (temperature,
+decode per row bucket and attend bucket), so serving never compiles; with compile_later, only those
+that serve every request (a decode of all slots over the whole cache, an admit of one prompt per
+bucket) before serving, and the faster variants in a thread beside it, each used once compiled (the
+same tokens: which program runs a step never changes them). Sampling settings (temperature,
 top_k, top_p) and keys live in per-slot arrays, so requests with different settings share one step.
 A request's i-th token is drawn with the key fold_in(fold_in(key(seed), i), 0), as
 inference/generate.py draws its first row's: what a request gets does not depend on what runs
@@ -168,6 +171,8 @@ class Engine:
         decode_attention: str = "auto",
         after_tokens: Callable | None = None,
         on_failure: Callable[[str], None] | None = None,
+        compile_later: bool = False,
+        fits: Callable[[object], str | None] | None = None,
     ):
         """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary).
         decode_steps: tokens per slot per decode program (more: less host work per token; a request
@@ -175,7 +180,10 @@ class Engine:
         (reads_filled_positions). after_tokens: called in the loop's thread after each round of
         on_token and on_finish calls (a decode program's tokens, the admitted requests' first ones,
         the aborts at a stop): where the callbacks only collect, the time to send them on. on_failure:
-        called once, from the loop's thread, with self.failure when the loop stops on an error."""
+        called once, from the loop's thread, with self.failure when the loop stops on an error.
+        compile_later: compile only the programs that serve every request (_compile) before returning,
+        and the faster variants in a thread of their own while serving, each used once it is compiled;
+        fits: called there with each of those, says why it can't run here (its memory) or None."""
         self.config, self.mesh, self.graphdef = setup.model_config, setup.mesh, setup.graphdef
         if slots % sharding.batch_shards(self.mesh):  # the slots are the cache's rows, split like a batch
             raise EngineError(
@@ -214,47 +222,93 @@ class Engine:
         self.kv_bytes_per_token = self.kv_bytes // (slots * self.context)
         self.memory_bandwidth = hardware.peak_bandwidth(self.mesh.devices.flatten().tolist())[0]
         start = time.perf_counter()
-        self._compile()
+        later = self._compile(compile_later)
         self.compile_s = time.perf_counter() - start
-        self.compiles_before_serving = compile_cache.counts().programs
+        self.compiles_before_serving, self.compiled_later = compile_cache.counts().programs, 0
+        self.programs_later = len(later)  # still to compile, in self.compiling
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.started = time.perf_counter()  # stats()' counters count from here
         self.thread.start()
+        self.compiling = threading.Thread(target=self._compile_rest, args=(later, fits), name="engine-compile")
+        self.compiling.daemon = True
+        if later:
+            self.compiling.start()
 
     # ------------------------------------------------------------------------- programs
 
-    def _compile(self):
-        S, replicated = self.context, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        cfg, graphdef = self.config, self.graphdef
-        one = lambda dtype, shape=(): jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
-        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params)
+    def _compile(self, later: bool) -> list:
+        """Compile the programs: all, or with `later` only those that serve every request (the decode of
+        all slots over the whole cache, an admit of one prompt per bucket); returns the keys of those left
+        for _compile_rest: ("decode", cache reads, rows) and ("admit", prompt bucket, rows)."""
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        # one decode per cache prefix it reads (a step reads only the bucket its slots have filled;
+        # the kernel, each block of slots' filled positions) and per number of slots it runs (the
+        # busy ones, which take the lowest free slots); an admit per prompt bucket and row count
+        keys = [("decode", reads, rows) for reads in self.cache_reads for rows in self.row_buckets]
+        keys += [("admit", P, R) for P in self.buckets for R in admit_rows(P, self.slots)]
+        first = {("decode", self.cache_reads[-1], self.slots), *(("admit", P, 1) for P in self.buckets)}
+        now = [key for key in keys if key in first] if later else keys
         # Traced one after another (that holds Python's lock), each compiled (or read from the compile cache)
         # in the pool as soon as it is traced, while the next is: XLA lets go of the lock.
         threads = 1 if self.mesh.devices.flat[0].platform == "cpu" else COMPILE_THREADS
         with sharding.activate(self.mesh), concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            self.state = empty_state_program(cfg, self.slots, S)()
-            state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.state)
-            active = one(jnp.bool_, (self.slots,))
-            # one decode per cache prefix it reads (a step reads only the bucket its slots have filled;
-            # the kernel, each block of slots' filled positions) and per number of slots it runs (the
-            # busy ones, which take the lowest free slots)
-            steps = {
-                (reads, rows): pool.submit(
-                    decode_program(graphdef, self.vocab, self.decode_steps, reads, rows)
-                    .lower(params, state, active)
-                    .compile
-                )
-                for reads in self.cache_reads
-                for rows in self.row_buckets
-            }
-            admits = {}  # (prompt bucket, rows): the program
-            for P in self.buckets:
-                for R in admit_rows(P, self.slots):
-                    lowered = admit_program(graphdef, self.vocab).lower(params, state, *admit_inputs(P, R, replicated))
-                    admits[P, R] = pool.submit(lowered.compile)
-            self.step_programs = {key: program.result() for key, program in steps.items()}
-            self.admit_programs = {key: program.result() for key, program in admits.items()}
-        self.step_program = self.step_programs[self.cache_reads[-1], self.slots]  # the largest, for memory checks
+            self.state = empty_state_program(self.config, self.slots, self.context)()
+            shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+            self.shapes = (
+                jax.tree.map(shape, self.params),
+                jax.tree.map(shape, self.state),
+                replicated,
+            )  # the programs take
+            compiled = {key: pool.submit(self._lowered(key).compile) for key in now}
+            self.step_programs, self.admit_programs = {}, {}
+            for key in now:
+                self._use(key, compiled[key].result())
+        self.step_program = compiled["decode", self.cache_reads[-1], self.slots].result()  # the largest: memory checks
+        return [key for key in keys if key not in now]
+
+    def _lowered(self, key: tuple) -> jax.stages.Lowered:
+        """The program of a key of _compile's, traced and lowered for the engine's arguments."""
+        params, state, replicated = self.shapes
+        kind, a, b = key
+        if kind == "decode":
+            active = jax.ShapeDtypeStruct((self.slots,), jnp.bool_, sharding=replicated)
+            return decode_program(self.graphdef, self.vocab, self.decode_steps, a, b).lower(params, state, active)
+        return admit_program(self.graphdef, self.vocab).lower(params, state, *admit_inputs(a, b, replicated))
+
+    def _use(self, key: tuple, program) -> None:
+        """Let the loop run a compiled program of a key of _compile's: in a new dict, since the loop's
+        thread may be reading the old one."""
+        if key[0] == "decode":
+            self.step_programs = {**self.step_programs, key[1:]: program}
+        else:
+            self.admit_programs = {**self.admit_programs, key[1:]: program}
+
+    def _compile_rest(self, keys: list, fits) -> None:
+        """In its own thread, while the engine serves: compile the programs _compile left, one at a time
+        (the first ones serve meanwhile), and let the loop use each as soon as it is ready. One that fails
+        or doesn't fit is not used."""
+        start, before, used = time.perf_counter(), compile_cache.counts(), 0
+        with sharding.activate(self.mesh):
+            for key in keys:
+                if self.stopping:
+                    return
+                try:
+                    lowered = self._lowered(key)
+                    with self.wake:  # stats()' count of programs compiled for requests leaves these out
+                        self.compiled_later += 1
+                    program = lowered.compile()
+                    why = fits(program) if fits else None
+                except Exception as e:  # noqa: BLE001 - e.g. XLA:TPU refusing a program that can't fit: serve without it
+                    why = f"{type(e).__name__}: {next(iter(str(e).splitlines()), '')}"
+                if why:
+                    self.log(f"engine: {_program_name(key)} is not used: {why}")
+                    continue
+                used += 1
+                self._use(key, program)
+        self.log(
+            f"engine: {used} more program{'s' if used != 1 else ''} in use after {time.perf_counter() - start:.1f} s "
+            f"in the background ({compile_cache.summary(before)})"
+        )
 
     # ------------------------------------------------------------------------- requests
 
@@ -298,6 +352,8 @@ class Engine:
     def shutdown(self, timeout: float = 30.0) -> None:
         self.stop()
         self.thread.join(timeout)
+        if self.compiling.is_alive():  # it stops after the program it compiles (exiting while XLA compiles aborts)
+            self.compiling.join(timeout)
 
     def stats(self) -> dict:
         with self.wake:
@@ -313,7 +369,10 @@ class Engine:
                     "idle": self.seconds["idle"]
                     + (0.0 if self.idle_since is None else time.perf_counter() - self.idle_since),
                 },
-                "compiles_while_serving": compile_cache.counts().programs - self.compiles_before_serving,
+                # (0 while a program compiles in the background, counted here before XLA counts it)
+                "compiles_while_serving": max(
+                    0, compile_cache.counts().programs - self.compiles_before_serving - self.compiled_later
+                ),
             }
 
     # ------------------------------------------------------------------------- the loop
@@ -385,7 +444,7 @@ class Engine:
             by_bucket[next(b for b in self.buckets if b >= len(self.running[slot].prompt))].append(slot)
         dispatched = []
         for P, waiting in by_bucket.items():
-            options = admit_rows(P, self.slots)
+            options = [R for R in admit_rows(P, self.slots) if (P, R) in self.admit_programs]  # compiled yet
             while waiting:
                 R = next((r for r in options if r >= len(waiting)), options[-1])
                 group, waiting = waiting[:R], waiting[R:]
@@ -433,15 +492,16 @@ class Engine:
         # the cached positions before their last one, in the smallest bucket that holds them (the
         # kernel reads each block of slots' filled positions).
         if self.reads_filled:
-            reads = kv_cache.FILLED
+            reads = [kv_cache.FILLED]
         else:
             newest = max(len(r.prompt) + tokens_then(r) - 1 for r in running if r is not None)
             last = min(newest + self.decode_steps - 1, self.context - 1)
-            reads = next(r for r in self.cache_reads if r.positions >= last)
+            reads = [r for r in self.cache_reads if r.positions >= last]
         busy = max(slot for slot, r in enumerate(running) if r is not None) + 1
-        rows = next(r for r in self.row_buckets if r >= busy)
+        programs = self.step_programs  # the smallest compiled yet (all slots over the whole cache always is)
+        program = next(programs[r, n] for r in reads for n in self.row_buckets if n >= busy and (r, n) in programs)
         active = np.array([r is not None for r in running])
-        self.state, drawn = self.step_programs[reads, rows](self.params, self.state, active)
+        self.state, drawn = program(self.params, self.state, active)
         return running, drawn
 
     def _hand_out(self, running: list, drawn: dict, dispatch_s: float, waiting_from: float) -> None:
@@ -499,6 +559,15 @@ class Engine:
 
 # The jitted programs the engine runs, for whoever lowers them elsewhere (aot/serve_plan.py
 # compiles them for a target that is not here); lower each with the shapes its function takes.
+
+
+def _program_name(key: tuple) -> str:
+    """A key of Engine._compile's in words, for the log."""
+    kind, a, b = key
+    if kind == "admit":
+        return f"the admit of {b} prompt(s) of {a} tokens"
+    reads = "each block's filled positions" if a == kv_cache.FILLED else f"{a.positions} positions"
+    return f"the decode of {b} slots reading {reads}"
 
 
 def empty_state_program(config, slots: int, length: int):

@@ -219,19 +219,16 @@ from inference import engine
 def fail(what):
     raise jax.errors.JaxRuntimeError(f"INTERNAL: {{what}} failed on the device\\nthe rest of XLA's message")
 
-compile_programs = engine.Engine._compile
+use = engine.Engine._use
 
-def compile_then_poison(self):
-    compile_programs(self)
-    def poisoned(program):
-        def run(params, state, active):
-            if any(r is not None and r.seed == {POISON} for r in self.running):
-                fail("the decode program")
-            return program(params, state, active)
-        return run
-    self.step_programs = {{key: poisoned(program) for key, program in self.step_programs.items()}}
+def use_poisoned(self, key, program):  # every decode program the engine runs, compiled before ready or after
+    def run(params, state, active):
+        if any(r is not None and r.seed == {POISON} for r in self.running):
+            fail("the decode program")
+        return program(params, state, active)
+    use(self, key, run if key[0] == "decode" else program)
 
-engine.Engine._compile = compile_then_poison
+engine.Engine._use = use_poisoned
 scoring.make_token_scorer = lambda *args: lambda *args: fail("scoring")
 serve.main(sys.argv[1:])
 """
