@@ -19,9 +19,9 @@ fetching its tokens, handing them out) cost about as much as the step itself on 
 
 Every program is compiled ahead of time at start-up (an admit per prompt bucket and row count, a
 decode per row bucket and attend bucket), so serving never compiles; with compile_later, only those
-that serve every request (a decode of all slots over the whole cache, an admit of one prompt per
-bucket) before serving, and the faster variants in a thread beside it, each used once compiled (the
-same tokens: which program runs a step never changes them). Sampling settings (temperature,
+that serve every request (a decode of all slots over the whole cache, an admit of one prompt of the
+largest bucket) before serving, and the faster variants in a thread beside it, each used once compiled
+(the same tokens: which program runs a step never changes them). Sampling settings (temperature,
 top_k, top_p) and keys live in per-slot arrays, so requests with different settings share one step.
 A request's i-th token is drawn with the key fold_in(fold_in(key(seed), i), 0), as
 inference/generate.py draws its first row's: what a request gets does not depend on what runs
@@ -238,7 +238,7 @@ class Engine:
 
     def _compile(self, later: bool) -> list:
         """Compile the programs: all, or with `later` only those that serve every request (the decode of
-        all slots over the whole cache, an admit of one prompt per bucket); returns the keys of those left
+        all slots over the whole cache, an admit of one prompt of the largest bucket); returns the keys of those left
         for _compile_rest: ("decode", cache reads, rows) and ("admit", prompt bucket, rows)."""
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         # one decode per cache prefix it reads (a step reads only the bucket its slots have filled;
@@ -246,7 +246,7 @@ class Engine:
         # busy ones, which take the lowest free slots); an admit per prompt bucket and row count
         keys = [("decode", reads, rows) for reads in self.cache_reads for rows in self.row_buckets]
         keys += [("admit", P, R) for P in self.buckets for R in admit_rows(P, self.slots)]
-        first = {("decode", self.cache_reads[-1], self.slots), *(("admit", P, 1) for P in self.buckets)}
+        first = {("decode", self.cache_reads[-1], self.slots), ("admit", self.buckets[-1], 1)}
         now = [key for key in keys if key in first] if later else keys
         # Traced one after another (that holds Python's lock), each compiled (or read from the compile cache)
         # in the pool as soon as it is traced, while the next is: XLA lets go of the lock.
@@ -440,8 +440,9 @@ class Engine:
         """Dispatch the programs that admit the requests just put in these slots, each prompt bucket's
         in groups of up to 8; returns [(the group's slots, its first tokens on the device)]."""
         by_bucket = collections.defaultdict(list)
+        compiled = sorted({P for P, _ in self.admit_programs})  # yet (the largest bucket's always is)
         for slot in slots:
-            by_bucket[next(b for b in self.buckets if b >= len(self.running[slot].prompt))].append(slot)
+            by_bucket[next(b for b in compiled if b >= len(self.running[slot].prompt))].append(slot)
         dispatched = []
         for P, waiting in by_bucket.items():
             options = [R for R in admit_rows(P, self.slots) if (P, R) in self.admit_programs]  # compiled yet

@@ -260,9 +260,9 @@ def test_a_light_load_runs_only_the_first_quarter_of_the_slots(style, cache):
 
 
 def test_compiled_later_the_faster_programs_take_over_one_by_one_and_the_tokens_stay_generates():
-    """compile_later: the engine serves at once on the decode over the whole cache (and one admit per
-    prompt bucket) while the smaller prefixes compile beside it; each is used once compiled, one that
-    does not fit (fits says why) never is, and every request's greedy tokens are generate.py's."""
+    """compile_later: the engine serves at once on the decode over the whole cache and the largest prompt
+    bucket's admit while the smaller prefixes and buckets compile beside it; each is used once compiled,
+    one that does not fit (fits says why) never is, and every request's greedy tokens are generate.py's."""
     setup, params = long_context("gpt2")
     prompts = [RAGGED[2], RAGGED[0], list(range(3, 43)), RAGGED[1]]  # 25, 3, 40 and 9 tokens
     gate, checked, lines = threading.Event(), [], []
@@ -274,8 +274,8 @@ def test_compiled_later_the_faster_programs_take_over_one_by_one_and_the_tokens_
 
     e = engine.Engine(setup, params, slots=2, max_queue=8, log=lines.append, compile_later=True, fits=fits)
     whole, prefixes = kv_cache.Prefix(128), [kv_cache.Prefix(n) for n in (32, 64)]
-    assert (list(e.step_programs), e.programs_later) == ([(whole, 2)], 2)
-    assert list(e.admit_programs) == [(16, 1), (32, 1), (64, 1), (128, 1)]
+    assert (list(e.step_programs), e.programs_later) == ([(whole, 2)], 5)
+    assert list(e.admit_programs) == [(128, 1)]
     done = threading.Semaphore(0)
 
     def run():
@@ -290,6 +290,7 @@ def test_compiled_later_the_faster_programs_take_over_one_by_one_and_the_tokens_
     gate.set()
     e.compiling.join(timeout=120)
     assert list(e.step_programs) == [(whole, 2), (prefixes[1], 2)]  # 32's refused
+    assert sorted(e.admit_programs) == [(16, 1), (32, 1), (64, 1), (128, 1)]
     assert "engine: the decode of 2 slots reading 32 positions is not used: too big" in lines, lines
     called = []
 
@@ -301,9 +302,11 @@ def test_compiled_later_the_faster_programs_take_over_one_by_one_and_the_tokens_
         return step
 
     e.step_programs = {key: counting(key, program) for key, program in e.step_programs.items()}
+    e.admit_programs = {key: counting(key, program) for key, program in e.admit_programs.items()}
     on_all = run()
     e.shutdown()
-    assert lines[-1].startswith("engine: 1 more program in use after "), lines
-    assert (prefixes[1], 2) in called and e.stats()["compiles_while_serving"] == 0
+    assert lines[-1].startswith("engine: 4 more programs in use after "), lines
+    assert {(prefixes[1], 2), (16, 1), (32, 1), (64, 1)} <= set(called) and (128, 1) not in called
+    assert e.stats()["compiles_while_serving"] == 0
     expected = [generate.generate(setup, params, [ids], 50, temperature=0).tokens[0] for ids in prompts]
     assert on_the_first == on_all == expected
