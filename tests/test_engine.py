@@ -1,6 +1,7 @@
 """inference/engine.py: the slots' greedy tokens are one device's inference/generate.py tokens, on tensor=4 x
 data=2, and with slots at different positions reading different prefixes of the cache."""
 
+import collections
 import threading
 
 import numpy as np
@@ -21,6 +22,19 @@ def engine_tokens(setup, params, prompts, max_tokens):
         assert done.acquire(timeout=120)
     e.shutdown()
     return [r.tokens for r in requests]
+
+
+def recording(programs: dict, calls: list) -> dict:
+    """The engine's programs (a dict of them by key), each appending its key to `calls` when run."""
+
+    def record(key, program):
+        def run(*args):
+            calls.append(key)
+            return program(*args)
+
+        return run
+
+    return {key: record(key, program) for key, program in programs.items()}
 
 
 def short_context(style: str):
@@ -52,21 +66,14 @@ def test_slots_at_different_positions_read_their_buckets_and_decode_as_generate(
     e = engine.Engine(setup, params, slots=2, max_queue=8, log=lambda line: None)
     prefixes = [kv_cache.Prefix(n) for n in (32, 64, 128)]
     assert list(e.step_programs) == [(p, 2) for p in prefixes]  # (cache reads, rows): 2 slots, one row bucket
-    called = dict.fromkeys(e.step_programs, 0)
-
-    def counting(key, program):
-        def step(*args):
-            called[key] += 1
-            return program(*args)
-
-        return step
-
-    e.step_programs = {key: counting(key, program) for key, program in e.step_programs.items()}
+    called, calls = dict.fromkeys(e.step_programs, 0), []
+    e.step_programs = recording(e.step_programs, calls)
     done = threading.Semaphore(0)
     requests = [e.submit(engine.Request(ids, 50, temperature=0, on_finish=lambda _: done.release())) for ids in prompts]
     for _ in requests:
         assert done.acquire(timeout=120)
     e.shutdown()
+    called.update(collections.Counter(calls))
     assert all(called.values()), called  # every bucket served some steps (the 40-token prompt reaches 89)
     expected = [generate.generate(setup, params, [ids], 50, temperature=0).tokens[0] for ids in prompts]
     assert [r.tokens for r in requests] == expected
@@ -141,15 +148,7 @@ def test_requests_that_arrive_together_are_admitted_together_and_decode_as_alone
     prompts = [RAGGED[0], RAGGED[1], list(range(40, 60)), RAGGED[2], [7] * 12]  # buckets 16, 16, 32, 32, 16
     e = engine.Engine(setup, params, slots=8, max_queue=8, log=lambda line: None)
     admitted = []
-
-    def counting(key, program):
-        def admit(*args):
-            admitted.append(key)
-            return program(*args)
-
-        return admit
-
-    e.admit_programs = {key: counting(key, program) for key, program in e.admit_programs.items()}
+    e.admit_programs = recording(e.admit_programs, admitted)
     done = threading.Semaphore(0)
     with e.wake:  # the loop waits for this lock: it sees all five at once
         requests = [
@@ -232,28 +231,21 @@ def test_a_light_load_runs_only_the_first_quarter_of_the_slots(style, cache):
     setup = loader.model_setup(setup.config, setup.mesh, setup.config.vocab_size, cache)
     e = engine.Engine(setup, params, slots=32, max_queue=16, log=lambda line: None)
     assert e.row_buckets == [8, 32]
-    ran = []
-
-    def counting(key, program):
-        def step(*args):
-            ran.append(key[1])
-            return program(*args)
-
-        return step
-
-    e.step_programs = {key: counting(key, program) for key, program in e.step_programs.items()}
+    calls = []  # (cache reads, rows) of each decode
+    e.step_programs = recording(e.step_programs, calls)
     prompts = [RAGGED[i % 3] for i in range(10)]
     done = threading.Semaphore(0)
     submit = lambda ids: e.submit(engine.Request(ids, 6, temperature=0, on_finish=lambda _: done.release()))
     first = [submit(ids) for ids in prompts[:2]]
     for _ in first:
         assert done.acquire(timeout=120)
-    light = list(ran)
+    light = [rows for _, rows in calls]
     with e.wake:  # ten at once: slots 0-9
         rest = [submit(ids) for ids in prompts]
     for _ in rest:
         assert done.acquire(timeout=120)
     e.shutdown()
+    ran = [rows for _, rows in calls]
     assert set(light) == {8} and 32 in ran[len(light) :]
     expected = {i: generate.generate(setup, params, [RAGGED[i]], 6, temperature=0).tokens[0] for i in range(3)}
     assert [r.tokens for r in first + rest] == [expected[i % 3] for i in [0, 1, *range(10)]]
@@ -293,16 +285,7 @@ def test_compiled_later_the_faster_programs_take_over_one_by_one_and_the_tokens_
     assert sorted(e.admit_programs) == [(16, 1), (32, 1), (64, 1), (128, 1)]
     assert "engine: the decode of 2 slots reading 32 positions is not used: too big" in lines, lines
     called = []
-
-    def counting(key, program):
-        def step(*args):
-            called.append(key)
-            return program(*args)
-
-        return step
-
-    e.step_programs = {key: counting(key, program) for key, program in e.step_programs.items()}
-    e.admit_programs = {key: counting(key, program) for key, program in e.admit_programs.items()}
+    e.step_programs, e.admit_programs = recording(e.step_programs, called), recording(e.admit_programs, called)
     on_all = run()
     e.shutdown()
     assert lines[-1].startswith("engine: 4 more programs in use after "), lines
