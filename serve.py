@@ -272,12 +272,14 @@ class Server:
 
     def fits(self, program) -> str | None:
         """Why a program the engine compiled while serving can't run on these devices (check_memory's
-        limit), or None."""
+        check, of that program alone), or None."""
         devices = list(self.setup.mesh.devices.flat)
         need = memory.needed([program], devices[0].platform)
-        limit, source = memory.available(devices, self.cfg.memory_limit_gib)
-        if limit is not None and need > limit:
-            return f"it needs {memory.size(need)} per device, more than the {memory.size(limit)} available ({source})"
+        remedies = memory.serving_remedies(self.cfg, len(jax.devices()))
+        try:
+            memory.check("the program", need, devices, self.cfg.memory_limit_gib, remedies, say=lambda line: None)
+        except memory.DoesNotFit as e:
+            return str(e)
         return None
 
     def failed(self) -> str | None:
