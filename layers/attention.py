@@ -274,10 +274,10 @@ SPLASH_MULTIPLE = 128  # the kernel's key blocks are multiples of the TPU's 128 
 # ~0.03 us of products for GPT-2's heads: a v5e's prefill of 8 x 896 spent 25 of its 38.5 ms there).
 # Causal: the padding's keys come after every real query, which never sees them.
 SPLASH_PAD = 512
-# Keys and values of heads narrower than the 128 lanes go to the kernel as (H, T) tiles (SEQ_MINOR):
-# as (T, H) each row is padded to 128 lanes in memory (GPT-2's 64: twice their bytes, in the layers'
-# saved activations too). On a TPU v5e GPT-2's layer took 3.84 ms so, 4.03 as (T, H) (the probe above);
-# bench/tpu_train_hlo.py: 723 MiB fewer temporaries and 3.7 ms fewer memory-bound ms a GPT-2 step.
+# Queries, keys and values of heads narrower than the 128 lanes go to the kernel as (H, T) tiles
+# (SEQ_MINOR): as (T, H) each row is padded to 128 lanes in memory (GPT-2's 64: twice their bytes, in the
+# layers' saved activations too). On a TPU v5e, keys and values so took GPT-2's layer from 4.03 to 3.84 ms;
+# queries too, a GPT-2 step from 139.2 to 137.9 ms and its memory from 12.5 to 11.9 GiB (bench/NOTES.md).
 # The name of splash's inputs and residuals (q, k, v, its output and log-sum-exp: B·T·(2N + 2K + 1)·H
 # values a layer, about), which model.py's remat policies keep: recomputing them would run the forward
 # kernel again in the backward pass (a GPT-2 124M step's profile on a TPU v5e showed it twice a layer,
@@ -300,7 +300,7 @@ def splash_length(T: int) -> int:
 
 def splash_block_sizes(T: int, head_size: int):
     """SPLASH_BLOCKS' tiles for rows of T tokens (a head size not in the table takes 128's), and the
-    layout of keys and values (SEQ_MINOR below 128 lanes)."""
+    layout of queries, keys and values (SEQ_MINOR below 128 lanes)."""
     table = SPLASH_BLOCKS.get(head_size, SPLASH_BLOCKS[128])
 
     def fit(block: int) -> int:
@@ -312,7 +312,7 @@ def splash_block_sizes(T: int, head_size: int):
     (q, kv, kv_step), (q_bwd, kv_bwd, kv_step_bwd) = (
         (fit(a), fit(b), fit(c)) for a, b, c in (table["forward"], table["backward"])
     )
-    kv_layout = splash.QKVLayout.SEQ_MINOR if head_size < 128 else splash.QKVLayout.HEAD_DIM_MINOR
+    layout = splash.QKVLayout.SEQ_MINOR if head_size < 128 else splash.QKVLayout.HEAD_DIM_MINOR
     return splash.BlockSizes(
         block_q=q,
         block_kv=kv,
@@ -321,8 +321,9 @@ def splash_block_sizes(T: int, head_size: int):
         block_kv_dkv=kv_bwd,
         block_kv_dkv_compute=kv_step_bwd,
         use_fused_bwd_kernel=True,
-        k_layout=kv_layout,
-        v_layout=kv_layout,
+        q_layout=layout,
+        k_layout=layout,
+        v_layout=layout,
     )
 
 

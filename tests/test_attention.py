@@ -85,12 +85,13 @@ def test_splash_head_size_128_with_the_tables_blocks():
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-4)
 
 
-def test_splash_head_size_64_with_the_tables_blocks_and_keys_and_values_seq_minor():
-    """GPT-2's heads (H = 64): the table gives keys and values to the kernel as (H, T) tiles; packed,
+def test_splash_head_size_64_with_the_tables_blocks_and_seq_minor_layout():
+    """GPT-2's heads (H = 64): the table gives queries, keys and values to the kernel as (H, T) tiles; packed,
     grouped-query rows of 256 tokens, forward and gradients as the written-out attention's."""
     blocks = attention.splash_block_sizes(256, 64)
-    assert blocks.k_layout == blocks.v_layout == attention.splash.QKVLayout.SEQ_MINOR
-    assert attention.splash_block_sizes(256, 128).k_layout == attention.splash.QKVLayout.HEAD_DIM_MINOR
+    assert blocks.q_layout == blocks.k_layout == blocks.v_layout == attention.splash.QKVLayout.SEQ_MINOR
+    wide = attention.splash_block_sizes(256, 128)
+    assert wide.q_layout == wide.k_layout == attention.splash.QKVLayout.HEAD_DIM_MINOR
     q, k, v = qkv(2, 256, 4, 2, 64, seed=5)
     ids = two_documents_a_row(2, 256)
     ours = sin_loss_and_gradients(lambda q, k, v: attention.splash_attention(q, k, v, ids), q, k, v)
