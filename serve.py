@@ -21,11 +21,12 @@ local-completions model runs against the server with nothing else.
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad
 request, 404 for another model's name, 413 for a body over --max_body_bytes (8 MiB; said before
 the body is read), 429 when the queue is full, 503 while starting or stopping or once the engine
-has failed. The model loads before the server listens (a bad out_dir is one line, no server); the
-programs compile in a thread while /health already answers; device work runs in the engine's thread,
-never on the event loop. SIGTERM (or Ctrl-C) stops taking requests, ends those in flight with their
-text so far (finish_reason "abort"), and exits 0. --uds=PATH listens on a unix socket instead of
-host:port (its mode the umask's, or --uds_mode's). --http_workers=N runs the HTTP side in N
+has failed. A bad out_dir is one line and no server: the model loads before anything answers (HTTP
+workers start first, to import meanwhile, and are stopped). The programs compile in a thread while
+/health already answers; device work runs in the engine's thread, never on the event loop. SIGTERM
+(or Ctrl-C) stops taking requests, ends those in flight with their text so far (finish_reason
+"abort"), and exits 0. --uds=PATH listens on a unix socket instead of host:port (its mode the
+umask's, or --uds_mode's). --http_workers=N runs the HTTP side in N
 processes beside this one, which keeps the engine (serving/workers.py), for a host whose one event
 loop can't keep up with the engine: by default 4 on a TPU or GPU, none on a CPU.
 """
@@ -450,6 +451,23 @@ def listen(cfg: ServeConfig) -> socket.socket:
     return sock
 
 
+def http_workers_count(cfg: ServeConfig) -> int:
+    """--http_workers, its auto (-1) taking AUTO_HTTP_WORKERS where the engine runs on a TPU or GPU."""
+    if cfg.http_workers != -1:
+        return cfg.http_workers
+    try:
+        platform = jax.devices()[0].platform  # started during the imports (_start_devices)
+    except RuntimeError:  # the devices can't start: Server's mesh says why, in one line
+        return 0
+    return AUTO_HTTP_WORKERS if platform != "cpu" else 0
+
+
+def remove_socket(cfg: ServeConfig) -> None:
+    """Remove --uds's socket, ours once listening: nobody else listens on it now."""
+    if cfg.uds and os.path.exists(cfg.uds):
+        os.remove(cfg.uds)
+
+
 def serve_in_process(server: Server, compile_engine) -> str | None:
     """uvicorn on this process's event loop until SIGTERM or Ctrl-C; why it could not listen, if not."""
     try:
@@ -473,17 +491,12 @@ def serve_in_process(server: Server, compile_engine) -> str | None:
     return None
 
 
-def serve_with_workers(server: Server, compile_engine, count: int) -> str | None:
-    """`count` processes serving HTTP on one socket, the engine here, until SIGTERM, Ctrl-C or a
-    worker's exit; why the socket could not be made, if not."""
-    try:
-        sock = listen(server.cfg)
-    except OSError as e:
-        return e.strerror
-    host, stop = workers.EngineHost(server), threading.Event()
+def serve_with_workers(server: Server, compile_engine, host: workers.EngineHost) -> None:
+    """The workers of `host` serving HTTP, the engine here, until SIGTERM, Ctrl-C or a worker's exit."""
+    stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: stop.set())
-    host.start_workers(count, sock)
+    host.connect(server)
     compiling = compile_engine(on_failure=stop.set, then=lambda: host.tell("ready"))
     while not stop.wait(0.5):
         if gone := host.exited():
@@ -496,7 +509,6 @@ def serve_with_workers(server: Server, compile_engine, count: int) -> str | None
         server.engine.stop()  # ends the open requests, so that the workers' responses end
     host.stop_workers()
     compiling.join()
-    return None
 
 
 def main(argv) -> None:
@@ -511,9 +523,20 @@ def main(argv) -> None:
             sys.exit(f"config error: {e}")
     elif warning := auth.exposure_warning(cfg.host, cfg.port, cfg.api_key):
         print(warning, flush=True)
+    address = f"unix socket {cfg.uds}" if cfg.uds else f"http://{cfg.host}:{cfg.port}"
+    workers_count, host = http_workers_count(cfg), None
+    if workers_count:  # the socket and the workers before the model loads: they import meanwhile
+        try:
+            sock = listen(cfg)
+        except OSError as e:
+            sys.exit(f"error: could not listen on {address} ({e.strerror})")
+        host = workers.EngineHost(cfg, workers_count, sock)
     try:
         server = Server(cfg)
     except (OSError, ValueError) as e:  # CheckpointError, HFError, MeshError, ConfigError
+        if host is not None:
+            host.stop_workers()
+            remove_socket(cfg)
         sys.exit(f"error: {e}")
 
     def compile_engine(on_failure, then=lambda: None) -> threading.Thread:
@@ -529,12 +552,9 @@ def main(argv) -> None:
         return thread
 
     stop_summaries = threading.Event()
+    summarizing = threading.Thread(target=summaries, args=(server, stop_summaries), daemon=True)
     if cfg.log_interval > 0:
-        threading.Thread(target=summaries, args=(server, stop_summaries), daemon=True).start()
-    workers_count = cfg.http_workers
-    if workers_count == -1:  # auto
-        workers_count = AUTO_HTTP_WORKERS if server.setup.mesh.devices.flat[0].platform != "cpu" else 0
-    address = f"unix socket {cfg.uds}" if cfg.uds else f"http://{cfg.host}:{cfg.port}"
+        summarizing.start()
     in_workers = f"; HTTP in {workers_count} worker process{'es' if workers_count > 1 else ''}" if workers_count else ""
     print(
         f"serving on {address}: the chat page at /, the API at /v1"
@@ -543,16 +563,18 @@ def main(argv) -> None:
     )
     not_listening = None
     try:
-        if workers_count:
-            not_listening = serve_with_workers(server, compile_engine, workers_count)
+        if host is not None:
+            serve_with_workers(server, compile_engine, host)
         else:
             not_listening = serve_in_process(server, compile_engine)
     finally:
         stop_summaries.set()
+        if summarizing.is_alive():
+            summarizing.join()  # a thread that wakes while the interpreter exits aborts the process
         if server.engine is not None:
             server.engine.shutdown()
-        if cfg.uds and not not_listening and os.path.exists(cfg.uds):
-            os.remove(cfg.uds)  # ours: nobody else listens on it now
+        if not not_listening:
+            remove_socket(cfg)
     if server.failure:
         sys.exit(f"error: {server.failure}")
     if not_listening:

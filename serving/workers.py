@@ -52,15 +52,12 @@ class EngineHost:
     """The engine's side of the workers' pipes: their requests go to server.engine, and each worker's
     tokens go back in one message per round of the engine's loop (server.after_tokens)."""
 
-    def __init__(self, server):
-        self.server, self.links = server, []
-        server.after_tokens = self.send_tokens
-
-    def start_workers(self, count: int, sock) -> None:
-        """Start the workers on the listening socket `sock`, which this process then closes (so that once
-        they are gone, a connection is refused rather than left waiting)."""
+    def __init__(self, cfg, count: int, sock):
+        """Start `count` workers on the listening socket `sock`, which this process then closes (so that once
+        they are gone, a connection is refused rather than left waiting). serve.py starts them before the
+        model loads: they import meanwhile (~5 s on a TPU VM), then wait for connect()."""
         spawn = multiprocessing.get_context("spawn")  # a fork would copy the JAX runtime's threads' state
-        s = self.server
+        self.server, self.links, self.processes = None, [], []  # processes: (process, its inbox, its outbox)
         # A worker ignores Ctrl-C until uvicorn takes it over (an interrupt of its imports would print a
         # traceback); the disposition is inherited across the exec.
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -69,20 +66,23 @@ class EngineHost:
                 from_worker, to_engine = spawn.Pipe(duplex=False)
                 from_engine, to_worker = spawn.Pipe(duplex=False)
                 process = spawn.Process(
-                    target=worker_main,
-                    name=f"http-{i}",
-                    daemon=True,
-                    args=(s.cfg, s.name, s.context, s.created, sock, to_engine, from_engine),
+                    target=worker_main, name=f"http-{i}", daemon=True, args=(cfg, sock, to_engine, from_engine)
                 )
                 process.start()
                 to_engine.close(), from_engine.close()  # the worker's ends
-                self.links.append(Link(s, process, from_worker, to_worker))
-                # The tokenizer (GPT-2's pickles to 0.6 MB) goes as the link's first message, not among the
-                # arguments: start() would wait for a worker's imports to read that much (~5 s each on a TPU VM).
-                self.links[-1].send(("tokenizer", s.tok))
+                self.processes.append((process, from_worker, to_worker))
         finally:
             signal.signal(signal.SIGINT, interrupt)
         sock.close()
+
+    def connect(self, server) -> None:
+        """Serve `server`'s model, now loaded: each worker gets its name, tokenizer, context and creation time
+        as its link's first message."""
+        self.server = server
+        server.after_tokens = self.send_tokens
+        for process, inbox, outbox in self.processes:
+            self.links.append(Link(server, process, inbox, outbox))
+            self.links[-1].send(("model", server.name, server.tok, server.context, server.created))
 
     def send_tokens(self) -> None:
         for link in self.links:
@@ -98,16 +98,18 @@ class EngineHost:
 
     def stop_workers(self, timeout: float = 35.0) -> None:
         """SIGTERM to each worker: uvicorn finishes its open responses (the engine's stop ends their
-        requests), then exits."""
-        for link in self.links:
-            if link.process.is_alive():
-                link.process.terminate()
+        requests), then exits; one still waiting for connect() just exits."""
+        processes = [process for process, _, _ in self.processes]
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
         deadline = time.monotonic() + timeout
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
         for link in self.links:
-            link.process.join(max(0.0, deadline - time.monotonic()))
-            if link.process.is_alive():
-                link.process.kill()
-                link.process.join()
             link.close()
 
 
@@ -354,8 +356,11 @@ class WorkerUvicorn(http_server.StoppingUvicorn):
         await super().startup(sockets)
 
 
-def worker_main(cfg, name, context, created, sock, to_engine, from_engine) -> None:
-    _, tok = from_engine.recv()  # ("tokenizer", tok): the engine's first message (EngineHost.start_workers)
+def worker_main(cfg, sock, to_engine, from_engine) -> None:
+    try:
+        _, name, tok, context, created = from_engine.recv()  # the engine's first message (EngineHost.connect)
+    except EOFError:  # serve.py stopped before its model loaded: it said why
+        return
     remote = RemoteServer(cfg, tok, name, context, created, to_engine, from_engine)
     uv = WorkerUvicorn(uvicorn.Config(app.make_app(remote), log_level="warning", timeout_graceful_shutdown=30), remote)
     remote.engine_gone = lambda: setattr(uv, "should_exit", True)

@@ -1018,6 +1018,27 @@ def test_a_failed_engine_makes_health_503_with_why_and_the_server_exit_1_with_on
     assert output.strip().splitlines()[-1] == f"error: {failure}" and "Traceback" not in output, output
 
 
+def child_processes(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether the process is there and not a zombie (exited, its exit status not yet collected)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def http_workers(pid: int) -> list[int]:
     """The worker processes serve.py (pid) spawned, from /proc (multiprocessing's resource tracker is a child too)."""
     found = []
@@ -1105,6 +1126,50 @@ def test_a_bad_number_of_http_workers_is_one_line():
     )
     assert result.returncode != 0 and "http_workers must be >= 0, or -1 (auto), got -2" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("http_workers", [0, 2])
+def test_a_port_another_program_listens_on_is_one_line(run, http_workers):
+    """In one process serve.py listens once the model has loaded; with workers, before it loads (they start
+    meanwhile). Either way one line and exit 1: in one process it used to abort (exit 134) as the
+    summary line's thread woke while the interpreter exited."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}", f"--port={port}"]
+            + [f"--http_workers={http_workers}", "--slots=2"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: could not listen on http://127.0.0.1:{port} (Address already in use"), last
+
+
+def test_a_run_that_cannot_load_stops_the_http_workers_started_meanwhile(tmp_path):
+    """The workers start before the model loads: a run with no checkpoint is still one line and exit 1, the
+    workers stopped and the unix socket removed."""
+    sock = tmp_path / "serve.sock"
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={tmp_path / 'run'}", f"--uds={sock}"]
+        + ["--http_workers=2"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    children = set()  # the workers (seen before they run the worker's code, too) and the resource tracker
+    while process.poll() is None:
+        children |= set(child_processes(process.pid))
+    assert process.returncode == 1
+    error = process.stderr.read().strip()
+    assert (
+        error == f"error: no checkpoint in {tmp_path / 'run' / 'checkpoints'}: train one first, or point "
+        "--out_dir at a run that has one"
+    ), error
+    assert len(children) >= 2 and not any(map(running, children)), children
+    assert not sock.exists()
 
 
 def metaspace_tokenizer(directory):
