@@ -57,7 +57,7 @@ class EngineHost:
         they are gone, a connection is refused rather than left waiting). serve.py starts them before the
         model loads: they import meanwhile (~5 s on a TPU VM), then wait for connect()."""
         spawn = multiprocessing.get_context("spawn")  # a fork would copy the JAX runtime's threads' state
-        self.server, self.links, self.processes = None, [], []  # processes: (process, its inbox, its outbox)
+        self.links, self.processes = [], []  # processes: (process, its inbox, its outbox)
         # A worker ignores Ctrl-C until uvicorn takes it over (an interrupt of its imports would print a
         # traceback); the disposition is inherited across the exec.
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -78,7 +78,6 @@ class EngineHost:
     def connect(self, server) -> None:
         """Serve `server`'s model, now loaded: each worker gets its name, tokenizer, context and creation time
         as its link's first message."""
-        self.server = server
         server.after_tokens = self.send_tokens
         for process, inbox, outbox in self.processes:
             self.links.append(Link(server, process, inbox, outbox))
