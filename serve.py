@@ -25,7 +25,7 @@ has failed. A bad out_dir is one line and no server: the model loads before anyt
 workers start first, to import meanwhile, and are stopped). The programs compile in a thread while
 /health already answers; device work runs in the engine's thread, never on the event loop. SIGTERM
 (or Ctrl-C) stops taking requests, ends those in flight with their text so far (finish_reason
-"abort"), and exits 0. --uds=PATH listens on a unix socket instead of host:port (its mode the
+"abort"), and exits 0; while it imports and loads the model, at once. --uds=PATH listens on a unix socket instead of host:port (its mode the
 umask's, or --uds_mode's). --http_workers=N runs the HTTP side in N
 processes beside this one, which keeps the engine (serving/workers.py), for a host whose one event
 loop can't keep up with the engine: by default 4 on a TPU or GPU, none on a CPU.
@@ -43,7 +43,28 @@ import sys
 import threading
 import time
 
-import jax
+
+def _leave_at_once(signum, frame) -> None:
+    """SIGTERM or Ctrl-C while serve.py imports and loads the model (or a second one as it stops): nothing
+    is open, so leave now, with one line. (A KeyboardInterrupt would print a traceback, or vanish: raised
+    in JAX's gc callback, Python drops it and the start goes on.) HTTP workers started meanwhile exit as
+    their pipe closes; a unix socket left behind is replaced by the next start."""
+    sys.stdout.flush()
+    os.write(2, f"serve.py: stopped by {signal.Signals(signum).name}\n".encode())
+    os._exit(0)
+
+
+def _leave_at_once_while_starting() -> None:
+    """Until the programs compile: serve_with_workers and uvicorn then take these signals over (uvicorn
+    gives them back once it has stopped)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _leave_at_once)
+
+
+if __name__ == "__main__":  # not in the HTTP workers, which import this file as __mp_main__
+    _leave_at_once_while_starting()
+
+import jax  # noqa: E402
 
 
 def _start_devices() -> None:
@@ -512,6 +533,7 @@ def serve_with_workers(server: Server, compile_engine, host: workers.EngineHost)
 
 
 def main(argv) -> None:
+    _leave_at_once_while_starting()  # again: a TPU runtime puts its own SIGTERM handler in while it starts
     cfg = configurator.load_config_or_exit(argv, ServeConfig)
     cfg = dataclasses.replace(cfg, api_key=cfg.api_key or os.environ.get("NANOMAX_API_KEY", ""))
     if warning := compile_cache.use(cfg.compile_cache):

@@ -1172,6 +1172,28 @@ def test_a_run_that_cannot_load_stops_the_http_workers_started_meanwhile(tmp_pat
     assert not sock.exists()
 
 
+@pytest.mark.parametrize("signum, http_workers", [(signal.SIGINT, 0), (signal.SIGTERM, 2)])
+def test_a_stop_while_starting_leaves_at_once_with_one_line(run, signum, http_workers):
+    """Ctrl-C or SIGTERM 1 s in, while serve.py imports or loads the model: exit 0 at once with one line. A
+    KeyboardInterrupt printed a traceback there, or landed in JAX's gc callback, which dropped it, and
+    the server started anyway."""
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}", f"--port={free_port()}"]
+        + [f"--http_workers={http_workers}", "--compile_cache=", "--log_interval=0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(1)
+        process.send_signal(signum)
+        output, error = process.communicate(timeout=30)
+    finally:
+        stopped(process)
+    assert process.returncode == 0 and "ready" not in output and "Traceback" not in error, error
+    assert error.strip().splitlines()[-1] == f"serve.py: stopped by {signal.Signals(signum).name}", error
+
+
 def metaspace_tokenizer(directory):
     """A SentencePiece-style tokenizer (spaces as '▁', dropped at the start of a decoded text), trained here."""
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
