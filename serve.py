@@ -25,10 +25,10 @@ has failed. A bad out_dir is one line and no server: the model loads before anyt
 workers start first, to import meanwhile, and are stopped). The programs compile in a thread while
 /health already answers; device work runs in the engine's thread, never on the event loop. SIGTERM
 (or Ctrl-C) stops taking requests, ends those in flight with their text so far (finish_reason
-"abort"), and exits 0; while it imports and loads the model, at once. --uds=PATH listens on a unix socket instead of host:port (its mode the
-umask's, or --uds_mode's). --http_workers=N runs the HTTP side in N
-processes beside this one, which keeps the engine (serving/workers.py), for a host whose one event
-loop can't keep up with the engine: by default 4 on a TPU or GPU, none on a CPU.
+"abort"), and exits 0; while it imports and loads the model, at once. --uds=PATH listens on a unix
+socket instead of host:port (its mode the umask's, or --uds_mode's). --http_workers=N runs the HTTP
+side in N processes beside this one, which keeps the engine (serving/workers.py), for a host whose
+one event loop can't keep up with the engine: by default 4 on a TPU or GPU, none on a CPU.
 """
 
 import asyncio
