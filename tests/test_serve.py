@@ -1168,6 +1168,9 @@ def test_a_run_that_cannot_load_stops_the_http_workers_started_meanwhile(tmp_pat
         error == f"error: no checkpoint in {tmp_path / 'run' / 'checkpoints'}: train one first, or point "
         "--out_dir at a run that has one"
     ), error
+    deadline = time.monotonic() + 10  # the resource tracker exits once it sees serve.py gone
+    while any(map(running, children)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert len(children) >= 2 and not any(map(running, children)), children
     assert not sock.exists()
 
