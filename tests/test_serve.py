@@ -1030,6 +1030,13 @@ def child_processes(pid: int) -> list[int]:
     return found
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for the signal (its SigCgt mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught >> (signum - 1) & 1)
+
+
 def running(pid: int) -> bool:
     """Whether the process is there and not a zombie (exited, its exit status not yet collected)."""
     try:
@@ -1177,9 +1184,9 @@ def test_a_run_that_cannot_load_stops_the_http_workers_started_meanwhile(tmp_pat
 
 @pytest.mark.parametrize("signum, http_workers", [(signal.SIGINT, 0), (signal.SIGTERM, 2)])
 def test_a_stop_while_starting_leaves_at_once_with_one_line(run, signum, http_workers):
-    """Ctrl-C or SIGTERM 1 s in, while serve.py imports or loads the model: exit 0 at once with one line. A
-    KeyboardInterrupt printed a traceback there, or landed in JAX's gc callback, which dropped it, and
-    the server started anyway."""
+    """Ctrl-C or SIGTERM as soon as serve.py catches them (its first lines), while it imports: exit 0 at
+    once with one line. A KeyboardInterrupt printed a traceback there, or landed in JAX's gc callback,
+    which dropped it, and the server started anyway."""
     process = subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}", f"--port={free_port()}"]
         + [f"--http_workers={http_workers}", "--compile_cache=", "--log_interval=0"],
@@ -1188,7 +1195,9 @@ def test_a_stop_while_starting_leaves_at_once_with_one_line(run, signum, http_wo
         text=True,
     )
     try:
-        time.sleep(1)
+        deadline = time.monotonic() + 30
+        while not catches(process.pid, signal.SIGTERM) and time.monotonic() < deadline:  # Python catches SIGINT
+            time.sleep(0.01)
         process.send_signal(signum)
         output, error = process.communicate(timeout=30)
     finally:
