@@ -33,6 +33,10 @@ MODEL_KEYS = {*ROLES["model"], *ROLES["compute"], "data_dir", "dataset"}
 def decode_mesh(data: int = 1, tensor: int = 1):
     """A mesh for generation and serving on the first data x tensor devices: rows (slots) split over
     `data`, heads and the MLP over `tensor`."""
+    try:
+        jax.devices()
+    except RuntimeError as e:  # the platform JAX_PLATFORMS names can't start: JAX's message says which and why
+        raise sharding.MeshError(f"the devices could not start: {e}") from None
     if data * tensor > jax.device_count():
         raise sharding.MeshError(
             f"mesh_data x mesh_tensor = {data} x {tensor} devices, but there are {jax.device_count()}: lower them"

@@ -1156,6 +1156,18 @@ def test_a_port_another_program_listens_on_is_one_line(run, http_workers):
     assert last.startswith(f"error: could not listen on http://127.0.0.1:{port} (Address already in use"), last
 
 
+def test_devices_that_cannot_start_are_one_line(run):
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}", f"--port={free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"JAX_PLATFORMS": "nosuchchip"},
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: the devices could not start: "), result.stderr
+
+
 def test_a_run_that_cannot_load_stops_the_http_workers_started_meanwhile(tmp_path):
     """The workers start before the model loads: a run with no checkpoint is still one line and exit 1, the
     workers stopped and the unix socket removed."""
