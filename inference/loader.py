@@ -52,11 +52,11 @@ def load_checkpoint(
     out_dir: str, mesh=None, quantization: str = "none", kv_cache_dtype: str = "auto", adapters_only: bool = False
 ):
     """(setup, parameters, step, tokenizer) of the newest intact checkpoint in out_dir. Its model
-    and compute keys and its vocabulary come with it, but for how the matmuls and the attention
-    compute: those are chosen here, for these devices (quantization='auto': as it trained), and
-    the KV cache's dtype. A LoRA run's checkpoint comes with the base its record names (refused if
-    that base has changed), its adapters merged into the base's matrices: a plain model
-    (adapters_only: its adapters alone, no base read, and the setup of the model with them)."""
+    and compute keys and its vocabulary come with it, but for how the matmuls, the attention and the
+    layers compute: those are chosen here, for these devices (quantization='auto': as it trained; the
+    layers scanned), and the KV cache's dtype. A LoRA run's checkpoint comes with the base its record
+    names (refused if that base has changed), its adapters merged into the base's matrices: a plain
+    model (adapters_only: its adapters alone, no base read, and the setup of the model with them)."""
     mesh = mesh or one_device_mesh()
     setups = []
 
@@ -65,8 +65,17 @@ def load_checkpoint(
         # gone by now, a learning rate that a later version checks more strictly) doesn't matter here.
         kept = {k: v for k, v in meta["config"].items() if k in MODEL_KEYS}
         matmuls = kept.get("quantization", "none") if quantization == "auto" else quantization
+        # the layers scanned whatever training chose: a decode program's compile time is then flat in depth
+        # (on a v5e, GPT-2's bench.py decode compiled in 7-26 s a batch scanned; written out, three batches
+        # had not compiled in 170 s)
         config = configurator.config_from_dict(
-            {**kept, "attention": "auto", "quantization": matmuls, "batch_size": sharding.batch_shards(mesh)}
+            {
+                **kept,
+                "attention": "auto",
+                "quantization": matmuls,
+                "scan_layers": True,
+                "batch_size": sharding.batch_shards(mesh),
+            }
         )
         setups.append(
             model_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config), kv_cache_dtype)

@@ -1,5 +1,6 @@
 """sample.py: the command line on Hugging Face files and on a trained checkpoint."""
 
+import dataclasses
 import json
 import os
 import re
@@ -9,10 +10,12 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from test_hf import load, random_hf_gpt2, write_hf_gpt2
 
 import sample
 import train
+from common.model_setup import model_setup
 from configurator import Config
 from data.tokenizer import gpt2_tokenizer
 from inference import loader
@@ -20,6 +23,17 @@ from weights import checkpoint
 
 CHARS = "".join(chr(0x100 + i) for i in range(65))  # a 65-symbol character vocabulary
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def char_data(tmp_path) -> str:
+    """A data_dir holding the dataset 'chars': random ids of CHARS."""
+    data = tmp_path / "data" / "chars"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(0, 65, 2000).astype(np.uint16).tofile(data / f"{split}.bin")
+    (data / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": 65, "chars": CHARS}))
+    return str(tmp_path / "data")
 
 
 def test_command_line_on_hugging_face_files_with_a_prompt_file(tmp_path, capsys):
@@ -56,15 +70,9 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
     checkpoint's adapters, merged at load into the base its record names, change nothing)."""
     tensors = random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=65, n_positions=32)
     hf_dir = write_hf_gpt2(tmp_path / "hf", tensors, n_head=4)
-    data = tmp_path / "data" / "chars"
-    data.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        rng.integers(0, 65, 2000).astype(np.uint16).tofile(data / f"{split}.bin")
-    (data / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": 65, "chars": CHARS}))
     config = Config(
         init_from=hf_dir,
-        data_dir=str(tmp_path / "data"),
+        data_dir=char_data(tmp_path),
         dataset="chars",
         quantization="int8",
         lora_rank=lora_rank,
@@ -130,3 +138,32 @@ def test_a_second_run_loads_its_programs_from_the_compile_cache_and_an_empty_one
     assert text.startswith("Hello") and programs >= 2 and said == "0 from the cache"
     assert sample_with(str(tmp_path / "cache")) == (text, programs, f"{programs} from the cache")
     assert sample_with("") == (text, programs, "compilation cache off")
+
+
+def test_a_checkpoint_trained_with_its_layers_written_out_is_loaded_with_them_scanned(tmp_path):
+    """How the layers run is chosen at load, as the attention is: scanned, so that decode programs
+    compile in a time flat in depth. The logits are those of the model as it trained."""
+    config = Config(
+        data_dir=char_data(tmp_path),
+        dataset="chars",
+        out_dir=str(tmp_path / "out"),
+        n_layer=3,
+        n_head=4,
+        n_embd=32,
+        block_size=16,
+        batch_size=2,
+        scan_layers=False,
+        max_iters=1,
+        eval_interval=1,
+        eval_iters=1,
+        tensorboard=False,
+    )
+    train.train(config, jax.devices()[:1])
+    assert checkpoint.newest_meta(config.out_dir)["config"]["scan_layers"] is False
+    setup, params, _, _ = loader.load_checkpoint(config.out_dir)
+    assert setup.model_config.scan_layers
+    as_trained = model_setup(dataclasses.replace(setup.config, scan_layers=False), setup.mesh, 65)
+    idx = np.random.default_rng(1).integers(0, 65, (2, 16))
+    scanned = nnx.merge(setup.graphdef, params)(idx)
+    written_out = nnx.merge(as_trained.graphdef, params)(idx)
+    np.testing.assert_allclose(scanned, written_out, rtol=0, atol=1e-5)
