@@ -23,7 +23,12 @@ tie_embeddings = False
 dropout = 0.0
 pad_vocab_to_multiple = 64  # GPT-2's 50257 -> 50304
 dtype = "bfloat16"
-remat_policy = "dots_with_no_batch_dims_saveable"
+# The 22 layers written out and nothing recomputed: on one TPU v5e at batch 4, 153.1 ms a step (MFU 65.0%,
+# 10,735 MiB) against 166.7 ms (59.7%, 13,837 MiB) scanned with the matmuls' outputs saved; its compile
+# takes ~4 minutes there instead of 45 s (--compile_cache keeps it for the next start). At the batch of 8
+# below it needs 14.9 of the chip's 15.75 GiB (its program compiled for a v5e on a CPU).
+scan_layers = False
+remat_policy = "none"
 
 batch_size = 8
 gradient_accumulation_steps = 32  # 8 x 2048 x 32 = 524,288 tokens per step

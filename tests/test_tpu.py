@@ -202,8 +202,9 @@ def test_a_step_that_fits_prints_its_compiled_need_and_its_real_peak_is_within_1
     assert full.memory_check["needed_bytes"] < 0.95 * need, (full.memory_check["needed_bytes"], need)
 
 
-def test_gpt2_124m_at_batch_16_without_remat_is_refused_in_one_line(monkeypatch, capsys):
-    """It needs more than the chip's ~16 GiB. Either XLA:TPU refuses to compile it (its message's
+def test_gpt2_124m_at_batch_16_scanned_without_remat_is_refused_in_one_line(monkeypatch, capsys):
+    """Its layers scanned (the config writes them out) it needs more than the chip's ~16 GiB: the scan
+    stacks every layer's saved activations. Either XLA:TPU refuses to compile it (its message's
     bytes are the need) or it compiles and its memory analysis is the need: both routes end in the
     pre-flight check's one line with the need and the remedies (the route has moved with the
     attention's layout: XLA refused it at 620015b, it compiles at 6dc2d3a)."""
@@ -216,6 +217,7 @@ def test_gpt2_124m_at_batch_16_without_remat_is_refused_in_one_line(monkeypatch,
         os.path.join(REPO, "config", "gpt2_124m.py"),
         "--batch_size=16",
         "--gradient_accumulation_steps=1",
+        "--scan_layers=True",
         "--remat_policy=none",
         "--json=",
     ]
