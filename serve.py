@@ -82,7 +82,6 @@ if __name__ == "__main__":  # not in the HTTP workers, which import this file as
     threading.Thread(target=_start_devices, name="devices", daemon=True).start()
 
 import numpy as np  # noqa: E402 (imports after the runtime's start: above)
-import uvicorn  # noqa: E402
 
 import configurator  # noqa: E402
 import sharding  # noqa: E402
@@ -501,9 +500,7 @@ def serve_in_process(server: Server, compile_engine) -> str | None:
         if server.engine is not None:
             server.engine.stop()
 
-    uv = http_server.StoppingUvicorn(
-        uvicorn.Config(app.make_app(server), log_level="warning", timeout_graceful_shutdown=30), on_stop=stop
-    )
+    uv = http_server.StoppingUvicorn(http_server.uvicorn_config(app.make_app(server)), on_stop=stop)
     compiling = compile_engine(on_failure=lambda: setattr(uv, "should_exit", True))
     try:
         uv.run(sockets=[sock])

@@ -1,11 +1,18 @@
 """uvicorn as serve.py runs it, in its own process (the HTTP side beside the engine) and in each HTTP
-worker (serving/workers.py): StoppingUvicorn.
+worker (serving/workers.py): uvicorn_config, StoppingUvicorn.
 """
 
 import contextlib
 import signal
 
 import uvicorn
+
+
+def uvicorn_config(app) -> uvicorn.Config:
+    """How serve.py and its HTTP workers run uvicorn: warnings only, 30 s for open requests to end at a
+    stop, and no lifespan task (the app has no startup or shutdown hooks; a second Ctrl-C or SIGTERM,
+    as coreutils' timeout sends, cancelled that task and uvicorn logged its traceback)."""
+    return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30, lifespan="off")
 
 
 class StoppingUvicorn(uvicorn.Server):

@@ -26,7 +26,6 @@ import threading
 import time
 from typing import NamedTuple
 
-import uvicorn
 
 from inference import engine
 from serving import app, http_server
@@ -361,6 +360,6 @@ def worker_main(cfg, sock, to_engine, from_engine) -> None:
     except EOFError:  # serve.py stopped before its model loaded: it said why
         return
     remote = RemoteServer(cfg, tok, name, context, created, to_engine, from_engine)
-    uv = WorkerUvicorn(uvicorn.Config(app.make_app(remote), log_level="warning", timeout_graceful_shutdown=30), remote)
+    uv = WorkerUvicorn(http_server.uvicorn_config(app.make_app(remote)), remote)
     remote.engine_gone = lambda: setattr(uv, "should_exit", True)
     uv.run(sockets=[sock])

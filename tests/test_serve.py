@@ -1156,6 +1156,22 @@ def test_a_port_another_program_listens_on_is_one_line(run, http_workers):
     assert last.startswith(f"error: could not listen on http://127.0.0.1:{port} (Address already in use"), last
 
 
+@pytest.mark.parametrize("http_workers", [0, 2])
+def test_two_ctrl_cs_at_once_stop_the_server_with_exit_0_and_no_traceback(run, http_workers):
+    """As a double Ctrl-C does, or coreutils' timeout passing one on (to serve.py and to its process
+    group): uvicorn then forces its exit, which cancelled its lifespan task and logged that traceback."""
+    url, process = start_server(f"--out_dir={run}", "--slots=2", "--log_interval=0", f"--http_workers={http_workers}")
+    try:
+        urllib.request.urlopen(url + "/health", timeout=5)
+        for _ in range(2):
+            process.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        out = output_of(process)
+        assert process.returncode == 0 and "Traceback" not in out, out
+    finally:
+        stopped(process)
+
+
 def test_devices_that_cannot_start_are_one_line(run):
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "serve.py"), f"--out_dir={run}", f"--port={free_port()}"],
