@@ -60,8 +60,9 @@ if part serve; then
   for page in README.md docs/*.md; do cp "$page" "/tmp/nanomax-tpu-check-docs/$(basename "$page").txt"; done
   run timeout 60 "$PY" data/text/prepare.py --input_dir=/tmp/nanomax-tpu-check-docs --val_fraction=0.2 \
       --out_dir=/tmp/nanomax-tpu-check-text
-  # a context of 256 (prompt and 128 new tokens fit): fewer programs for serve.py to compile than 1,024's
-  run timeout 200 "$PY" train.py $GPT2 --block_size=256 --data_dir=/tmp --dataset=nanomax-tpu-check-text --batch_size=8 $TRAIN \
+  # a context of 256 (prompt and 128 new tokens fit): fewer programs for serve.py to compile than 1,024's;
+  # the layers scanned, which compiles sooner (serving scans them whatever the checkpoint trained with)
+  run timeout 200 "$PY" train.py $GPT2 --scan_layers=True --block_size=256 --data_dir=/tmp --dataset=nanomax-tpu-check-text --batch_size=8 $TRAIN \
       --max_iters=2 --eval_interval=2 --eval_iters=1 --out_dir=$CKPT --overwrite_out_dir=True
   rm -f $SOCKET
   timeout 660 "$PY" serve.py --out_dir=$CKPT --uds=$SOCKET --slots=$SLOTS --max_queue=1024 > "$OUT/serve.log" 2>&1 &
@@ -85,10 +86,11 @@ fi
 
 part agree && run timeout 120 "$PY" bench/attention_agreement.py config/shakespeare_char.py --compare=splash,einsum --steps=50 \
     --dtype=float32 --document_masking=True ${AGREE:-}
-part train && run timeout 150 "$PY" bench.py $LLAMA $TRAIN $B
-part train && run timeout 150 "$PY" bench.py $GPT2 --batch_size=16 $TRAIN --profile=/tmp/nanomax-tpu-check-trace $B
-part train && run timeout 200 "$PY" bench.py $GPT2 --batch_size=16 $TRAIN --scan_layers=False --remat_policy=none $B
-part train && run timeout 330 "$PY" bench.py $LLAMA $TRAIN --scan_layers=False --remat_policy=none $B
+SCANNED="--scan_layers=True --remat_policy=dots_with_no_batch_dims_saveable"  # the configs write their layers out
+part train && run timeout 330 "$PY" bench.py $LLAMA $TRAIN $B
+part train && run timeout 200 "$PY" bench.py $GPT2 --batch_size=16 $TRAIN --profile=/tmp/nanomax-tpu-check-trace $B
+part train && run timeout 150 "$PY" bench.py $GPT2 --batch_size=16 $TRAIN $SCANNED $B
+part train && run timeout 150 "$PY" bench.py $LLAMA $TRAIN $SCANNED $B
 part train && run timeout 200 "$PY" bench.py $RECORD $B
 part decode && run timeout 200 "$PY" bench.py $GPT2 --mode=decode $DECODE --profile=/tmp/nanomax-tpu-check-trace $B
 part decode && run timeout 150 "$PY" bench.py $GPT2 --mode=decode $DECODE --weight_dtype=int8 $B
