@@ -26,7 +26,6 @@ import threading
 import time
 from typing import NamedTuple
 
-
 from inference import engine
 from serving import app, http_server
 
