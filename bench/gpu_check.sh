@@ -48,7 +48,7 @@ run $T --attention=$ATTN $G --batch_size=16 --remat_policy=none --profile=$TRACE
 run $PY bench/gpu_run.py --top_ops=$TRACE
 cp "$(ls "$TRACE"/plugins/profile/*/*.trace.json.gz 2>/dev/null | tail -1)" "$OUT/trace.json.gz" 2>/dev/null
 run $T --attention=xla $G --batch_size=16 --remat_policy=none $EXTRA
-run $T --attention=$ATTN $D $EXTRA
+run $T --attention=$ATTN $D --scan_layers=True $EXTRA  # the config writes its layers out
 run $T --attention=$ATTN $G --batch_size=16 --remat_policy=none --quantization=int8 $EXTRA
 run $T --attention=$ATTN $G --batch_size=16 --remat_policy=none --quantization=fp8 $EXTRA
 run $T --attention=$ATTN $G --batch_size=32 --remat_policy=none $EXTRA
