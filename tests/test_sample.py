@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_hf import load, random_hf_gpt2, write_hf_gpt2
+from test_train import make_dataset, small_config
 
 import sample
 import train
@@ -23,17 +24,6 @@ from weights import checkpoint
 
 CHARS = "".join(chr(0x100 + i) for i in range(65))  # a 65-symbol character vocabulary
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def char_data(tmp_path) -> str:
-    """A data_dir holding the dataset 'chars': random ids of CHARS."""
-    data = tmp_path / "data" / "chars"
-    data.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        rng.integers(0, 65, 2000).astype(np.uint16).tofile(data / f"{split}.bin")
-    (data / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": 65, "chars": CHARS}))
-    return str(tmp_path / "data")
 
 
 def test_command_line_on_hugging_face_files_with_a_prompt_file(tmp_path, capsys):
@@ -70,9 +60,15 @@ def test_fine_tune_from_hugging_face_files_then_sample_the_checkpoint(tmp_path, 
     checkpoint's adapters, merged at load into the base its record names, change nothing)."""
     tensors = random_hf_gpt2(n_layer=2, n_embd=32, vocab_size=65, n_positions=32)
     hf_dir = write_hf_gpt2(tmp_path / "hf", tensors, n_head=4)
+    data = tmp_path / "data" / "chars"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(0, 65, 2000).astype(np.uint16).tofile(data / f"{split}.bin")
+    (data / "meta.json").write_text(json.dumps({"kind": "char", "vocab_size": 65, "chars": CHARS}))
     config = Config(
         init_from=hf_dir,
-        data_dir=char_data(tmp_path),
+        data_dir=str(tmp_path / "data"),
         dataset="chars",
         quantization="int8",
         lora_rank=lora_rank,
@@ -143,21 +139,8 @@ def test_a_second_run_loads_its_programs_from_the_compile_cache_and_an_empty_one
 def test_a_checkpoint_trained_with_its_layers_written_out_is_loaded_with_them_scanned(tmp_path):
     """How the layers run is chosen at load, as the attention is: scanned, so that decode programs
     compile in a time flat in depth. The logits are those of the model as it trained."""
-    config = Config(
-        data_dir=char_data(tmp_path),
-        dataset="chars",
-        out_dir=str(tmp_path / "out"),
-        n_layer=3,
-        n_head=4,
-        n_embd=32,
-        block_size=16,
-        batch_size=2,
-        scan_layers=False,
-        max_iters=1,
-        eval_interval=1,
-        eval_iters=1,
-        tensorboard=False,
-    )
+    make_dataset(tmp_path / "data")
+    config = small_config(tmp_path, n_layer=3, scan_layers=False, max_iters=1, eval_interval=1, eval_iters=1)
     train.train(config, jax.devices()[:1])
     assert checkpoint.newest_meta(config.out_dir)["config"]["scan_layers"] is False
     setup, params, _, _ = loader.load_checkpoint(config.out_dir)
