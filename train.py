@@ -223,7 +223,9 @@ def summed_loss(setup: Setup, params, x_BxT, y_BxT, dropout_key=None, packed_BxT
     x_BTxD, stats, w_DxV = gpt.features(x_BxT, dropout_key, ids_BxT, order_T)
     chunks, mc = setup.config.loss_chunks, setup.model_config
     if chunks == 1:
-        total, count, _ = embedding.summed_cross_entropy(gpt.head(x_BTxD, w_DxV), y_BxT.reshape(-1), mc.logit_softcap)
+        y_N, cap = y_BxT.reshape(-1), mc.logit_softcap
+        shift_N = embedding.lse_shift(x_BTxD, w_DxV, y_N, cap)
+        total, count, _ = embedding.summed_cross_entropy(gpt.head(x_BTxD, w_DxV), y_N, cap, shift_N)
     else:
         w_DxV, y_N = w_DxV.astype(x_BTxD.dtype), y_BxT.reshape(-1)
         total, count = embedding.output_layer_loss(x_BTxD, w_DxV, y_N, chunks, mc.logit_softcap, mc.vocab_size)

@@ -71,22 +71,58 @@ SOFTCAPS = {False: no_softcap, True: tanh_softcap}  # by logit_softcap > 0
 CAP_WITHOUT_MAX = 60.0
 
 
-def logsumexp(logits_NxV, cap: float):
-    """log Σ exp(logits) over the last axis. Logits soft-capped by a cap up to CAP_WITHOUT_MAX need no
-    maximum subtracted first, which makes it one pass over them instead of two: on a TPU v5e the sum fuses
-    into the output layer's matmul, and the separate pass over the float32 logits goes (21 ms of the record
-    config's 874 ms step, bench/NOTES.md). Other logits take the usual max-shifted form."""
+def logsumexp(logits_NxV, cap: float, shift_N=None):
+    """log Σ exp(logits) over the last axis, in one pass over the logits where it can be: logits soft-capped
+    by a cap up to CAP_WITHOUT_MAX need no shift, and others take shift_N where given (lse_shift).
+    Either way the sum's shift is known before the logits are, so on a TPU v5e the sum fuses into the
+    output layer's matmul and the separate pass over the float32 logits goes (21 ms of the record config's
+    874 ms step; 4 ms of GPT-2's, bench/NOTES.md). Otherwise the usual form: each row's max first."""
     if 0 < cap <= CAP_WITHOUT_MAX:
         return jnp.log(jnp.exp(logits_NxV).sum(-1))
+    if shift_N is not None:
+        return shifted_logsumexp(logits_NxV, jax.lax.stop_gradient(shift_N))
     return jax.nn.logsumexp(logits_NxV, axis=-1)
 
 
-def summed_cross_entropy(logits_NxV, y_N, cap: float = 0.0):
+@jax.custom_vjp
+def shifted_logsumexp(logits_NxV, shift_N):
+    """shift + log Σ exp(logits - shift) per row. A shift that is one of the row's logits (give or take
+    rounding) makes that term 1, so the sum cannot underflow; it overflows only where another logit
+    exceeds the shift by ~88 (a loss of ~88), and then all rows take the max-shifted form instead."""
+    lse_N = shift_N + jnp.log(jnp.exp(logits_NxV - shift_N[:, None]).sum(-1))
+    return jax.lax.cond(jnp.isfinite(lse_N).all(), lambda: lse_N, lambda: jax.nn.logsumexp(logits_NxV, axis=-1))
+
+
+def _shifted_forward(logits_NxV, shift_N):
+    lse_N = shifted_logsumexp(logits_NxV, shift_N)
+    return lse_N, (logits_NxV, lse_N)
+
+
+def _shifted_backward(saved, g_N):
+    logits_NxV, lse_N = saved  # d lse / d logits = softmax, whatever the shift
+    return g_N[:, None] * jnp.exp(logits_NxV - lse_N[:, None]), jnp.zeros_like(lse_N)
+
+
+shifted_logsumexp.defvjp(_shifted_forward, _shifted_backward)
+
+
+def lse_shift(x_NxD, w_DxV, y_N, cap: float = 0.0):
+    """logsumexp's shift for the logits x @ w (soft-capped by cap > 0): each row's logit of its target (of
+    token 0 where the target is < 0, none), as the matmul computes it but apart from it, a row-wise dot with
+    the target's column of w, in float32. None where the cap makes a shift needless."""
+    if 0 < cap <= CAP_WITHOUT_MAX:
+        return None
+    w_NxD = w_DxV.astype(x_NxD.dtype).T[jnp.maximum(y_N, 0)]
+    return SOFTCAPS[cap > 0](jnp.einsum("nd,nd->n", x_NxD, w_NxD, preferred_element_type=jnp.float32), cap)
+
+
+def summed_cross_entropy(logits_NxV, y_N, cap: float = 0.0, shift_N=None):
     """(cross-entropy summed over the targets, how many there are, each row's log-sum-exp): a target < 0
     is none (a fine-tuning set's prompt tokens, padding) and adds exactly 0, whatever its logits. `cap`:
-    the logit_softcap the logits were capped with (their log-sum-exp then takes one pass)."""
+    the logit_softcap the logits were capped with; shift_N: lse_shift's (either makes the log-sum-exp one
+    pass)."""
     is_target_N = y_N >= 0
-    lse_N = logsumexp(logits_NxV, cap)
+    lse_N = logsumexp(logits_NxV, cap, shift_N)
     target_N = jnp.take_along_axis(logits_NxV, jnp.where(is_target_N, y_N, 0)[..., None], axis=-1)[..., 0]
     return jnp.where(is_target_N, lse_N - target_N, 0.0).sum(), is_target_N.sum(), lse_N
 
@@ -108,7 +144,7 @@ def _slice_loss(x_MxD, w_DxV, y_M, cap: float, vocab_size: int):
     capped_MxV = SOFTCAPS[cap > 0](z_MxV, cap)
     V = w_DxV.shape[1]
     logits_MxV = capped_MxV if V == vocab_size else jnp.where(jnp.arange(V) < vocab_size, capped_MxV, -jnp.inf)
-    total, count, lse_M = summed_cross_entropy(logits_MxV, y_M, cap)
+    total, count, lse_M = summed_cross_entropy(logits_MxV, y_M, cap, lse_shift(x_MxD, w_DxV, y_M, cap))
     is_target_M = y_M >= 0
     # d(lse - logits[y]) / dlogits = softmax - one-hot, through the cap's tanh: 1 - tanh² (from the capped
     # logits before the padding's -inf, which would make 0·inf)

@@ -938,6 +938,40 @@ def test_the_capped_logits_cross_entropy_takes_no_max_and_equals_optaxs(cap):
     assert "applies stablehlo.maximum" not in jax.jit(ours).lower(raw).as_text()  # one pass: no max
 
 
+def test_the_uncapped_cross_entropy_shifted_by_each_targets_own_logit_equals_optaxs():
+    """Logits without a soft cap go through a log-sum-exp shifted by each row's target logit, computed apart
+    from the matmul (lse_shift): loss and gradient equal optax's max-shifted cross-entropy, with targets
+    that are none (-1) and the padding's -inf; a row with a logit 200 above its target's (the shifted sum
+    overflows) takes the max-shifted form, and the loss stays finite and right."""
+    rng = np.random.default_rng(0)
+    N, D, V, vocab = 16, 32, 1000, 990
+    x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(D, V)) * 2, jnp.float32)
+    y = jnp.asarray(np.where(rng.random(N) < 0.25, -1, rng.integers(0, vocab, N)), jnp.int32)
+    shift = embedding.lse_shift(x, w, y)
+    np.testing.assert_allclose(shift, (x @ w)[np.arange(N), np.maximum(y, 0)], rtol=1e-5)
+
+    def logits_of(x, w):
+        return jnp.where(jnp.arange(V) < vocab, embedding.logits_matmul(x, w), -jnp.inf)
+
+    def ours(x, w):
+        return embedding.summed_cross_entropy(logits_of(x, w), y, 0.0, embedding.lse_shift(x, w, y))[0]
+
+    def reference(x, w):
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits_of(x, w), jnp.where(y >= 0, y, 0))
+        return jnp.where(y >= 0, per_token, 0.0).sum()
+
+    for label, w_now in (("ordinary logits", w), ("one overflowing row", w.at[:, 5].set(200 * x[3] / x[3] @ x[3]))):
+        (loss, grads), (expected, expected_grads) = (
+            jax.value_and_grad(f, argnums=(0, 1))(x, w_now) for f in (ours, reference)
+        )
+        assert np.isfinite(loss), label
+        np.testing.assert_allclose(loss, expected, rtol=1e-6, err_msg=label)
+        for a, b in zip(grads, expected_grads, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max(), err_msg=label)
+    assert float((x[3] @ w_now)[5] - (x[3] @ w_now)[max(int(y[3]), 0)]) > 100  # the row that overflows
+
+
 def test_the_sliced_output_layer_makes_its_logits_once_and_agrees_in_bfloat16():
     """Differentiated, output_layer_loss runs three matmuls with the output layer's matrix (the logits, and
     the gradients by x and w), none again in the backward pass; in bfloat16 its loss and gradients stay
