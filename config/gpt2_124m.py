@@ -15,8 +15,8 @@ bias = True
 pad_vocab_to_multiple = 64  # 50257 -> 50304: matmul-friendly; padding logits are masked
 dtype = "bfloat16"
 # The 12 layers written out and nothing recomputed: on one TPU v5e at batch 16, 127.1 ms a step (MFU 56.0%,
-# 8,682 MiB) against 137.9 ms (51.6%, 12,209 MiB) scanned with the matmuls' outputs saved; its compile takes
-# 125 s there instead of ~40. Sampling and serving scan the layers whatever this says (inference/loader.py).
+# 8,682 MiB) against 137.9 ms (51.6%, 12,209 MiB) scanned with the matmuls' outputs saved (the same day's
+# code); its compile takes 125 s there instead of ~40. Sampling and serving scan the layers whatever this says (inference/loader.py).
 scan_layers = False
 remat_policy = "none"
 
