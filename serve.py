@@ -22,18 +22,20 @@ Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400
 request, 404 for another model's name, 413 for a body over --max_body_bytes (8 MiB; said before
 the body is read), 429 when the queue is full, 503 while starting or stopping or once the engine
 has failed. A bad out_dir is one line and no server: the model loads before anything answers (HTTP
-workers start first, to import meanwhile, and are stopped). The programs compile in a thread while
-/health already answers; device work runs in the engine's thread, never on the event loop. SIGTERM
-(or Ctrl-C) stops taking requests, ends those in flight with their text so far (finish_reason
-"abort"), and exits 0; while it imports and loads the model, at once. --uds=PATH listens on a unix
-socket instead of host:port (its mode the umask's, or --uds_mode's). --http_workers=N runs the HTTP
-side in N processes beside this one, which keeps the engine (serving/workers.py), for a host whose
-one event loop can't keep up with the engine: by default 4 on a TPU or GPU, none on a CPU.
+workers start first, to import meanwhile, and are stopped). The programs compile in threads: the first
+ones while a checkpoint's weights are read, the rest while /health already answers; device work runs
+in the engine's thread, never on the event loop. SIGTERM (or Ctrl-C) stops taking requests, ends those
+in flight with their text so far (finish_reason "abort"), and exits 0; while it imports and loads the
+model, at once. --uds=PATH listens on a unix socket instead of host:port (its mode the umask's, or
+--uds_mode's). --http_workers=N runs the HTTP side in N processes beside this one, which keeps the
+engine (serving/workers.py), for a host whose one event loop can't keep up with the engine: by default
+4 on a TPU or GPU, none on a CPU.
 """
 
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import re
 import signal
@@ -193,10 +195,17 @@ class Server:
         imported, start = compile_cache.seconds_since_start(), time.perf_counter()  # the imports, mostly
         mesh = loader.decode_mesh(cfg.mesh_data, cfg.mesh_tensor)  # starts the devices' runtime
         runtime, start = time.perf_counter() - start, time.perf_counter()
+        self.early: tuple | None = None  # (setup, a Future of its engine.Programs): compile_while_loading's
         if cfg.init_from == "resume":
+            compiling = concurrent.futures.ThreadPoolExecutor(1, "compile-early")
             setup, params, step, self.tok = loader.load_checkpoint(
-                cfg.out_dir, mesh, cfg.quantization, cfg.kv_cache_dtype
+                cfg.out_dir,
+                mesh,
+                cfg.quantization,
+                cfg.kv_cache_dtype,
+                on_setup=functools.partial(self.compile_while_loading, compiling),
             )
+            compiling.shutdown(wait=False)  # its thread ends once its programs are compiled
             source = f"step {step} of {cfg.out_dir}"
         else:
             setup, params, self.tok = loader.load_hf(
@@ -225,12 +234,29 @@ class Server:
             flush=True,
         )
 
+    def compile_while_loading(self, pool, setup, tok) -> None:
+        """load_checkpoint's on_setup: compile the engine's first programs from the weights' shapes on `pool`
+        while the weights are read (the TPU's restore is mostly I/O and C++, which let go of Python's lock)."""
+        shapes = loader.serving_shapes(setup, self.cfg.weight_dtype)
+        if shapes is None:  # their shardings are known once converted: start_engine compiles them
+            return
+        c = self.cfg
+        arguments = (setup, shapes, c.slots, tok.vocab_size, c.decode_steps, c.decode_attention)
+        self.early = setup, pool.submit(engine.first_programs, *arguments)
+
+    def programs_compiled_early(self) -> engine.Programs | None:
+        """compile_while_loading's programs, if they were for the setup that loaded (not an older
+        checkpoint's, nor a LoRA run's adapters'); an error compiling them is raised here."""
+        if self.early is None or self.early[0] is not self.setup:
+            return None
+        return self.early[1].result()
+
     def start_engine(self, on_failure=None) -> None:
         """Compile the engine's programs (in a thread: /health answers 503 meanwhile) and check that they
         fit the devices; if they cannot, keep the reason in self.failure and call on_failure. If the
         engine's loop fails later, the same, on_failure exit_after_failure_s later."""
         on_failure = on_failure or (lambda: None)
-        compiled_before = compile_cache.counts()
+        start = time.perf_counter()
 
         def fail(error):
             self.failure = str(error)
@@ -249,6 +275,7 @@ class Server:
                 memory.serving_remedies(self.cfg, len(jax.devices())),
                 self.params,
             ):
+                early = self.programs_compiled_early()
                 e = engine.Engine(
                     self.setup,
                     self.params,
@@ -261,6 +288,7 @@ class Server:
                     on_failure=engine_failed,
                     compile_later=True,  # ready on the programs that serve every request, the faster ones after
                     fits=self.fits if self.cfg.memory_check else None,
+                    programs=early,
                 )
         except (configurator.ConfigError, engine.EngineError) as error:
             return fail(error)
@@ -277,7 +305,8 @@ class Server:
             f"({e.kv_bytes_per_token:,} bytes per token), weights {e.weight_bytes / 2**20:,.1f} MiB; "
             f"{len(e.buckets)} prompt buckets ({', '.join(map(str, e.buckets))}); decode attention: "
             f"{'the kernel' if e.reads_filled else 'XLA over prefix buckets'}; "
-            f"compiled {compile_cache.summary(compiled_before)} in {e.compile_s:.1f} s"
+            f"compiled {compile_cache.summary()} since start ({time.perf_counter() - start:.1f} s after the load"
+            f"{', the first ones beside it' if e.programs is early else ''})"
             f"{f', {e.programs_later} faster ones compile while serving' if e.programs_later else ''}",
             flush=True,
         )
@@ -472,13 +501,18 @@ def listen(cfg: ServeConfig) -> socket.socket:
 
 
 def http_workers_count(cfg: ServeConfig) -> int:
-    """--http_workers, its auto (-1) taking AUTO_HTTP_WORKERS where the engine runs on a TPU or GPU."""
+    """--http_workers, its auto (-1) taking AUTO_HTTP_WORKERS where the engine runs on a TPU or GPU: the first
+    of jax_platforms where that is set (JAX_PLATFORMS, or 'tpu,cpu' from `import jax` on a Cloud TPU VM), so
+    that the workers need not wait seconds for the TPU runtime's start; else the devices'."""
     if cfg.http_workers != -1:
         return cfg.http_workers
-    try:
-        platform = jax.devices()[0].platform  # started during the imports (_start_devices)
-    except RuntimeError:  # the devices can't start: Server's mesh says why, in one line
-        return 0
+    if jax.config.jax_platforms:
+        platform = jax.config.jax_platforms.split(",")[0]
+    else:
+        try:
+            platform = jax.devices()[0].platform  # started during the imports (_start_devices)
+        except RuntimeError:  # the devices can't start: Server's mesh says why, in one line
+            return 0
     return AUTO_HTTP_WORKERS if platform != "cpu" else 0
 
 

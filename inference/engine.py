@@ -21,8 +21,10 @@ Every program is compiled ahead of time at start-up (an admit per prompt bucket 
 decode per row bucket and attend bucket), so serving never compiles; with compile_later, only those
 that serve every request (a decode of all slots over the whole cache, an admit of one prompt of the
 largest bucket) before serving, and the faster variants in a thread beside it, each used once compiled
-(the same tokens: which program runs a step never changes them). Sampling settings (temperature,
-top_k, top_p) and keys live in per-slot arrays, so requests with different settings share one step.
+(the same tokens: which program runs a step never changes them). Those first ones compile from the
+weights' shapes alone (first_programs), so serve.py compiles them while a checkpoint's weights are
+read. Sampling settings (temperature, top_k, top_p) and keys live in per-slot arrays, so requests
+with different settings share one step.
 A request's i-th token is drawn with the key fold_in(fold_in(key(seed), i), 0), as
 inference/generate.py draws its first row's: what a request gets does not depend on what runs
 beside it.
@@ -156,6 +158,85 @@ def row_buckets(slots: int, batch_shards: int = 1) -> list[int]:
     return [slots // 4, slots] if batch_shards == 1 and slots % 4 == 0 and slots // 4 >= 8 else [slots]
 
 
+class Programs:
+    """An engine's programs for its model and arguments, keyed ("decode", cache reads, rows) and
+    ("admit", prompt bucket, rows); traced, lowered and compiled from shapes: the weights' with their
+    shardings (their values are never read) and the slots' state's. So they can compile while a
+    checkpoint's weights are still being read (serve.py)."""
+
+    def __init__(self, setup, params, slots: int, vocab: int | None, decode_steps: int, decode_attention: str):
+        """params: the weights as the engine reads them (generate.weights_in_compute_dtype), arrays or
+        jax.ShapeDtypeStructs with shardings; the rest as Engine takes them."""
+        config, self.mesh = setup.model_config, setup.mesh
+        if slots % sharding.batch_shards(self.mesh):  # the slots are the cache's rows, split like a batch
+            raise EngineError(
+                f"slots={slots} is not divisible by the mesh's batch axes (mesh_data = "
+                f"{sharding.batch_shards(self.mesh)}): use a multiple of it"
+            )
+        if decode_steps < 1:
+            raise EngineError(f"decode_steps must be >= 1, got {decode_steps}")
+        self.setup, self.arguments = setup, (slots, vocab, decode_steps, decode_attention)
+        self.graphdef, self.vocab = setup.graphdef, generate.drawable_ids(setup, vocab)
+        self.slots, self.decode_steps, self.context = slots, decode_steps, config.block_size
+        self.buckets = prompt_buckets(self.context)
+        self.row_buckets = row_buckets(slots, sharding.batch_shards(self.mesh))
+        self.reads_filled = reads_filled_positions(decode_attention, self.mesh, config)
+        prefixes = [kv_cache.Prefix(n) for n in generate.prefix_buckets(self.context)]
+        self.cache_reads = [kv_cache.FILLED] if self.reads_filled else prefixes  # one decode program each
+        # one decode per cache prefix it reads (a step reads only the bucket its slots have filled;
+        # the kernel, each block of slots' filled positions) and per number of slots it runs (the
+        # busy ones, which take the lowest free slots); an admit per prompt bucket and row count
+        self.keys = [("decode", reads, rows) for reads in self.cache_reads for rows in self.row_buckets]
+        self.keys += [("admit", P, R) for P in self.buckets for R in admit_rows(P, slots)]
+        # those that serve every request: the decode of all slots over the whole cache, an admit of
+        # one prompt of the largest bucket
+        self.first = [("decode", self.cache_reads[-1], slots), ("admit", self.buckets[-1], 1)]
+        with sharding.activate(self.mesh):
+            self.empty_state = empty_state_program(config, slots, self.context).lower().compile()
+        shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        self.params = jax.tree.map(shape, params)
+        self.state = jax.tree.map(shape, self.empty_state.out_info)  # as its arrays are (without its layout)
+        self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        self.compiled: dict = {}  # key -> jax.stages.Compiled
+
+    def made_for(self, setup, params, *arguments) -> bool:
+        """Whether these are the programs of Programs(setup, params, *arguments)."""
+        shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        return setup is self.setup and arguments == self.arguments and jax.tree.map(shape, params) == self.params
+
+    def compile(self, keys: list) -> None:
+        """Compile the programs of these keys into self.compiled: traced one after another (that holds
+        Python's lock), each compiled (or read from the compile cache) in a pool as soon as it is traced,
+        while the next is: XLA lets go of the lock."""
+        threads = 1 if self.mesh.devices.flat[0].platform == "cpu" else COMPILE_THREADS
+        with sharding.activate(self.mesh), concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            compiling = {key: pool.submit(self.lowered(key).compile) for key in keys}
+            self.compiled.update({key: program.result() for key, program in compiling.items()})
+
+    def lowered(self, key: tuple) -> jax.stages.Lowered:
+        """The program of a key, traced and lowered for the engine's arguments (inside sharding.activate)."""
+        kind, a, b = key
+        if kind == "decode":
+            active = jax.ShapeDtypeStruct((self.slots,), jnp.bool_, sharding=self.replicated)
+            return decode_program(self.graphdef, self.vocab, self.decode_steps, a, b).lower(
+                self.params, self.state, active
+            )
+        return admit_program(self.graphdef, self.vocab).lower(
+            self.params, self.state, *admit_inputs(a, b, self.replicated)
+        )
+
+
+def first_programs(
+    setup, params, slots: int = 8, vocab: int | None = None, decode_steps=DECODE_STEPS, decode_attention="auto"
+) -> Programs:
+    """The programs an Engine of these arguments serves every request with (its compile_later's first
+    ones), compiled: params may be the weights' shapes alone, so that they compile while the weights
+    are read; Engine(..., programs=) then runs these rather than compiling them again."""
+    programs = Programs(setup, params, slots, vocab, decode_steps, decode_attention)
+    programs.compile(programs.first)
+    return programs
+
+
 class Engine:
     """`slots` requests decode at once; more wait in a queue of at most max_queue."""
 
@@ -173,6 +254,7 @@ class Engine:
         on_failure: Callable[[str], None] | None = None,
         compile_later: bool = False,
         fits: Callable[[object], str | None] | None = None,
+        programs: Programs | None = None,
     ):
         """vocab: only ids below it are drawn (the tokenizer's size; default the model's vocabulary).
         decode_steps: tokens per slot per decode program (more: less host work per token; a request
@@ -183,26 +265,20 @@ class Engine:
         called once, from the loop's thread, with self.failure when the loop stops on an error.
         compile_later: compile only the programs that serve every request (_compile) before returning,
         and the faster variants in a thread of their own while serving, each used once it is compiled;
-        fits: called there with each of those, says why it can't run here (its memory) or None."""
-        self.config, self.mesh, self.graphdef = setup.model_config, setup.mesh, setup.graphdef
-        if slots % sharding.batch_shards(self.mesh):  # the slots are the cache's rows, split like a batch
-            raise EngineError(
-                f"slots={slots} is not divisible by the mesh's batch axes (mesh_data = "
-                f"{sharding.batch_shards(self.mesh)}): use a multiple of it"
-            )
-        if decode_steps < 1:
-            raise EngineError(f"decode_steps must be >= 1, got {decode_steps}")
-        self.vocab = generate.drawable_ids(setup, vocab)
+        fits: called there with each of those, says why it can't run here (its memory) or None.
+        programs: first_programs' for these arguments (compiled while the weights were read), run
+        rather than compiled again; programs made for other arguments or weights are not used."""
+        self.config, self.mesh = setup.model_config, setup.mesh
+        self.params = generate.weights_in_compute_dtype(setup.graphdef, params)
+        arguments = (slots, vocab, decode_steps, decode_attention)
+        if programs is None or not programs.made_for(setup, self.params, *arguments):
+            programs = Programs(setup, self.params, *arguments)
+        self.programs = programs
         self.slots, self.max_queue, self.log, self.decode_steps = slots, max_queue, log, decode_steps
         self.after_tokens = after_tokens or (lambda: None)
         self.on_failure = on_failure or (lambda failure: None)
-        self.context = self.config.block_size
-        self.buckets = prompt_buckets(self.context)
-        self.row_buckets = row_buckets(slots, sharding.batch_shards(self.mesh))
-        self.reads_filled = reads_filled_positions(decode_attention, self.mesh, self.config)
-        prefixes = [kv_cache.Prefix(n) for n in generate.prefix_buckets(self.context)]
-        self.cache_reads = [kv_cache.FILLED] if self.reads_filled else prefixes  # one decode program each
-        self.params = generate.weights_in_compute_dtype(setup.graphdef, params)
+        self.context, self.buckets, self.row_buckets = programs.context, programs.buckets, programs.row_buckets
+        self.reads_filled, self.cache_reads = programs.reads_filled, programs.cache_reads
         self.ids = itertools.count(1)
         self.queue: collections.deque = collections.deque()
         self.running: list[Request | None] = [None] * slots
@@ -221,9 +297,7 @@ class Engine:
         self.kv_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache_shape))
         self.kv_bytes_per_token = self.kv_bytes // (slots * self.context)
         self.memory_bandwidth = hardware.peak_bandwidth(self.mesh.devices.flatten().tolist())[0]
-        start = time.perf_counter()
         later = self._compile(compile_later)
-        self.compile_s = time.perf_counter() - start
         self.compiles_before_serving, self.compiled_later = compile_cache.counts().programs, 0
         self.programs_later = len(later)  # still to compile, in self.compiling
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -237,43 +311,18 @@ class Engine:
     # ------------------------------------------------------------------------- programs
 
     def _compile(self, later: bool) -> list:
-        """Compile the programs: all, or with `later` only those that serve every request (the decode of
-        all slots over the whole cache, an admit of one prompt of the largest bucket); returns the keys of those left
-        for _compile_rest: ("decode", cache reads, rows) and ("admit", prompt bucket, rows)."""
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        # one decode per cache prefix it reads (a step reads only the bucket its slots have filled;
-        # the kernel, each block of slots' filled positions) and per number of slots it runs (the
-        # busy ones, which take the lowest free slots); an admit per prompt bucket and row count
-        keys = [("decode", reads, rows) for reads in self.cache_reads for rows in self.row_buckets]
-        keys += [("admit", P, R) for P in self.buckets for R in admit_rows(P, self.slots)]
-        first = {("decode", self.cache_reads[-1], self.slots), ("admit", self.buckets[-1], 1)}
-        now = [key for key in keys if key in first] if later else keys
-        # Traced one after another (that holds Python's lock), each compiled (or read from the compile cache)
-        # in the pool as soon as it is traced, while the next is: XLA lets go of the lock.
-        threads = 1 if self.mesh.devices.flat[0].platform == "cpu" else COMPILE_THREADS
-        with sharding.activate(self.mesh), concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            self.state = empty_state_program(self.config, self.slots, self.context)()
-            shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-            self.shapes = (
-                jax.tree.map(shape, self.params),
-                jax.tree.map(shape, self.state),
-                replicated,
-            )  # the programs take
-            compiled = {key: pool.submit(self._lowered(key).compile) for key in now}
-            self.step_programs, self.admit_programs = {}, {}
-            for key in now:
-                self._use(key, compiled[key].result())
-        self.step_program = compiled["decode", self.cache_reads[-1], self.slots].result()  # the largest: memory checks
-        return [key for key in keys if key not in now]
-
-    def _lowered(self, key: tuple) -> jax.stages.Lowered:
-        """The program of a key of _compile's, traced and lowered for the engine's arguments."""
-        params, state, replicated = self.shapes
-        kind, a, b = key
-        if kind == "decode":
-            active = jax.ShapeDtypeStruct((self.slots,), jnp.bool_, sharding=replicated)
-            return decode_program(self.graphdef, self.vocab, self.decode_steps, a, b).lower(params, state, active)
-        return admit_program(self.graphdef, self.vocab).lower(params, state, *admit_inputs(a, b, replicated))
+        """Compile the programs (those compiled already are not compiled again): all, or with `later`
+        only those that serve every request (Programs.first), and make the slots' state; returns the
+        keys of those left for _compile_rest."""
+        programs = self.programs
+        now = programs.first if later else programs.keys
+        programs.compile([key for key in now if key not in programs.compiled])
+        self.state = programs.empty_state()
+        self.step_programs, self.admit_programs = {}, {}
+        for key in now:
+            self._use(key, programs.compiled[key])
+        self.step_program = programs.compiled[programs.first[0]]  # the largest decode: memory checks
+        return [key for key in programs.keys if key not in now]
 
     def _use(self, key: tuple, program) -> None:
         """Let the loop run a compiled program of a key of _compile's: in a new dict, since the loop's
@@ -293,7 +342,7 @@ class Engine:
                 if self.stopping:
                     return
                 try:
-                    lowered = self._lowered(key)
+                    lowered = self.programs.lowered(key)
                     with self.wake:  # stats()' count of programs compiled for requests leaves these out
                         self.compiled_later += 1
                     program = lowered.compile()

@@ -49,16 +49,24 @@ def one_device_mesh():
 
 
 def load_checkpoint(
-    out_dir: str, mesh=None, quantization: str = "none", kv_cache_dtype: str = "auto", adapters_only: bool = False
+    out_dir: str,
+    mesh=None,
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
+    adapters_only: bool = False,
+    on_setup=None,
 ):
     """(setup, parameters, step, tokenizer) of the newest intact checkpoint in out_dir. Its model
     and compute keys and its vocabulary come with it, but for how the matmuls, the attention and the
     layers compute: those are chosen here, for these devices (quantization='auto': as it trained; the
     layers scanned), and the KV cache's dtype. A LoRA run's checkpoint comes with the base its record
     names (refused if that base has changed), its adapters merged into the base's matrices: a plain
-    model (adapters_only: its adapters alone, no base read, and the setup of the model with them)."""
+    model (adapters_only: its adapters alone, no base read, and the setup of the model with them).
+    on_setup(setup, tokenizer) is called as soon as a checkpoint's record says them, before its weights
+    are read (serve.py compiles meanwhile): again for an older checkpoint where the newest can't be read
+    (only the setup returned is the loaded one's); not for a LoRA run's, whose merged model is another."""
     mesh = mesh or one_device_mesh()
-    setups = []
+    found = []  # (setup, tokenizer) of each checkpoint tried, newest first: the last one's is restored
 
     def abstract_for(meta):
         # Only the keys that describe the model: the rest (init_from may name a directory that is
@@ -77,10 +85,12 @@ def load_checkpoint(
                 "batch_size": sharding.batch_shards(mesh),
             }
         )
-        setups.append(
-            model_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config), kv_cache_dtype)
-        )
-        return {"params": lora.split(setups[-1].abstract_params)[0]}  # a LoRA run's: its adapters
+        setup = model_setup(config, mesh, meta.get("vocab_size") or dataset.read_vocab_size(config), kv_cache_dtype)
+        found.append((setup, checkpoint_tokenizer(meta, config, out_dir)))
+        merged = meta.get("lora_base") and not adapters_only  # its setup: merged_on_base's, made once read
+        if on_setup and not merged:
+            on_setup(*found[-1])
+        return {"params": lora.split(setup.abstract_params)[0]}  # a LoRA run's: its adapters
 
     manager = checkpoint.checkpoint_manager(Config(out_dir=out_dir), read_only=True)
     try:
@@ -89,19 +99,23 @@ def load_checkpoint(
         )
     finally:
         manager.close()
-    setup, params = setups[-1], restored.items["params"]
+    (setup, tok), params = found[-1], restored.items["params"]
     if restored.meta.get("lora_base") and not adapters_only:
         setup, params = merged_on_base(setup, params, restored.meta["lora_base"], out_dir)
-    if restored.meta.get("tokenizer"):
-        tok = tokenizer_from_description(restored.meta["tokenizer"], search_dirs=[os.path.join(out_dir, "tokenizer")])
-    else:  # checkpoints written before the vocabulary was stored with them
-        tok = load_tokenizer(dataset.dataset_dir(setup.config))
-        print(
-            f"note: this checkpoint does not carry its vocabulary; using "
-            f"{dataset.dataset_dir(setup.config)}/meta.json, which must be the one it was trained on",
-            file=sys.stderr,
-        )
     return setup, params, restored.step, tok
+
+
+def checkpoint_tokenizer(meta: dict, config: Config, out_dir: str):
+    """The tokenizer a checkpoint's record describes (older checkpoints': their dataset's)."""
+    if meta.get("tokenizer"):
+        return tokenizer_from_description(meta["tokenizer"], search_dirs=[os.path.join(out_dir, "tokenizer")])
+    # checkpoints written before the vocabulary was stored with them
+    print(
+        f"note: this checkpoint does not carry its vocabulary; using "
+        f"{dataset.dataset_dir(config)}/meta.json, which must be the one it was trained on",
+        file=sys.stderr,
+    )
+    return load_tokenizer(dataset.dataset_dir(config))
 
 
 def merged_on_base(setup: ModelSetup, adapters: dict, record: dict, out_dir: str) -> tuple:
@@ -197,6 +211,17 @@ def serving_weights(setup: ModelSetup, params, weight_dtype: str = "auto"):
     weight_dtype='int8' the blocks' dense kernels as int8 (int8_weights)."""
     params = cast_for_inference(params, jnp.dtype(setup.model_config.dtype))
     return int8_weights(params) if weight_dtype == "int8" else params
+
+
+def serving_shapes(setup: ModelSetup, weight_dtype: str = "auto"):
+    """The shapes and shardings serving_weights gives a checkpoint's parameters, from the setup alone
+    (before they are read): the restored arrays' shardings, the compute dtype's matrices. None for
+    weight_dtype='int8', whose scales' shardings only the conversion itself decides."""
+    if weight_dtype == "int8":
+        return None
+    restored = setup.abstract_params
+    dtypes = jax.eval_shape(lambda p: serving_weights(setup, p), restored)  # (eval_shape drops the shardings)
+    return jax.tree.map(lambda a, d: jax.ShapeDtypeStruct(a.shape, d.dtype, sharding=a.sharding), restored, dtypes)
 
 
 def kv_bytes_per_token(config: GPTConfig) -> int:

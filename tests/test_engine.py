@@ -56,6 +56,27 @@ def test_slots_must_split_evenly_over_the_data_axis():
         engine.Engine(*sharded_model("gqa", 2, 4), slots=3)
 
 
+def test_programs_compiled_from_the_weights_shapes_alone_are_run_by_an_engine_of_their_arguments():
+    """first_programs from the weights' shapes (loader.serving_shapes, as serve.py compiles them while a
+    checkpoint's weights are read), slots on data=2 and heads on tensor=4: an engine of the same arguments
+    runs them, its greedy tokens one device's generate.py's; an engine of other arguments compiles its own."""
+    expected = generate.generate(*sharded_model("gqa", 1, 1), RAGGED, 6, temperature=0).tokens
+    setup, params = sharded_model("gqa", 2, 4)
+    programs = engine.first_programs(setup, loader.serving_shapes(setup), slots=2)
+    e = engine.Engine(setup, params, slots=2, log=lambda line: None, compile_later=True, programs=programs)
+    assert e.programs is programs and e.step_program is programs.compiled[programs.first[0]]
+    assert e.admit_programs[programs.first[1][1:]] is programs.compiled[programs.first[1]]
+    done = threading.Semaphore(0)
+    requests = [e.submit(engine.Request(ids, 6, temperature=0, on_finish=lambda _: done.release())) for ids in RAGGED]
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    e.shutdown()
+    assert [r.tokens for r in requests] == expected
+    other = engine.Engine(setup, params, slots=4, log=lambda line: None, compile_later=True, programs=programs)
+    other.shutdown()
+    assert other.programs is not programs
+
+
 @pytest.mark.parametrize("style", ["gpt2", "gqa"])
 def test_slots_at_different_positions_read_their_buckets_and_decode_as_generate(style):
     """Two slots, four requests of different lengths: the slots sit at different positions, and the
