@@ -193,16 +193,14 @@ class Programs:
         self.first = [("decode", self.cache_reads[-1], slots), ("admit", self.buckets[-1], 1)]
         with sharding.activate(self.mesh):
             self.empty_state = empty_state_program(config, slots, self.context).lower().compile()
-        shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-        self.params = jax.tree.map(shape, params)
-        self.state = jax.tree.map(shape, self.empty_state.out_info)  # as its arrays are (without its layout)
+        self.params = generate.shapes_of(params)
+        self.state = generate.shapes_of(self.empty_state.out_info)  # as its arrays are (without its layout)
         self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self.compiled: dict = {}  # key -> jax.stages.Compiled
 
     def made_for(self, setup, params, *arguments) -> bool:
         """Whether these are the programs of Programs(setup, params, *arguments)."""
-        shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-        return setup is self.setup and arguments == self.arguments and jax.tree.map(shape, params) == self.params
+        return setup is self.setup and arguments == self.arguments and generate.shapes_of(params) == self.params
 
     def compile(self, keys: list) -> None:
         """Compile the programs of these keys into self.compiled: traced one after another (that holds

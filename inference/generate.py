@@ -175,11 +175,16 @@ def decode(graphdef, params, state: dict, *, sampling: tuple, kv_cache: bool, vo
     return state
 
 
+def shapes_of(tree):
+    """Each array of a tree (or shape) as a jax.ShapeDtypeStruct with its sharding: what a program is
+    lowered for."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
 def compile_programs(setup, inputs: tuple, length: int, sampling: tuple, kv_cache: bool, vocab: int, on_token=None):
     """The compiled prefill and decode for these input shapes and shardings (cached: another
     call with the same shapes and options compiles nothing)."""
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), inputs)
-    leaves, treedef = jax.tree.flatten(abstract)
+    leaves, treedef = jax.tree.flatten(shapes_of(inputs))
     return _compile(setup.graphdef, setup.mesh, treedef, tuple(leaves), length, sampling, kv_cache, vocab, on_token)
 
 
