@@ -323,7 +323,7 @@ class GPT(nnx.Module):
         """Float32 logits (N, padded vocab) of final-norm outputs, by the matrix features() gave:
         soft-capped if logit_softcap says so; the vocabulary's padding entries -inf."""
         cap, config = self.config.logit_softcap, self.config
-        logits_NxV = SOFTCAPS[cap > 0](logits_matmul(x_NxD, w_DxV.astype(x_NxD.dtype)), cap)
+        logits_NxV = SOFTCAPS[cap > 0](logits_matmul(x_NxD, w_DxV), cap)
         if config.padded_vocab_size == config.vocab_size:
             return logits_NxV
         return jnp.where(jnp.arange(config.padded_vocab_size) < config.vocab_size, logits_NxV, -jnp.inf)
@@ -370,7 +370,7 @@ class GPT(nnx.Module):
         0..T-1 in every row). Activations between the matmuls are 2-D: XLA:CPU's fast matmul path
         wants one contracting dimension, and a weight gradient over (B, T) is 2x slower there."""
         B, T = idx_BxT.shape
-        x_BxTxD = embedding_lookup(table_VxD, idx_BxT)
+        x_BxTxD = embedding_lookup(table_VxD, idx_BxT).astype(self.config.dtype)  # an int8 table's rows are float32
         if self.wpe is not None:
             wpe_xD = self.wpe[...][:T] if position_BxT is None else self.wpe[...][position_BxT]
             x_BxTxD = x_BxTxD + wpe_xD.astype(self.config.dtype)
@@ -380,13 +380,13 @@ class GPT(nnx.Module):
         """wte in the compute dtype, gathered over `fsdp` (it stays split over `tensor` by vocabulary):
         the one copy that the lookup and the tied output layer share, so that under FSDP the table is
         gathered once per step, in the compute dtype. A lookup in a table split by width made XLA
-        replicate it on every device."""
-        return constrain(self.wte[...].astype(self.config.dtype), ("vocab", "embed_act"))
+        replicate it on every device. A served int8 table stays int8 (its values and its scales per row)."""
+        return constrain(quantization.cast_weight(self.wte[...], self.config.dtype), ("vocab", "embed_act"))
 
     def _output_matrix(self, table_VxD):
-        """The output layer's (D, padded vocab) matrix in the compute dtype: wte tied, or lm_head_kernel."""
+        """The output layer's (D, padded vocab) matrix in the compute dtype (or int8): wte tied, or lm_head_kernel."""
         w_DxV = table_VxD.T if self.lm_head_kernel is None else self.lm_head_kernel[...]
-        return w_DxV.astype(table_VxD.dtype)
+        return quantization.cast_weight(w_DxV, self.config.dtype)
 
     def _last_logits(self, x_BTxD, B: int, table_VxD, last_B=None):
         """Logits (B, padded vocab) of each row's token at index last_B[b] (default: the last): the

@@ -3,7 +3,8 @@
     .venv/bin/python bench/int8_agreement.py out-shakespeare-char
     .venv/bin/python bench/int8_agreement.py out-shakespeare-char --prompts=64 --rows=128 --groups=0,64,32
 
-For float, int8 weights (inference.int8_weights), an int8 KV cache, and both:
+For float, int8 weights as serving holds them (inference.loader.serving_weights: the blocks' matrices
+and the token table), an int8 KV cache, and both:
 - perplexity and the greedy token after the same prefix, on --rows rows of block_size validation
   tokens, decoded one token at a time through the KV cache (an int8 cache is written and read back);
 - greedy agreement over 64 tokens generated freely (inference/generate.py) after --prompts prompts of 16
@@ -157,7 +158,7 @@ def main(argv):
         f"| {setup.model_config.dtype} | {loader.weight_bytes(params):,} B "
         f"| {loader.kv_bytes_per_token(setup.model_config):,} B | {reference.perplexity:.4f} | - | - | - |"
     )
-    int8_params = loader.int8_weights(params)
+    int8_params = loader.int8_weights(params, vocab_matrices=True)  # as serving_weights holds them
     for name, s, p in (
         ("int8 weights", setup, int8_params),
         ("int8 KV cache", int8_kv, params),

@@ -183,15 +183,23 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")  # 'auto': the compute
 # The blocks' dense kernels and how many of their axes (after the stacked layers' leading one) a
 # matmul sums over: the rest are output channels, each with its own int8 scale.
 INT8_KERNELS = {"qkv_kernel": 1, "out_kernel": 2, "fc_kernel": 1, "gate_kernel": 1, "proj_kernel": 1}
+# The vocabulary's matrices and the axis (the width) each sums over: a scale per vocabulary entry, wte's
+# per row serving both its lookup and, transposed, the tied output layer's logits.
+INT8_VOCAB_MATRICES = {"wte": 1, "lm_head_kernel": 0}
 
 
-def int8_weights(params) -> dict:
+def int8_weights(params, vocab_matrices: bool = False) -> dict:
     """Parameters for serving with the blocks' dense kernels stored as int8 (quantization.Int8Weight,
-    one scale per output channel); embeddings, norms, biases and a mixture of experts' experts
-    (their kernels have an expert axis) stay as they are. On the parameters' devices, sharded alike."""
+    one scale per output channel), and with vocab_matrices the token table wte and an untied
+    lm_head_kernel too (a scale per vocabulary entry: GPT-2's bfloat16 table was 74 of the 162 MiB an
+    int8 decode step took in). A LoRA run's frozen base (train.frozen) keeps its table: its loss takes
+    the output layer's matrix as an array. wpe, norms, biases and a mixture of experts' experts (their
+    kernels have an expert axis) stay as they are. On the parameters' devices, sharded alike."""
 
     def convert(path, p):
         module, name = (path[-2].key if len(path) > 1 else None), path[-1].key
+        if vocab_matrices and module is None and name in INT8_VOCAB_MATRICES:
+            return Int8Weight.of(p, (INT8_VOCAB_MATRICES[name],))
         dense = module == "attn" or (module == "mlp" and p.ndim == 3)  # (L, in, out): not experts' (L, E, ...)
         if name not in INT8_KERNELS or not dense:
             return p
@@ -208,9 +216,9 @@ def weight_bytes(params) -> int:
 
 def serving_weights(setup: ModelSetup, params, weight_dtype: str = "auto"):
     """Parameters as decoding reads them, converted once: the matrices in the compute dtype, and with
-    weight_dtype='int8' the blocks' dense kernels as int8 (int8_weights)."""
+    weight_dtype='int8' the blocks' dense kernels and the vocabulary's matrices as int8 (int8_weights)."""
     params = cast_for_inference(params, jnp.dtype(setup.model_config.dtype))
-    return int8_weights(params) if weight_dtype == "int8" else params
+    return int8_weights(params, vocab_matrices=True) if weight_dtype == "int8" else params
 
 
 def serving_shapes(setup: ModelSetup, weight_dtype: str = "auto"):
@@ -234,9 +242,8 @@ def memory_summary(setup: ModelSetup, params) -> str:
     c = setup.model_config
     kv_dtype = c.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
     int8 = any(isinstance(p, Int8Weight) for p in jax.tree.leaves(params, is_leaf=lambda p: isinstance(p, Int8Weight)))
+    int8_table = isinstance(params.get("wte"), Int8Weight)
     n = weight_bytes(params)
     amount = f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
-    return (
-        f"weights {amount} ({'int8 blocks, ' if int8 else ''}{c.dtype}), "
-        f"KV cache {kv_bytes_per_token(c):,} bytes per token ({kv_dtype})"
-    )
+    int8_parts = "int8 blocks and vocabulary, " if int8_table else "int8 blocks, " if int8 else ""
+    return f"weights {amount} ({int8_parts}{c.dtype}), KV cache {kv_bytes_per_token(c):,} bytes per token ({kv_dtype})"

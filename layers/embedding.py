@@ -1,6 +1,7 @@
 """The token table in and out: the lookup (its backward sums repeated tokens' gradients in float32),
 the output layer's matmul (float32 logits, compute-dtype backward), the logits' soft cap, the
 cross-entropy, and the output layer with its cross-entropy taken in slices of tokens (output_layer_loss).
+The lookup and the output layer's matmul also take a served int8 table (quantization.Int8Weight).
 jax only.
 """
 
@@ -9,11 +10,20 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from layers.quantization import Int8Weight
 
-@jax.custom_vjp
+
 def embedding_lookup(table_VxD, idx_BxT):
     """table[idx]; its backward adds up the gradients of repeated tokens in float32 and rounds
-    each row's sum to the table's dtype once (a bfloat16 scatter-add would round at every add)."""
+    each row's sum to the table's dtype once (a bfloat16 scatter-add would round at every add).
+    An int8 table (a scale per row) gives its rows q[idx] · scale[idx] in float32, for serving."""
+    if isinstance(table_VxD, Int8Weight):
+        return table_VxD.rows(idx_BxT)
+    return _lookup(table_VxD, idx_BxT)
+
+
+@jax.custom_vjp
+def _lookup(table_VxD, idx_BxT):
     return table_VxD[idx_BxT]
 
 
@@ -27,22 +37,29 @@ def _lookup_backward(residuals, g_BxTxD):
     return grad_VxD.astype(table_VxD.dtype), None
 
 
-embedding_lookup.defvjp(_lookup_forward, _lookup_backward)
+_lookup.defvjp(_lookup_forward, _lookup_backward)
+
+
+def logits_matmul(x_NxD, w_DxV):
+    """x @ w in x's dtype, accumulated and returned in float32: the loss reads unrounded logits (a
+    bfloat16 result cast after would round them; on a TPU v5e the float32 result also made the faster
+    loss: GPT-2's output layer and loss over 16 x 1024 tokens, forward and backward, 26.7 ms against
+    32.5, bench/NOTES.md). Its backward rounds the incoming float32 gradient to x's dtype once, so both
+    backward matmuls, about a fifth of GPT-2's matmul work, run in the compute dtype (autodiff would
+    run them in float32: slow on GPUs). An int8 w (a scale per logit) multiplies its int8 values and
+    scales the float32 logits (Int8Weight.matmul), for serving."""
+    if isinstance(w_DxV, Int8Weight):
+        return w_DxV.matmul(x_NxD, dtype=jnp.float32)
+    return _logits_matmul(x_NxD, w_DxV.astype(x_NxD.dtype))
 
 
 @jax.custom_vjp
-def logits_matmul(x_NxD, w_DxV):
-    """x @ w accumulated and returned in float32: the loss reads unrounded logits (a bfloat16 result
-    cast after would round them; on a TPU v5e the float32 result also made the faster loss: GPT-2's
-    output layer and loss over 16 x 1024 tokens, forward and backward, 26.7 ms against 32.5,
-    bench/NOTES.md). Its backward rounds the incoming float32 gradient to x's dtype once, so both
-    backward matmuls, about a fifth of GPT-2's matmul work, run in the compute dtype (autodiff would
-    run them in float32: slow on GPUs)."""
+def _logits_matmul(x_NxD, w_DxV):
     return jnp.dot(x_NxD, w_DxV, preferred_element_type=jnp.float32)
 
 
 def _logits_forward(x_NxD, w_DxV):
-    return logits_matmul(x_NxD, w_DxV), (x_NxD, w_DxV)
+    return _logits_matmul(x_NxD, w_DxV), (x_NxD, w_DxV)
 
 
 def _logits_backward(saved, dlogits_NxV):
@@ -51,7 +68,7 @@ def _logits_backward(saved, dlogits_NxV):
     return dlogits_NxV @ w_DxV.T, x_NxD.T @ dlogits_NxV
 
 
-logits_matmul.defvjp(_logits_forward, _logits_backward)
+_logits_matmul.defvjp(_logits_forward, _logits_backward)
 
 
 def no_softcap(logits, cap: float):

@@ -20,9 +20,12 @@ gradient (xᵀ @ g, a sum over every token of the batch) stays in the compute dt
 
 For serving, `Int8Weight` stores a weight itself as int8, with one float32 scale per output
 channel (weight-only: the activations stay in the compute dtype). A matmul reads the int8 values
-and scales its output in float32: x @ (q · s) = (x @ q) · s, for s constant down each column.
+and scales its output in float32: x @ (q · s) = (x @ q) · s, for s constant down each column. A
+token table (V, D) takes one scale per row: its lookup gathers int8 rows and scales each
+(Int8Weight.rows), and, transposed (D, V), it is the tied output layer's weight with a scale per
+logit.
 
-Stand-alone (jax only): model.py uses it for the dense matmuls of its blocks.
+Stand-alone (jax only): model.py uses it for the dense matmuls of its blocks and its token table.
 """
 
 import dataclasses
@@ -45,6 +48,11 @@ INT8_MAX = 127.0
 # units, which convert the weights to float32 and read them at ~445 GB/s; with 8 rows it is a
 # matmul on the matrix unit (GPT-2 decoding one row: 0.436 -> 0.402 ms a token, bench/NOTES.md).
 MATRIX_UNIT_ROWS = 8
+# A TPU stores int8 arrays in tiles of 32 rows, but XLA makes the lookup of one row (a decode step at
+# batch 1) a dynamic slice that wants tiles of 8: a relayout of the whole table every step (GPT-2's 38 MB:
+# 856k cycles in XLA:TPU's estimate for a v5e, 36x the output layer's matmul of the same table). Slicing the
+# row's whole tile and picking the row in it avoids that; a gather of several rows reads 32-row tiles as they are.
+INT8_TILE_ROWS = 32
 FORWARD_FP8, GRADIENT_FP8 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
@@ -127,8 +135,9 @@ class Int8Weight:
     """A weight as int8 values q and a float32 scale per output channel: w ≈ q · scale, where scale
     has q's shape with the input axes (those a matmul sums over, leading) of size 1. It stands in
     for the weight's array in a model's parameters: layers.linear multiplies with it (weight[...]),
-    model.py reshapes it (weight.reshape) as it reshapes a kernel, and the heads-major projection's
-    einsums cast it (weight.astype: dequantized)."""
+    model.py reshapes it (weight.reshape) as it reshapes a kernel, the heads-major projection's
+    einsums cast it (weight.astype: dequantized), and layers/embedding.py looks up a token table's
+    rows (weight.rows) and takes the logits by its transpose (weight.T, float32 matmul)."""
 
     q: jax.Array
     scale: jax.Array
@@ -168,17 +177,42 @@ class Int8Weight:
         """q's axes reordered, and the scale's with them (it has q's rank)."""
         return Int8Weight(self.q.transpose(*axes), self.scale.transpose(*axes))
 
-    def matmul(self, x_NxI, mode: str = "none"):
-        """x @ w in x's dtype: the int8 values cast to it (exact: |q| <= 127), the product kept in
-        float32, scaled by the float32 scale and rounded to x's dtype once (in bfloat16, rounding the
-        product and the scale first added 9% to the logits' rms change from int8 on the quickstart)."""
+    @property
+    def T(self) -> "Int8Weight":
+        return self.transpose()
+
+    def rows(self, idx):
+        """q[idx] · scale[idx] in float32, (*idx.shape, D): the rows of a (V, D) table with a scale per
+        row, gathered as int8 and scaled each by its own (the table is never dequantized whole)."""
+        (V, D), R = self.q.shape, INT8_TILE_ROWS
+        if self.scale.shape != (V, 1):
+            raise ValueError(f"rows() takes a (V, D) table with a scale per row, not scales {self.scale.shape}")
+        if idx.size == 1 and V % R == 0:  # one row: its tile of R rows, the others zeroed and summed away
+            tile_xRxD = self.q.reshape(V // R, R, D)[idx // R]
+            is_row_xRx1 = jnp.arange(R)[:, None] == (idx % R)[..., None, None]
+            q_xD = jnp.where(is_row_xRx1, tile_xRxD, 0).sum(-2, dtype=jnp.int32)
+        else:
+            q_xD = self.q[idx]
+        return q_xD.astype(jnp.float32) * self.scale[idx]
+
+    def matmul(self, x_NxI, mode: str = "none", dtype=None):
+        """x @ w in `dtype` (default x's): the int8 values cast to x's dtype (exact: |q| <= 127), the
+        product kept in float32, scaled by the float32 scale and rounded to `dtype` once (in bfloat16,
+        rounding the product and the scale first added 9% to the logits' rms change from int8 on the
+        quickstart)."""
         rows = x_NxI.shape[0]
         if rows < MATRIX_UNIT_ROWS:  # decoding a row or a few: zero rows added, then dropped
             padded_NxI = jnp.pad(x_NxI, ((0, MATRIX_UNIT_ROWS - rows), (0, 0)))
-            return self.matmul(padded_NxI, mode)[:rows]
+            return self.matmul(padded_NxI, mode, dtype)[:rows]
         q = self.q.astype(x_NxI.dtype)
         if mode == "none":
             y = jnp.matmul(x_NxI, q, preferred_element_type=jnp.float32)
         else:
             y = quantized_dot(mode, x_NxI, q)
-        return (y * self.scale).astype(x_NxI.dtype)
+        return (y * self.scale).astype(dtype or x_NxI.dtype)
+
+
+def cast_weight(w, dtype):
+    """A weight in the compute dtype: an array cast to it, an Int8Weight as it is (its matmul and its
+    rows read the int8 values and scale them; astype would write a dequantized copy)."""
+    return w if isinstance(w, Int8Weight) else w.astype(dtype)

@@ -2,6 +2,8 @@
 straight-through gradients."""
 
 import dataclasses
+import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ import pytest
 import model
 from flax import nnx
 from inference import loader
-from layers import quantization
+from layers import embedding, kv_cache, quantization
 
 
 def operands(scale, outlier=None, shape=((128, 96), (96, 64)), seed=0):
@@ -189,3 +191,88 @@ def test_int8_weights_through_splash_give_the_written_out_attentions_logits():
 
 def is_int8(p) -> bool:
     return isinstance(p, quantization.Int8Weight)
+
+
+# ----------------------------------------------------------------------------- an int8 token table
+
+
+def int8_table(V=96, D=32, seed=0):
+    """A (V, D) table as serving holds it: int8, one scale per row (the sum runs over the width)."""
+    w = jax.random.normal(jax.random.key(seed), (V, D)) * jnp.linspace(0.1, 3.0, V)[:, None]  # rows of all sizes
+    return quantization.Int8Weight.of(w, (1,))
+
+
+@pytest.mark.parametrize("V, idx_shape", [(96, (1, 1)), (96, (3, 5)), (90, (1, 1))])
+def test_an_int8_tables_lookup_is_its_int8_rows_times_their_scales(V, idx_shape):
+    """embedding_lookup of an int8 table: q[idx] · scale[idx] in float32, exactly, whether it slices the one
+    row's tile of 32 (a decode step at batch 1), gathers several rows, or the table isn't in whole tiles."""
+    table = int8_table(V)
+    assert table.scale.shape == (V, 1)
+    idx = jax.random.randint(jax.random.key(1), idx_shape, 0, V).at[0, 0].set(V - 1)  # the last tile too
+    rows = jax.jit(embedding.embedding_lookup)(table, idx)
+    expected = table.q[idx].astype(jnp.float32) * table.scale[idx]
+    assert rows.shape == (*idx_shape, 32) and rows.dtype == jnp.float32
+    np.testing.assert_array_equal(rows, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_int8_tables_logits_are_x_times_its_dequantized_transpose(rows, dtype):
+    """The tied output layer on an int8 table (V, D): float32 logits x @ (q · scale)ᵀ, the int8 values cast
+    to x's dtype, the product accumulated in float32 and scaled per vocabulary entry, for fewer rows than
+    the matrix unit takes (padded) and more."""
+    table = int8_table()
+    x = jax.random.normal(jax.random.key(2), (rows, 32)).astype(dtype)
+    logits = embedding.logits_matmul(x, table.T)
+    expected = x.astype(jnp.float32) @ (table.q.astype(jnp.float32) * table.scale).T
+    assert logits.shape == (rows, 96) and logits.dtype == jnp.float32
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_served_int8_vocabulary_gives_the_dequantized_models_logits_and_tokens(tie):
+    """serving_weights' int8 (blocks, token table and an untied output layer: a scale per vocabulary entry)
+    against the same int8 values dequantized into float32 arrays: the same logits within float32 rounding,
+    through the forward pass and a prefill and decode steps at batch 1 (the tile lookup, the padded output
+    layer), with the vocabulary's padding -inf and the soft cap; the same greedy tokens. The decode step
+    never dequantizes the table: no float (V, D) or (D, V) product q · scale (the matmul casts q to x's
+    dtype, which XLA:TPU fuses into the matrix unit's operand read)."""
+    config = model.GPTConfig(
+        vocab_size=150, pad_vocab_to_multiple=32, block_size=16, n_layer=2, n_head=2, n_embd=32,
+        tie_embeddings=tie, logit_softcap=15.0,
+    )  # fmt: skip
+    graphdef, params = nnx.split(model.GPT(config, jax.random.key(0)))
+    setup = types.SimpleNamespace(model_config=config)
+    int8_params = loader.serving_weights(setup, nnx.to_pure_dict(params), "int8")
+    vocab = [int8_params["wte"]] + ([] if tie else [int8_params["lm_head_kernel"]])
+    assert all(is_int8(w) for w in vocab) and int8_params["wte"].scale.shape == (160, 1)
+    assert tie or int8_params["lm_head_kernel"].scale.shape == (1, 160)
+    assert "int8 blocks and vocabulary" in loader.memory_summary(setup, int8_params)
+    dequantized = jax.tree.map(lambda w: w.astype(jnp.float32) if is_int8(w) else w, int8_params, is_leaf=is_int8)
+
+    def generate(params, prompt, steps=6):
+        gpt = nnx.merge(graphdef, params)
+        logits, cache = gpt.prefill(prompt, 16)
+        all_logits, tokens = [logits], []
+        for t in range(prompt.shape[1], prompt.shape[1] + steps):
+            tokens.append(jnp.argmax(logits, -1).astype(jnp.int32))
+            logits, cache = gpt.decode(tokens[-1][:, None], cache, jnp.full((1,), t, jnp.int32))
+            all_logits.append(logits)
+        return jnp.stack(all_logits), jnp.stack(tokens)
+
+    prompt = jax.random.randint(jax.random.key(1), (1, 5), 0, 150)
+    (logits, tokens), (expected_logits, expected_tokens) = (
+        jax.jit(generate)(p, prompt) for p in (int8_params, dequantized)
+    )
+    assert np.all(np.isneginf(logits[..., 150:])) and np.all(np.isfinite(logits[..., :150]))
+    assert np.abs(logits[..., :150]).max() < 15.0  # soft-capped
+    np.testing.assert_allclose(logits[..., :150], expected_logits[..., :150], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(tokens, expected_tokens)
+    forward = lambda p: nnx.merge(graphdef, p)(jnp.tile(prompt, (2, 1)))
+    np.testing.assert_allclose(forward(int8_params)[..., :150], forward(dequantized)[..., :150], rtol=1e-5, atol=1e-5)
+
+    def decode_step(params, cache):
+        return nnx.merge(graphdef, params).decode(prompt[:, :1], cache, jnp.zeros(1, jnp.int32))[0]
+
+    step = str(jax.make_jaxpr(decode_step)(int8_params, kv_cache.init_cache(config, 1, 16)))
+    assert not re.search(r"(f32|bf16)\[(160,32|32,160)\] = mul", step), "the int8 table dequantized"

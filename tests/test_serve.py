@@ -806,16 +806,17 @@ def teacher_forced(setup, params, tokens_BxT) -> tuple[float, np.ndarray]:
 
 
 def test_int8_weights_and_kv_cache_agree_with_float(run, loaded):
-    """Weight-only int8 (a scale per output channel) and an int8 KV cache (a scale per token and
-    head) give the float model's greedy tokens (>= 95% of 64 generated; >= 95% of 248 positions
-    of validation text, each after the same prefix) and its perplexity (within 1%), in less memory."""
+    """Weight-only int8 as serving holds it (a scale per output channel; the token table's per row) and an
+    int8 KV cache (a scale per token and head) give the float model's greedy tokens (>= 95% of 64
+    generated; >= 95% of 248 positions of validation text, each after the same prefix) and its
+    perplexity (within 1%), in less memory."""
     setup, params, _, tok = loaded
     val = np.fromfile(os.path.join(os.path.dirname(run), "data", "toy", "val.bin"), np.uint16).astype(np.int32)
     prompts = [val[i : i + 6].tolist() for i in (0, 100, 200, 300)]
     rows = jnp.asarray(val[: 8 * 32].reshape(8, 32))
     expected = generate.generate(setup, params, prompts, 64, temperature=0).tokens
     float_ppl, float_greedy = teacher_forced(setup, params, rows)
-    int8_params = loader.int8_weights(params)
+    int8_params = loader.int8_weights(params, vocab_matrices=True)
     int8_kv, _, _, _ = loader.load_checkpoint(run, kv_cache_dtype="int8")
     for setup_, params_ in ((setup, int8_params), (int8_kv, params), (int8_kv, int8_params)):
         tokens = generate.generate(setup_, params_, prompts, 64, temperature=0).tokens
@@ -825,6 +826,7 @@ def test_int8_weights_and_kv_cache_agree_with_float(run, loaded):
         assert abs(ppl / float_ppl - 1) < 0.01 and np.mean(greedy == float_greedy) >= 0.95
     kernels = lambda p: loader.weight_bytes(p["blocks"]["attn"]) + loader.weight_bytes(p["blocks"]["mlp"])
     assert kernels(int8_params) < 0.3 * kernels(params)  # float32 -> int8 and a scale per output
+    assert loader.weight_bytes(int8_params["wte"]) < 0.3 * loader.weight_bytes(params["wte"])  # and per row
     one_token = lambda s: sum(a.nbytes for a in jax.tree.leaves(kv_cache.init_cache(s.model_config, 1, 1)))
     assert one_token(int8_kv) == 2 * 2 * 2 * (16 + 4)  # 2 layers x k, v x 2 heads x (16 int8 + a float32 scale)
     assert one_token(setup) == 2 * 2 * 2 * 16 * 4
@@ -846,7 +848,8 @@ def test_server_on_data_and_tensor_with_int8_weights_and_cache_says_its_bytes(ru
     assert re.search(r"memory: serving needs [\d.]+ [KMG]i?B per device x 4 = .* of .* available", printed), printed
     setup, params, _, tok = loader.load_checkpoint(run, kv_cache_dtype="int8")
     ids = generate.encode_prompt(tok, "hello world")
-    expected = generate.generate(setup, loader.int8_weights(params), [ids], 12, temperature=0).tokens[0]
+    int8_params = loader.serving_weights(setup, params, "int8")  # as the server holds them
+    expected = generate.generate(setup, int8_params, [ids], 12, temperature=0).tokens[0]
     finished = concurrent.futures.Future()
     request = server.engine.submit(engine.Request(ids, 12, temperature=0, on_finish=finished.set_result))
     assert finished.result(timeout=120) == "length" and request.tokens == expected
