@@ -6,8 +6,8 @@ it must read: the layer stack only reads each layer's slice (the cache is not ca
 the layer scan, which would copy it), attention covers the filled prefix the caller names
 (Prefix: inference/generate.py buckets it) or, through layers/decode_attention.py's kernel, each
 block of rows' filled positions (Filled: inference/engine.py's slots on one TPU chip), and the new
-tokens of every layer are written after the stack, in one scatter per array (one per layer at large
-batches; an int8 cache's scales with a select).
+tokens of every layer are written after the stack, in place (layers/cache_write.py's kernel on one TPU
+chip; elsewhere a scatter per array, per layer at large batches; an int8 cache's scales with a select).
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from layers import decode_attention, quantization
+from layers import cache_write, decode_attention, quantization
 from layers.blocks import constrain, splits
 
 # Keys and values (L, B, S, K·H): a kv head's H lanes are contiguous, so splitting the last axis over
@@ -156,8 +156,8 @@ class KVCache:
     def write(self, new: "KVCache", start_B) -> "KVCache":
         """The whole cache (L, B, S, K·H) with every layer's T new tokens per row (`new`, (L, B, T,
         K·H), as encode stored them) written at positions start_B[b] + [0, T). One token per row
-        (a decode step) is one scatter per array in place (one per layer at large batches), and an
-        int8 cache's scales a select; longer runs go row by row. A decode step's cache may hold more
+        (a decode step) is written in place: by layers/cache_write.py's kernel on one TPU, by a scatter
+        elsewhere, an int8 cache's scales by a select; longer runs go row by row. A decode step's cache may hold more
         rows than B: the tokens are its first B rows, the others untouched."""
         L, B, T = new.k.shape[:3]
         if T > 1:
@@ -169,25 +169,15 @@ class KVCache:
             return self._constrained(
                 **{name: per_row(getattr(self, name), getattr(new, name), start_B) for name in self._names()}
             )
-        # Each unit written is one K·H row of the last axis: with a unit of (L, K·H) XLA stored the
-        # cache with layers second-minor, not positions, and copied it into the attention's layout
-        # and back every step. Measured on a v5e (GPT-2, bench/NOTES.md): one scatter of every
-        # (layer, row) took 0.1 ms per array at 768 of them (batch 64) but 2.6 ms at 3,072 (batch
-        # 256: XLA linearised its indices); one scatter per layer costs ~0.07 ms a step more at
-        # batch 1 and 64 (24 small writes) and took batch 256's step from 7.4 to 3.0 ms.
-        rows_B = jnp.arange(B)
 
+        # On one TPU a kernel writes each row's token in place (layers/cache_write.py: XLA's scatter
+        # took a quarter of GPT-2's decode step at 256 rows); elsewhere, and for an int8 cache, a scatter.
         def put(cache, x_LxBx1xKH):
-            if L * B <= ONE_SCATTER_MAX_PAIRS:
-                at = (jnp.arange(L)[:, None], rows_B[None, :], start_B[None, :])
-                return cache.at[at].set(
-                    x_LxBx1xKH[:, :, 0], indices_are_sorted=True, unique_indices=True, mode="promise_in_bounds"
-                )
-            for layer in range(L):
-                cache = cache.at[layer, rows_B, start_B].set(
-                    x_LxBx1xKH[layer, :, 0], indices_are_sorted=True, unique_indices=True, mode="promise_in_bounds"
-                )
-            return cache
+            if not (cache_write.fits(cache, B) and jax.sharding.get_abstract_mesh().size <= 1):
+                return scatter_tokens(cache, x_LxBx1xKH[:, :, 0], start_B)
+            return jax.lax.platform_dependent(
+                cache, x_LxBx1xKH[:, :, 0], start_B, tpu=cache_write.write_tokens, default=scatter_tokens
+            )
 
         arrays = {"k": put(self.k, new.k), "v": put(self.v, new.v)}
         if self.k_scale is not None:
@@ -217,6 +207,27 @@ class KVCache:
         `length` positions (the rest zeros)."""
         pad = lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, length - a.shape[2])] + [(0, 0)] * (a.ndim - 3))
         return self._constrained(**{name: pad(getattr(self, name)) for name in self._names()})
+
+
+def scatter_tokens(cache_LxRxSxKH, x_LxBxKH, start_B):
+    """The cache with x_LxBxKH[l, b] at [l, b, start_B[b]] (rows b < B), by XLA's scatter. Each unit written
+    is one K·H row of the last axis: with a unit of (L, K·H) XLA stored the cache with layers second-minor,
+    not positions, and copied it into the attention's layout and back every step. Measured on a v5e
+    (GPT-2, bench/NOTES.md): one scatter of every (layer, row) took 0.1 ms per array at 768 of them
+    (batch 64) but 2.6 ms at 3,072 (batch 256: XLA linearised its indices); one scatter per layer costs
+    ~0.07 ms a step more at batch 1 and 64 (24 small writes) and took batch 256's step from 7.4 to 3.0 ms."""
+    L, B = x_LxBxKH.shape[:2]
+    rows_B = jnp.arange(B)
+    if L * B <= ONE_SCATTER_MAX_PAIRS:
+        at = (jnp.arange(L)[:, None], rows_B[None, :], start_B[None, :])
+        return cache_LxRxSxKH.at[at].set(
+            x_LxBxKH, indices_are_sorted=True, unique_indices=True, mode="promise_in_bounds"
+        )
+    for layer in range(L):
+        cache_LxRxSxKH = cache_LxRxSxKH.at[layer, rows_B, start_B].set(
+            x_LxBxKH[layer], indices_are_sorted=True, unique_indices=True, mode="promise_in_bounds"
+        )
+    return cache_LxRxSxKH
 
 
 def blockwise_attention(q_BxTxNxH, kv_heads: int, attend):

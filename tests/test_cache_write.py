@@ -1,0 +1,63 @@
+"""layers/cache_write.py's Pallas kernel (a decode step's cache write), run by Pallas's interpreter on the
+CPU against XLA's scatter (kv_cache.scatter_tokens) and numpy's indexing; one test (marked tpu) runs
+Mosaic's compiled kernel on the chip."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from layers import cache_write, kv_cache
+
+
+def written_by_numpy(cache_LxRxSxKH, x_LxBxKH, start_B):
+    want = np.asarray(cache_LxRxSxKH.astype(jnp.float32)).copy()
+    L, B = x_LxBxKH.shape[:2]
+    want[np.arange(L)[:, None], np.arange(B)[None, :], np.asarray(start_B)[None, :]] = np.asarray(x_LxBxKH, np.float32)
+    return want
+
+
+def cache_and_tokens(dtype, L=3, R=6, B=5, S=32, KH=256):
+    """A random cache of R rows and B < R rows' new tokens at positions that start, end and cross windows."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    cache = jax.random.normal(keys[0], (L, R, S, KH)).astype(dtype)
+    x_LxBxKH = jax.random.normal(keys[1], (L, B, KH)).astype(dtype)
+    return cache, x_LxBxKH, jnp.array([0, 7, 8, 19, S - 1][:B], jnp.int32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_writes_each_rows_token_at_its_position_and_nothing_else(dtype):
+    """Every layer's token at [l, b, start_B[b]]; the rest of each window, the other positions and the
+    rows past B as they were: equal to numpy's write and to the scatter's, bit for bit."""
+    cache, x_LxBxKH, start_B = cache_and_tokens(dtype)
+    want = written_by_numpy(cache, x_LxBxKH, start_B)
+    got = cache_write.write_tokens(cache, x_LxBxKH, start_B, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+    scattered = kv_cache.scatter_tokens(cache, x_LxBxKH, start_B)
+    np.testing.assert_array_equal(np.asarray(scattered.astype(jnp.float32)), want)
+
+
+def test_takes_only_caches_of_whole_windows_in_16_or_32_bit_dtypes_within_its_vmem():
+    assert cache_write.fits(jnp.zeros((1, 2, 16, 128), jnp.bfloat16), 2)
+    assert cache_write.fits(jnp.zeros((1, 2, 16, 128), jnp.float32), 2)
+    assert not cache_write.fits(jnp.zeros((1, 2, 12, 128), jnp.bfloat16), 2)  # 12 positions: a window cut short
+    assert not cache_write.fits(jnp.zeros((1, 2, 16, 128), jnp.int8), 2)  # int8 tiles hold 32 positions
+    gpt2_at_256_rows = jax.ShapeDtypeStruct((12, 256, 144, 768), jnp.bfloat16)
+    assert cache_write.fits(gpt2_at_256_rows, 256) and not cache_write.fits(gpt2_at_256_rows, 1024)
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_on_the_chip_writes_as_numpy_does(dtype):
+    """Mosaic's kernel at GPT-2's width (K·H = 768) and 256 rows of a 264-row cache, in a jitted step that
+    donates the cache (in place), and KVCache.write of a decode step on the chip, which takes the kernel."""
+    cache, x_LxBxKH, start_B = cache_and_tokens(dtype, L=4, R=264, B=256, S=144, KH=768)
+    start_B = jax.random.randint(jax.random.key(3), (256,), 0, 144)
+    want = written_by_numpy(cache, x_LxBxKH, start_B)
+    got = jax.jit(cache_write.write_tokens, donate_argnums=0)(cache, x_LxBxKH, start_B)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+    cache = jnp.asarray(want, dtype)
+    written = jax.jit(
+        lambda cache, x, start_B: kv_cache.KVCache(cache, cache, 12).write(kv_cache.KVCache(x, x, 12), start_B).k
+    )(cache, x_LxBxKH[:, :, None], start_B)
+    np.testing.assert_array_equal(np.asarray(written.astype(jnp.float32)), written_by_numpy(cache, x_LxBxKH, start_B))
