@@ -1,12 +1,12 @@
 """A decode step's cache write as a Pallas TPU kernel: one new token per row, each at its own position,
 written into every layer of the cache in place. Only jax: the file works on its own.
 
-XLA makes the same write (KVCache.write's scatter) a loop over (layer, row) units on a TPU: 0.79 ms a
-step for GPT-2's keys and values at 256 rows on a v5e, a quarter of the decode step. A position is one
-row of a tile of 8 (the cache (L, B, S, K·H) has positions second-minor), and a DMA can only move whole
-tiles, so the kernel copies each (layer, row)'s 8-position window holding its new position into VMEM,
-selects the new token into it and copies it back: 0.24 ms a step an array at 256 rows, 0.055 at 64
-(bench/NOTES.md).
+XLA makes the same write (KVCache.write's scatter) a loop over (layer, row) units on a TPU: ~0.8 ms
+a step for GPT-2's keys and values at 256 rows on a v5e, about a quarter of the decode step. A position
+is one row of a tile of 8 (the cache (L, B, S, K·H) has positions second-minor), and a DMA moves whole
+tiles only, so the kernel copies each (layer, row)'s 8-position window holding its new position into
+VMEM, selects the new token into it and copies it back: ~0.24 ms a step an array at 256 rows, ~0.055 at
+64 (bench/NOTES.md).
 """
 
 import functools
@@ -18,8 +18,6 @@ from jax.experimental.pallas import tpu as pltpu
 
 # Positions in a tile of the cache's second-minor axis: a DMA's offset along it must be a multiple.
 WINDOW = 8
-
-
 # VMEM the kernel may take (the windows and the new tokens, double-buffered): under the 16 MiB a TPU
 # kernel gets by default. GPT-2 at 256 rows takes 4.5 MiB.
 VMEM_BYTES = 12 << 20

@@ -157,8 +157,8 @@ class KVCache:
         """The whole cache (L, B, S, K·H) with every layer's T new tokens per row (`new`, (L, B, T,
         K·H), as encode stored them) written at positions start_B[b] + [0, T). One token per row
         (a decode step) is written in place: by layers/cache_write.py's kernel on one TPU, by a scatter
-        elsewhere, an int8 cache's scales by a select; longer runs go row by row. A decode step's cache may hold more
-        rows than B: the tokens are its first B rows, the others untouched."""
+        elsewhere, an int8 cache's scales by a select; longer runs go row by row. A decode step's cache
+        may hold more rows than B: the tokens are its first B rows, the others untouched."""
         L, B, T = new.k.shape[:3]
         if T > 1:
             per_row = jax.vmap(
