@@ -172,8 +172,11 @@ class KVCache:
 
         # On one TPU a kernel writes each row's token in place (layers/cache_write.py: XLA's scatter
         # took a quarter of GPT-2's decode step at 256 rows); elsewhere, and for an int8 cache, a scatter.
+        mesh = jax.sharding.get_abstract_mesh()
+        one_device = jax.device_count() == 1 if mesh.empty else mesh.size == 1
+
         def put(cache, x_LxBx1xKH):
-            if not (cache_write.fits(cache, B) and jax.sharding.get_abstract_mesh().size <= 1):
+            if not (one_device and cache_write.fits(cache, B)):
                 return scatter_tokens(cache, x_LxBx1xKH[:, :, 0], start_B)
             return jax.lax.platform_dependent(
                 cache, x_LxBx1xKH[:, :, 0], start_B, tpu=cache_write.write_tokens, default=scatter_tokens
