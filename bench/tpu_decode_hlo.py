@@ -52,7 +52,9 @@ def compile_for_v5e(batch: int, flags: list[str]):
     serving = dict(f[2:].split("=", 1) for f in flags if f.split("=")[0] in SERVING_FLAGS)
     prompt = int(serving.get("prompt_len", PROMPT))
     config = configurator.load_config(
-        [os.path.join(ROOT, "config/gpt2_124m.py"), *[f for f in flags if f.split("=")[0] not in SERVING_FLAGS]],
+        # the layers scanned, as bench.py's decode and serving run them (flags after may say otherwise)
+        [os.path.join(ROOT, "config/gpt2_124m.py"), "--scan_layers=True"]
+        + [f for f in flags if f.split("=")[0] not in SERVING_FLAGS],
         complete=hf.with_model_keys,
     )
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[:1]  # one chip
