@@ -651,8 +651,8 @@ def measure(argv: list[str]) -> dict:
     devices = jax.devices()[: options.devices or None]
     if options.mode == "train":
         result = bench_train(config, options, devices)
-    else:  # the layers scanned, as sample.py and serve.py load a checkpoint (inference/loader.py)
-        config = dataclasses.replace(config, scan_layers=True)
+    else:  # the layers as sample.py and serve.py run them
+        config = dataclasses.replace(config, **loader.SERVING_LAYERS)
         result = bench_decode(config, options, devices)
     mc = model_setup.model_config(config, result["vocab_size"], devices[0].platform)
     record = {

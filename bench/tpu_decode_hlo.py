@@ -17,6 +17,7 @@ Writes the optimized HLO of both programs to /tmp/tpu_decode_B*.hlo.
 """
 
 import collections
+import dataclasses
 import os
 import re
 import sys
@@ -52,11 +53,10 @@ def compile_for_v5e(batch: int, flags: list[str]):
     serving = dict(f[2:].split("=", 1) for f in flags if f.split("=")[0] in SERVING_FLAGS)
     prompt = int(serving.get("prompt_len", PROMPT))
     config = configurator.load_config(
-        # the layers scanned, as bench.py's decode and serving run them (flags after may say otherwise)
-        [os.path.join(ROOT, "config/gpt2_124m.py"), "--scan_layers=True"]
-        + [f for f in flags if f.split("=")[0] not in SERVING_FLAGS],
+        [os.path.join(ROOT, "config/gpt2_124m.py"), *[f for f in flags if f.split("=")[0] not in SERVING_FLAGS]],
         complete=hf.with_model_keys,
     )
+    config = dataclasses.replace(config, **loader.SERVING_LAYERS)  # as bench.py's decode and serving run it
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[:1]  # one chip
     mesh = sharding.make_mesh(1, 1, 1, devices=devices)
     setup = model_setup(config, mesh, 50257, serving.get("kv_cache_dtype", "auto"))

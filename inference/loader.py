@@ -48,6 +48,11 @@ def one_device_mesh():
     return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
 
+# Decoding scans the layers whatever training chose (sample.py and serve.py here, bench.py's decode too): on a
+# v5e, GPT-2's decode steps were 12% faster scanned and compiled in 7-26 s a batch, against 24-97 s written out.
+SERVING_LAYERS = {"scan_layers": True}
+
+
 def load_checkpoint(
     out_dir: str,
     mesh=None,
@@ -73,15 +78,12 @@ def load_checkpoint(
         # gone by now, a learning rate that a later version checks more strictly) doesn't matter here.
         kept = {k: v for k, v in meta["config"].items() if k in MODEL_KEYS}
         matmuls = kept.get("quantization", "none") if quantization == "auto" else quantization
-        # the layers scanned whatever training chose: a decode program's compile time is then flat in depth
-        # (on a v5e, GPT-2's bench.py decode compiled in 7-26 s a batch scanned; written out, three batches
-        # had not compiled in 170 s)
         config = configurator.config_from_dict(
             {
                 **kept,
                 "attention": "auto",
                 "quantization": matmuls,
-                "scan_layers": True,
+                **SERVING_LAYERS,
                 "batch_size": sharding.batch_shards(mesh),
             }
         )
