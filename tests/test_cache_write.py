@@ -42,8 +42,21 @@ def test_takes_only_caches_of_whole_windows_in_16_or_32_bit_dtypes_within_its_vm
     assert cache_write.fits(jnp.zeros((1, 2, 16, 128), jnp.float32), 2)
     assert not cache_write.fits(jnp.zeros((1, 2, 12, 128), jnp.bfloat16), 2)  # 12 positions: a window cut short
     assert not cache_write.fits(jnp.zeros((1, 2, 16, 128), jnp.int8), 2)  # int8 tiles hold 32 positions
-    gpt2_at_256_rows = jax.ShapeDtypeStruct((12, 256, 144, 768), jnp.bfloat16)
-    assert cache_write.fits(gpt2_at_256_rows, 256) and not cache_write.fits(gpt2_at_256_rows, 1024)
+    gpt2 = jax.ShapeDtypeStruct((12, 256, 144, 768), jnp.bfloat16)
+    assert cache_write.rows_per_step(gpt2, 8) == 8 and cache_write.rows_per_step(gpt2, 256) == 32
+    assert cache_write.fits(gpt2, 1024) and not cache_write.fits(gpt2, 1020)  # 1,020 rows: no block of 8 divides
+    too_wide = jax.ShapeDtypeStruct((48, 256, 144, 8192), jnp.bfloat16)  # 8 rows' windows: 72 MiB
+    assert not cache_write.fits(too_wide, 256)
+
+
+def test_writes_a_block_of_rows_a_step(monkeypatch):
+    """With VMEM for 8 rows only, 24 rows take three grid steps, and each writes its own rows."""
+    cache, x_LxBxKH, _ = cache_and_tokens("bfloat16", L=2, R=26, B=24, S=24, KH=128)
+    start_B = jax.random.randint(jax.random.key(1), (24,), 0, 24)
+    monkeypatch.setattr(cache_write, "VMEM_BYTES", 2 * 8 * 2 * 128 * (8 * 2 + 4))
+    assert cache_write.rows_per_step(cache, 24) == 8
+    got = cache_write.write_tokens(cache, x_LxBxKH, start_B, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), written_by_numpy(cache, x_LxBxKH, start_B))
 
 
 @pytest.mark.tpu
