@@ -29,6 +29,7 @@ from flax import nnx
 
 import model
 import sharding
+from layers import cache_write
 from layers.kv_cache import Prefix
 
 # ----------------------------------------------------------------------------- one token
@@ -213,7 +214,7 @@ def segment_inputs(
     setup, params, prompt_ids: list, wanted_B, new_B, max_new_tokens: int, seed: int, stop_ids
 ) -> tuple[tuple, int]:
     """A segment's inputs on the devices, for prompts prompt_ids (one per padded row), and its
-    length S (prompt and new tokens, at most the context)."""
+    length S (prompt and new tokens, rounded up to whole windows; at most the context)."""
     mesh, batch = setup.mesh, sharding.batch_sharding(setup.mesh)
     rows_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch.spec[0]))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -231,7 +232,9 @@ def segment_inputs(
         jax.device_put(jax.random.key(seed), replicated),
         jax.device_put(np.array([*stop_ids] or [-1], np.int32), replicated),
     )  # [-1]: no stop id
-    return inputs, min(P + max_new_tokens, setup.model_config.block_size)
+    # whole windows of positions, which a TPU's cache write takes in place (layers/cache_write.py), within the context
+    window = cache_write.WINDOW
+    return inputs, min(-(-(P + max_new_tokens) // window) * window, setup.model_config.block_size)
 
 
 def drawable_ids(setup, vocab: int | None) -> int:

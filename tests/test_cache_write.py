@@ -1,12 +1,16 @@
 """layers/cache_write.py's Pallas kernel (a decode step's cache write), run by Pallas's interpreter on the
-CPU against XLA's scatter (kv_cache.scatter_tokens) and numpy's indexing; one test (marked tpu) runs
-Mosaic's compiled kernel on the chip."""
+CPU against XLA's scatter (kv_cache.scatter_tokens) and numpy's indexing; the tests marked tpu run
+Mosaic's compiled kernel on the chip, alone and in generate.py's decode."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import sharding
+import train
+from configurator import Config
+from inference import generate
 from layers import cache_write, kv_cache
 
 
@@ -74,3 +78,26 @@ def test_compiled_on_the_chip_writes_as_numpy_does(dtype):
         lambda cache, x, start_B: kv_cache.KVCache(cache, cache, 12).write(kv_cache.KVCache(x, x, 12), start_B).k
     )(cache, x_LxBxKH[:, :, None], start_B)
     np.testing.assert_array_equal(np.asarray(written.astype(jnp.float32)), written_by_numpy(cache, x_LxBxKH, start_B))
+
+
+@pytest.mark.tpu
+def test_on_the_chip_greedy_tokens_are_the_scatters(monkeypatch):
+    """generate.py's decode on the chip with the kernel and with XLA's scatter (the kernel refused):
+    the same greedy tokens for rows of mixed prompt lengths, in float32 and bfloat16."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(3, 90, 16)]
+    for dtype in ("float32", "bfloat16"):
+        config = Config(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=256, dtype=dtype, batch_size=1)
+        setup = train.make_setup(config, sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]), 256)
+        params = jax.tree.map(lambda a: a * 4, train.init_state(setup)["params"])  # peaked logits: fewer near-ties
+        tokens, wrote_by_kernel = {}, {}
+        for writer in ("kernel", "scatter"):
+            if writer == "scatter":
+                monkeypatch.setattr(cache_write, "fits", lambda cache, rows: False)
+            generate._compile.cache_clear()  # compiled programs are cached by their arguments, not by fits
+            _, run_decode = generate.first_programs(setup, params, prompts, 40, temperature=0)
+            wrote_by_kernel[writer] = "write_tokens" in run_decode.as_text()
+            tokens[writer] = generate.generate(setup, params, prompts, 40, temperature=0).tokens
+        monkeypatch.undo()
+        assert wrote_by_kernel == {"kernel": True, "scatter": False}
+        assert tokens["kernel"] == tokens["scatter"], dtype

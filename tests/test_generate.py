@@ -378,7 +378,7 @@ def test_the_decode_program_writes_the_cache_in_place():
     scan reads its slices; the old step carried the cache through it and updated it layer by layer)."""
     setup, params = long_context("gpt2")
     _, decode = generate.first_programs(setup, params, [[1, 2, 3]] * 4, 20, temperature=0)
-    cache_shape = "f32[2,4,23,32]"  # (layers, rows, 3 + 20 positions, 4 heads x head size 8)
+    cache_shape = "f32[2,4,24,32]"  # (layers, rows, 3 + 20 positions in whole windows of 8, 4 heads x head size 8)
     made = []  # (instruction name, operation) of each array of the cache's shape
     for line in decode.as_text().splitlines():
         name, _, rest = line.strip().removeprefix("ROOT ").partition(" = ")
