@@ -1,5 +1,6 @@
 """bench.py runs on a tiny config and its JSON record is self-consistent (no timing asserts)."""
 
+import importlib.util
 import json
 import math
 import os
@@ -348,3 +349,26 @@ def test_pallas_kernels_are_attention_and_xlas_own_custom_calls_are_not():
     described = profile.classify_operations(hlo)
     assert described["splash_mha_fwd_residuals.6"] == ("attention", 0, "splash_mha_fwd_residuals")
     assert described["custom-call.3"] == described["get-tuple-element.1"] == ("other", 0, "")
+
+
+def test_splash_tiles_times_each_tiling_and_every_one_computes_the_same_attention(capsys):
+    """bench/splash_tiles.py (the kernel interpreted on the CPU): each candidate that divides the padded
+    row is run, the others skipped, and every tiling's output (and gradients) equals the first's."""
+    spec = importlib.util.spec_from_file_location("splash_tiles", os.path.join("bench", "splash_tiles.py"))
+    splash_tiles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(splash_tiles)
+    for flags in ([], ["--backward", "--kv_heads=1"]):
+        small = [
+            "--rows=1",
+            "--heads=2",
+            "--tokens=200",
+            "--steps=1",
+            "--tiles=128,128,128;256,128,128;256,256,128;512,512,512",
+        ]
+        splash_tiles.main(small + flags)
+        rows = re.findall(r"^ +[\d.]+  \((\d+), (\d+), (\d+)\)  ([\d.e-]+)$", capsys.readouterr().out, re.M)
+        assert sorted(tuple(map(int, r[:3])) for r in rows) == [(128, 128, 128), (256, 128, 128), (256, 256, 128)]
+        assert max(float(r[3]) for r in rows) < 2e-2
+    with pytest.raises(SystemExit):
+        splash_tiles.main(["--tiles=1,2"])
+    assert "want 'q,kv,kv_compute;...'" in capsys.readouterr().err
