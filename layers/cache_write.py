@@ -20,8 +20,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 # Positions in a tile of the cache's second-minor axis: a DMA's offset along it must be a multiple.
 WINDOW = 8
-# VMEM the kernel may take (a block of rows' windows, and their new tokens double-buffered): under the
-# 16 MiB a TPU kernel gets by default.
+# VMEM the kernel may take (two blocks of rows' windows, and of their new tokens): under the 16 MiB a TPU
+# kernel gets by default.
 VMEM_BYTES = 12 << 20
 
 
